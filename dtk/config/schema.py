@@ -1,0 +1,208 @@
+"""Configuration schemas: the single source of truth for every key, its type and default.
+
+YAML files in ``conf/`` only choose and override. Each field carries a doc string right
+under it; ``python -m dtk.plan --help`` prints them (see ``dtk.config.docs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "local"
+    """Where workers run: `local` (this machine, no Slurm) or `slurm` (sbatch through submitit)."""
+    partition: Optional[str] = None
+    """Slurm partition (sbatch --partition). None: the cluster's default partition."""
+    account: Optional[str] = None
+    """Slurm account to charge (sbatch --account)."""
+    qos: Optional[str] = None
+    """Slurm quality of service (sbatch --qos)."""
+    constraint: Optional[str] = None
+    """Slurm node features the job needs (sbatch --constraint), e.g. `a100&ib`."""
+    gpus_per_node: int = 0
+    """GPUs to request per node (sbatch --gpus-per-node). 0 on CPU clusters."""
+    cpus_per_task: int = 1
+    """CPU cores per worker process (sbatch --cpus-per-task)."""
+    mem_gb: Optional[int] = None
+    """Memory per node in GiB (sbatch --mem). None: the partition's default."""
+    time_min: int = 60
+    """Wall-clock limit of one allocation in minutes (sbatch --time)."""
+    exclusive: bool = False
+    """Ask for whole nodes (sbatch --exclusive)."""
+    sbatch_extra: List[str] = field(default_factory=list)
+    """Extra sbatch flags, verbatim, e.g. `["--reservation=big"]`."""
+    setup: List[str] = field(default_factory=list)
+    """Names of files in slurm_templates/setup/ whose lines run before the workers (module loads, NCCL env)."""
+    log_dir: Optional[str] = None
+    """Where submitit puts the job's stdout/stderr. None: `<run dir>/slurm`."""
+
+
+@dataclass
+class TransformerConfig:
+    _target_: str = "dtk.models.transformer.build"
+    """Factory that returns the nn.Module; any importable callable taking these keys as keyword arguments."""
+    vocab_size: int = 256
+    """Number of token ids."""
+    dim: int = 64
+    """Hidden size."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads; must divide dim."""
+    ffn_hidden: int = 0
+    """Hidden size of the SwiGLU feed-forward. 0: 8/3 × dim rounded up to a multiple of 16."""
+    seq_len: int = 64
+    """Tokens per sample (context length)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    kind: str = "synthetic"
+    """Data source: `synthetic` (generated Markov-chain tokens, learnable, no files)."""
+    num_samples: int = 8192
+    """Samples in one epoch."""
+    seed: int = 1234
+    """Seed of the generated token table (independent of train.seed)."""
+    branching: int = 4
+    """Likely successors per token; lower means an easier, lower-entropy language."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Optimizer; `adamw` (torch.optim.AdamW)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to `lr` over these optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at `lr × min_lr_ratio` on the last step."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50
+    """Save every this many optimizer steps (and always at the last step). 0: only at the end."""
+    keep: int = 2
+    """Keep the newest this many complete checkpoints; older ones are deleted."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint of the run directory when one exists."""
+
+
+@dataclass
+class SchemeConfig:
+    name: str = "ddp"
+    """Parallelism scheme. Chosen with `+scheme=NAME`; without one a multi-worker job is DDP."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (outermost mesh axis, across nodes)."""
+    dp_shard: int = -1
+    """Data-parallel shards; -1: inferred so that the degrees multiply to the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh axis, inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    bucket_cap_mb: int = 25
+    """DDP gradient bucket size in MiB."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to train for."""
+    global_batch: int = 32
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch: int = 8
+    """Samples per forward/backward on one worker; gradient accumulation makes up the rest."""
+    seed: int = 0
+    """Seed of model initialisation and data order."""
+    log_every: int = 10
+    """Print a progress line every this many steps (metrics.jsonl gets every step)."""
+    threads: int = 0
+    """torch intra-op threads per worker on CPU. 0: the machine's cores divided by the workers on it."""
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    """Process-group backend: `auto` (nccl with GPUs, gloo without), `nccl` or `gloo`."""
+    timeout_s: int = 300
+    """Collective timeout in seconds; a hung collective fails after this instead of at walltime."""
+    device: str = "auto"
+    """`auto` (cuda when available), `cuda` or `cpu`."""
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"
+    """Folder that holds run directories; must be on storage every node sees."""
+    name: Optional[str] = None
+    """Run directory name. None: `<model>-<hash of the semantic keys>`, so the same command continues the same run."""
+
+
+@dataclass
+class SubmitConfig:
+    dry_run: bool = False
+    """Print what would be launched and exit without creating anything."""
+    wait: Optional[bool] = None
+    """Follow a Slurm job until it ends. None: no on Slurm; the local cluster always follows its workers."""
+
+
+@dataclass
+class Config:
+    nodes: int = 1
+    """Nodes to run on (must be 1 on the local cluster)."""
+    tasks_per_node: int = 2
+    """Worker processes per node: one per GPU; on a CPU machine, how many processes."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where the job runs (group `cluster`)."""
+    model: Any = MISSING
+    """The model (group `model`); `_target_` names its factory."""
+    data: Any = MISSING
+    """Training data (group `data`)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule (group `optim`)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint interval and retention (group `checkpoint`)."""
+    scheme: Optional[SchemeConfig] = None
+    """Parallelism (group `scheme`, added with `+scheme=NAME`). None: DDP."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """torch.distributed settings."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run directory."""
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
+    """Submission behaviour."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Free-form values for user code; ignored by dtk."""
+
+
+def register() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="dtk_schema", node=Config)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    cs.store(group="model", name="transformer_schema", node=TransformerConfig)
+    cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="checkpoint", name="checkpoint_schema", node=CheckpointConfig)
+    cs.store(group="scheme", name="scheme_schema", node=SchemeConfig)

@@ -1,0 +1,154 @@
+"""The driver on the local cluster: start the workers on this machine and watch them.
+
+No torch here: the driver only starts, watches and stops processes and reads the run
+directory. Workers run in their own session so a Ctrl-C in the terminal reaches the
+driver alone, which then stops them in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dtk.plan.plan import Plan
+from dtk.rundir import RunDir, write_json_atomic
+
+POLL_S = 0.2
+STOP_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(*, rank: int, world: int, local_world: int, port: int, restart: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DTK_RANK=str(rank),
+        DTK_LOCAL_RANK=str(rank % local_world),
+        DTK_WORLD_SIZE=str(world),
+        DTK_LOCAL_WORLD_SIZE=str(local_world),
+        DTK_NODE_RANK=str(rank // local_world),
+        DTK_MASTER_ADDR="127.0.0.1",
+        DTK_MASTER_PORT=str(port),
+        DTK_RESTART=str(restart),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+class LocalDriver:
+    def __init__(self, plan: Plan, run: RunDir, *, progress=None) -> None:
+        self.plan = plan
+        self.run = run
+        self.progress = progress
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> Path:
+        restart = self.run.starts()
+        logs = self.run.log_dir(restart)
+        logs.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        world = self.plan.world_size
+        self.run.event(
+            "started",
+            restart=restart,
+            job_id=f"local-{os.getpid()}",
+            nodes=[socket.gethostname()],
+            world_size=world,
+            driver_pid=os.getpid(),
+        )
+        for rank in range(world):
+            log = open(logs / f"rank_{rank}.log", "ab")
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dtk.worker", str(self.run.path)],
+                    env=worker_env(rank=rank, world=world, local_world=world, port=port, restart=restart),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            log.close()
+        pids = [p.pid for p in self.procs]
+        (logs / "pids").write_text("\n".join(map(str, pids)) + "\n")
+        return logs
+
+    def stop(self) -> None:
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def watch(self, logs: Path) -> int:
+        """Wait for the workers; 0 when all finished, else the first failure's code."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if self.progress is not None:
+                self.progress.poll()
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                self.stop()
+                self._failed(rank, code, logs)
+                return 1
+            if all(c == 0 for c in codes):
+                if self.progress is not None:
+                    self.progress.poll(final=True)
+                return 0
+            time.sleep(POLL_S)
+
+    def _failed(self, rank: int, code: int, logs: Path) -> None:
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        log = logs / f"rank_{rank}.log"
+        self.run.event("failed", rank=rank, exit_code=code, log=str(log))
+        done = self.run.latest_metrics()
+        write_json_atomic(
+            self.run.summary,
+            {
+                "status": "failed",
+                "final_step": max(done) if done else 0,
+                "final_loss": done[max(done)]["loss"] if done else None,
+                "restarts": self.run.starts() - 1,
+                "error": f"worker rank {rank} {how}",
+            },
+        )
+        excerpt = tail(log)
+        if excerpt:
+            print(f"--- last lines of {log}\n{excerpt}\n---", file=sys.stderr)
+        print(
+            f"error: worker rank {rank} {how}; the run stopped. Log: {log}. "
+            "Running the same command again resumes from the latest checkpoint.",
+            file=sys.stderr,
+        )
+
+    def run_to_end(self) -> int:
+        logs = self.start()
+        try:
+            return self.watch(logs)
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping workers (the latest checkpoint is kept)", file=sys.stderr)
+            self.stop()
+            self.run.event("failed", reason="interrupted by the user")
+            return 130

@@ -1,0 +1,29 @@
+"""User errors and the one way a command reports them: `error: ...` on stderr, exit 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn
+
+
+class UserError(ValueError):
+    """A mistake in what the user asked for. The message is one line that names the key,
+    the value, and what would work."""
+
+
+def fail(message: str) -> NoReturn:
+    first = " ".join(str(message).split())  # one line, whatever the source wrapped
+    print(f"error: {first}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
+    """Run a command's main; user errors become one `error:` line and exit code 2."""
+    try:
+        code = main(sys.argv[1:] if argv is None else argv)
+    except UserError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

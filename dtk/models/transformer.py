@@ -1,0 +1,130 @@
+"""The built-in decoder-only transformer (pre-norm, RMSNorm, SwiGLU, causal SDPA).
+
+Module names are chosen for parallelism plans: `layers` is a ModuleDict keyed by the
+block index, so a pipeline stage can drop the blocks it does not own and keep the
+original parameter names (checkpoints stay loadable under any split); the embedding,
+final norm and output head may be None on stages that do not hold them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
+    if ffn_hidden > 0:
+        return ffn_hidden
+    return 16 * math.ceil(8 * dim / 3 / 16)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 for the head count: under tensor parallelism this rank holds n_heads / tp heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = Attention(dim, n_heads)
+        self.mlp_norm = RMSNorm(dim, eps)
+        self.mlp = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        ffn_hidden: int = 0,
+        seq_len: int = 64,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.n_layers = n_layers
+        self.tok_embeddings: nn.Module | None = nn.Embedding(vocab_size, dim)
+        self.pos_embeddings: nn.Module | None = nn.Embedding(seq_len, dim)
+        hidden = ffn_hidden_size(dim, ffn_hidden)
+        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, hidden, norm_eps) for i in range(n_layers)})
+        self.norm: nn.Module | None = RMSNorm(dim, norm_eps)
+        self.output: nn.Module | None = nn.Linear(dim, vocab_size, bias=False)
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Deterministic initialisation (GPT-2 style, residual projections scaled by depth)."""
+        std = 0.02
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(param, 0.0, std / math.sqrt(2 * self.n_layers), generator=generator)
+            else:
+                nn.init.normal_(param, 0.0, std, generator=generator)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = h + self.pos_embeddings(positions)
+        else:
+            h = tokens  # a later pipeline stage receives activations
+        for block in self.layers.values():
+            h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+def build(**kwargs) -> Transformer:
+    """Factory named by `model._target_` in conf/model/transformer.yaml."""
+    return Transformer(**kwargs)
+

@@ -1,0 +1,126 @@
+"""The run directory: the one place a run lives, on storage every node sees.
+
+    <run.root>/<run.name>/
+        config.yaml       resolved configuration
+        plan.json         the plan of the latest submission (what workers read)
+        metrics.jsonl     one line per step, written by global rank 0; a redone step appears again
+        events.jsonl      lifecycle events, appended by the driver and by rank 0
+        checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
+        logs/start_NN/rank_R.log     worker output per start
+        summary.json      written at the end
+
+No torch here: the login node and the driver read run directories too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line with a single write, so concurrent writers never interleave lines."""
+    line = (json.dumps(record, sort_keys=False, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file; a torn last line (a writer killed mid-write) is skipped."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config_yaml(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def plan_json(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:08d}"
+
+    def log_dir(self, start: int) -> Path:
+        return self.path / "logs" / f"start_{start:02d}"
+
+    def event(self, event: str, **details: Any) -> None:
+        append_jsonl(self.events, {"time": round(time.time(), 3), "event": event, **details})
+
+    def events_list(self) -> list[dict[str, Any]]:
+        return list(read_jsonl(self.events))
+
+    def starts(self) -> int:
+        """How many times workers of this run have been started so far."""
+        return sum(1 for e in read_jsonl(self.events) if e.get("event") == "started")
+
+    def latest_metrics(self) -> dict[int, dict[str, Any]]:
+        """Per step, the latest record (a step redone after a restart replaces the earlier one)."""
+        return {int(r["step"]): r for r in read_jsonl(self.metrics) if "step" in r}
+
+    def checkpoint_steps(self) -> list[tuple[int, Path, bool]]:
+        """(step, folder, complete) for every checkpoint folder, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = []
+        for child in self.checkpoints.iterdir():
+            m = CHECKPOINT_DIR_RE.match(child.name)
+            if m and child.is_dir():
+                found.append((int(m.group(1)), child, (child / MANIFEST).is_file()))
+        return sorted(found)
+
+    def read_summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.summary.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None

@@ -1,0 +1,59 @@
+"""python -m dtk.submit [-m] [overrides...]: compose → validate → plan → launch."""
+
+from __future__ import annotations
+
+import sys
+
+from dtk.config.compose import compose, expand_sweep
+from dtk.errors import run_cli
+from dtk.plan.plan import Plan, make_plan
+
+USAGE = """usage: python -m dtk.submit [-m|--multirun] [KEY=VALUE ...] [+scheme=NAME]
+
+Compose the job's configuration from conf/ and the overrides, check it, and launch it
+(default: cluster=local, 2 worker processes on this machine).
+
+  python -m dtk.submit                                   train the default job here
+  python -m dtk.submit +scheme=ddp tasks_per_node=4      4 workers, DDP
+  python -m dtk.submit train.steps=50 submit.dry_run=true   show the launch, start nothing
+  python -m dtk.submit -m optim.lr=1e-3,3e-4             one job per learning rate
+
+Running the same command again continues the same run (run.name is derived from the
+config). python -m dtk.plan --help lists every key with its meaning.
+"""
+
+
+def plan_points(overrides: list[str], multirun: bool) -> list[tuple[list[str], Plan]]:
+    """Compose and plan every point first, so one bad point stops the sweep before any launch."""
+    points = expand_sweep(overrides) if multirun else [overrides]
+    return [(point, make_plan(compose(point))) for point in points]
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    planned = plan_points(overrides, multirun)
+
+    from dtk.launch.launch import describe_launch, launch
+
+    codes = []
+    for point, plan in planned:
+        if multirun:
+            print(f"=== {' '.join(point) or '(defaults)'}", flush=True)
+        if plan.config["submit"]["dry_run"]:
+            print(describe_launch(plan))
+            codes.append(0)
+        else:
+            codes.append(launch(plan))
+    if multirun:
+        print(f"\n{'code':>4}  run directory")
+        for (point, plan), code in zip(planned, codes):
+            print(f"{code:>4}  {plan.run_dir}")
+    return max(codes)
+
+
+if __name__ == "__main__":
+    run_cli(main)

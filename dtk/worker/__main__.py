@@ -1,0 +1,4 @@
+from dtk.errors import run_cli
+from dtk.worker.main import main
+
+run_cli(main)

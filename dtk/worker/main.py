@@ -1,0 +1,156 @@
+"""The worker: environment → device → process group → seeds → model → parallelize → train.
+
+The one place that wires every stage together. Started by the driver (a local process
+or an srun task) as `python -m dtk.worker RUN_DIR`; reads the plan the submitter wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtk.checkpoint import dcp as ckpt
+from dtk.data.loader import StepBatches, build_dataset
+from dtk.dist.init import init_process_group, pick_device
+from dtk.models.build import build_model
+from dtk.parallel.parallelize import parallelize
+from dtk.plan.plan import Plan
+from dtk.rundir import RunDir, write_json_atomic
+from dtk.train.metrics import MetricsLog
+from dtk.train.optim import build_optimizer, build_scheduler
+from dtk.train.trainer import StepResult, Trainer, state_for_checkpoint
+from dtk.worker.env import WorkerEnv, read_env
+
+
+def set_threads(requested: int, local_world_size: int) -> None:
+    # Several workers on one CPU machine each default to all cores and then fight over
+    # them; give each its share.
+    threads = requested or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+
+
+def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
+    cfg = plan.config
+    device = pick_device(cfg["dist"]["device"], env)
+    if device.type == "cpu":
+        set_threads(cfg["train"]["threads"], env.local_world_size)
+    init_process_group(env, backend=cfg["dist"]["backend"], device=device, timeout_s=cfg["dist"]["timeout_s"])
+    rank0 = env.rank == 0
+    restart = int(os.environ.get("DTK_RESTART", "0"))
+    seed = cfg["train"]["seed"]
+
+    model = build_model(cfg["model"], seed=seed)
+    model = parallelize(model, scheme=cfg.get("scheme") or {"name": "ddp"}, degrees=plan.degrees, device=device)
+    optimizer = build_optimizer(model.parameters(), cfg["optim"])
+    scheduler = build_scheduler(optimizer, cfg["optim"], plan.steps)
+    dataset = build_dataset(cfg["data"], cfg["model"])
+
+    start_step = 0
+    latest = ckpt.latest_complete(run) if cfg["checkpoint"]["resume"] else None
+    if latest is not None:
+        t0 = time.perf_counter()
+        state = ckpt.load(latest[1], model=model, optimizer=optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = state["step"]
+        if rank0:
+            run.event(
+                "checkpoint_loaded",
+                step=start_step,
+                path=str(latest[1]),
+                from_world_size=state["world_size"],
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+    torch.manual_seed(seed + 1000 * start_step + env.rank)  # per-rank stream for anything stochastic
+
+    dp_rank, dp_size = env.rank, plan.degrees.dp  # pure data parallel: every rank is its own dp rank
+    batches = StepBatches(
+        dataset,
+        seed=seed,
+        global_batch=plan.global_batch,
+        micro_batch=plan.micro_batch,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        device=device,
+    )
+    metrics = (
+        MetricsLog(
+            run.metrics,
+            world_size=env.world_size,
+            restart=restart,
+            tokens_per_step=plan.global_batch * cfg["model"].get("seq_len", 0),
+            total_steps=plan.steps,
+            log_every=cfg["train"]["log_every"],
+        )
+        if rank0
+        else None
+    )
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=batches,
+        grad_clip=cfg["optim"]["grad_clip"],
+        dp_group=dist.group.WORLD if dist.is_initialized() else None,
+        metrics=metrics,
+    )
+    every = cfg["checkpoint"]["every"]
+
+    def save(step: int) -> None:
+        path = run.checkpoint_dir(step)
+        state = state_for_checkpoint(
+            step=step,
+            scheduler=scheduler,
+            world_size=env.world_size,
+            global_batch=plan.global_batch,
+            extra={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
+        )
+        manifest = ckpt.save(path, model=model, optimizer=optimizer, trainer_state=state)
+        if rank0:
+            ckpt.prune(run, cfg["checkpoint"]["keep"])
+            run.event("checkpoint_saved", step=step, path=str(path), seconds=manifest["save_seconds"])
+
+    def on_step_end(step: int, _: StepResult) -> None:
+        if step == plan.steps or (every and step % every == 0):
+            save(step)
+
+    if rank0 and start_step:
+        run.event("resumed", step=start_step, restart=restart, world_size=env.world_size)
+    last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=on_step_end)
+    batches.close()
+
+    summary = {}
+    if rank0:
+        records = run.latest_metrics()
+        final = records.get(plan.steps)
+        summary = {
+            "status": "finished",
+            "final_step": plan.steps,
+            "final_loss": final["loss"] if final else (last.loss if last else None),
+            "restarts": restart,
+            "world_size": env.world_size,
+            "scheme": plan.scheme,
+            "config_hash": plan.config_hash,
+        }
+        write_json_atomic(run.summary, summary)
+        run.event("finished", step=plan.steps, final_loss=summary["final_loss"])
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m dtk.worker RUN_DIR", file=sys.stderr)
+        return 2
+    run = RunDir(Path(argv[0]))
+    plan = Plan.from_json(run.plan_json.read_text())
+    env = read_env()
+    try:
+        train(plan, env, run)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
