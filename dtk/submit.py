@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from dtk.config.compose import compose, expand_sweep
 from dtk.errors import run_cli
 from dtk.plan.plan import Plan, make_plan
@@ -50,7 +48,7 @@ def main(argv: list[str]) -> int:
             codes.append(launch(plan))
     if multirun:
         print(f"\n{'code':>4}  run directory")
-        for (point, plan), code in zip(planned, codes):
+        for (_, plan), code in zip(planned, codes, strict=True):
             print(f"{code:>4}  {plan.run_dir}")
     return max(codes)
 

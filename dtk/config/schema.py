@@ -7,7 +7,7 @@ under it; ``python -m dtk.plan --help`` prints them (see ``dtk.config.docs``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -16,29 +16,29 @@ from omegaconf import MISSING
 class ClusterConfig:
     kind: str = "local"
     """Where workers run: `local` (this machine, no Slurm) or `slurm` (sbatch through submitit)."""
-    partition: Optional[str] = None
+    partition: str | None = None
     """Slurm partition (sbatch --partition). None: the cluster's default partition."""
-    account: Optional[str] = None
+    account: str | None = None
     """Slurm account to charge (sbatch --account)."""
-    qos: Optional[str] = None
+    qos: str | None = None
     """Slurm quality of service (sbatch --qos)."""
-    constraint: Optional[str] = None
+    constraint: str | None = None
     """Slurm node features the job needs (sbatch --constraint), e.g. `a100&ib`."""
     gpus_per_node: int = 0
     """GPUs to request per node (sbatch --gpus-per-node). 0 on CPU clusters."""
     cpus_per_task: int = 1
     """CPU cores per worker process (sbatch --cpus-per-task)."""
-    mem_gb: Optional[int] = None
+    mem_gb: int | None = None
     """Memory per node in GiB (sbatch --mem). None: the partition's default."""
     time_min: int = 60
     """Wall-clock limit of one allocation in minutes (sbatch --time)."""
     exclusive: bool = False
     """Ask for whole nodes (sbatch --exclusive)."""
-    sbatch_extra: List[str] = field(default_factory=list)
+    sbatch_extra: list[str] = field(default_factory=list)
     """Extra sbatch flags, verbatim, e.g. `["--reservation=big"]`."""
-    setup: List[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
     """Names of files in slurm_templates/setup/ whose lines run before the workers (module loads, NCCL env)."""
-    log_dir: Optional[str] = None
+    log_dir: str | None = None
     """Where submitit puts the job's stdout/stderr. None: `<run dir>/slurm`."""
 
 
@@ -152,7 +152,7 @@ class DistConfig:
 class RunConfig:
     root: str = "runs"
     """Folder that holds run directories; must be on storage every node sees."""
-    name: Optional[str] = None
+    name: str | None = None
     """Run directory name. None: `<model>-<hash of the semantic keys>`, so the same command continues the same run."""
 
 
@@ -160,7 +160,7 @@ class RunConfig:
 class SubmitConfig:
     dry_run: bool = False
     """Print what would be launched and exit without creating anything."""
-    wait: Optional[bool] = None
+    wait: bool | None = None
     """Follow a Slurm job until it ends. None: no on Slurm; the local cluster always follows its workers."""
 
 
@@ -180,7 +180,7 @@ class Config:
     """Optimizer and learning-rate schedule (group `optim`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint interval and retention (group `checkpoint`)."""
-    scheme: Optional[SchemeConfig] = None
+    scheme: SchemeConfig | None = None
     """Parallelism (group `scheme`, added with `+scheme=NAME`). None: DDP."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop."""
@@ -190,7 +190,7 @@ class Config:
     """Run directory."""
     submit: SubmitConfig = field(default_factory=SubmitConfig)
     """Submission behaviour."""
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for user code; ignored by dtk."""
 
 

@@ -39,7 +39,7 @@ def resolve_degrees(scheme: dict[str, Any], world: int) -> Degrees:
             f"scheme degrees {', '.join(f'{a}=-1' for a in inferred)}: at most one degree may be -1 (inferred)"
         )
     known = 1
-    for axis, v in values.items():
+    for v in values.values():
         if v != -1:
             known *= v
     formula = " × ".join(f"{a}={values[a]}" for a in AXES)

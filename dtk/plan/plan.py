@@ -44,7 +44,7 @@ class Plan:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> "Plan":
+    def from_json(text: str) -> Plan:
         raw = json.loads(text)
         raw["degrees"] = Degrees(**raw["degrees"])
         return Plan(**raw)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -109,13 +109,3 @@ class Trainer:
                 on_step_end(step + 1, result)
         return result
 
-
-def state_for_checkpoint(*, step: int, scheduler: Any, world_size: int, global_batch: int, extra: dict) -> dict:
-    return {
-        "step": step,
-        "samples_consumed": step * global_batch,
-        "global_batch": global_batch,
-        "scheduler": scheduler.state_dict(),
-        "world_size": world_size,
-        **extra,
-    }

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 ENV_TABLES: dict[str, dict[str, str]] = {
     "dtk": {

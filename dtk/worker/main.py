@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dtk.checkpoint import dcp as ckpt
+from dtk.checkpoint.manager import CheckpointManager
 from dtk.data.loader import StepBatches, build_dataset
 from dtk.dist.init import init_process_group, pick_device
 from dtk.models.build import build_model
@@ -23,7 +22,7 @@ from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import build_optimizer, build_scheduler
-from dtk.train.trainer import StepResult, Trainer, state_for_checkpoint
+from dtk.train.trainer import Trainer
 from dtk.worker.env import WorkerEnv, read_env
 
 
@@ -50,21 +49,19 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     scheduler = build_scheduler(optimizer, cfg["optim"], plan.steps)
     dataset = build_dataset(cfg["data"], cfg["model"])
 
-    start_step = 0
-    latest = ckpt.latest_complete(run) if cfg["checkpoint"]["resume"] else None
-    if latest is not None:
-        t0 = time.perf_counter()
-        state = ckpt.load(latest[1], model=model, optimizer=optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
-        if rank0:
-            run.event(
-                "checkpoint_loaded",
-                step=start_step,
-                path=str(latest[1]),
-                from_world_size=state["world_size"],
-                seconds=round(time.perf_counter() - t0, 3),
-            )
+    checkpoints = CheckpointManager(
+        run,
+        cfg=cfg["checkpoint"],
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        rank=env.rank,
+        world_size=env.world_size,
+        global_batch=plan.global_batch,
+        total_steps=plan.steps,
+        identity={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
+    )
+    start_step = checkpoints.resume()
     torch.manual_seed(seed + 1000 * start_step + env.rank)  # per-rank stream for anything stochastic
 
     dp_rank, dp_size = env.rank, plan.degrees.dp  # pure data parallel: every rank is its own dp rank
@@ -98,29 +95,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
         dp_group=dist.group.WORLD if dist.is_initialized() else None,
         metrics=metrics,
     )
-    every = cfg["checkpoint"]["every"]
-
-    def save(step: int) -> None:
-        path = run.checkpoint_dir(step)
-        state = state_for_checkpoint(
-            step=step,
-            scheduler=scheduler,
-            world_size=env.world_size,
-            global_batch=plan.global_batch,
-            extra={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
-        )
-        manifest = ckpt.save(path, model=model, optimizer=optimizer, trainer_state=state)
-        if rank0:
-            ckpt.prune(run, cfg["checkpoint"]["keep"])
-            run.event("checkpoint_saved", step=step, path=str(path), seconds=manifest["save_seconds"])
-
-    def on_step_end(step: int, _: StepResult) -> None:
-        if step == plan.steps or (every and step % every == 0):
-            save(step)
-
     if rank0 and start_step:
         run.event("resumed", step=start_step, restart=restart, world_size=env.world_size)
-    last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=on_step_end)
+    last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=checkpoints.on_step_end)
+    checkpoints.close()
     batches.close()
 
     summary = {}
