@@ -9,9 +9,10 @@ Layout of one checkpoint (see dtk.rundir):
         trainer.json          step, data position, scheduler, world size, config hash
         manifest.json         written last, atomically: the checkpoint exists once this does
 
-Model and optimizer go through `get_state_dict`/`set_state_dict`, so their keys carry no
-`module.` prefixes and no sharding: a checkpoint written under one scheme and world size
-loads under another.
+Model and optimizer go through `get_state_dict`/`set_state_dict` with flattened optimizer
+state, so every key is a parameter's original name (no `module.` prefix, no sharding, no
+pipeline stage): a checkpoint written under one scheme and world size loads under another.
+A rank may hold several model parts (pipeline stages), each with its own optimizer.
 """
 
 from __future__ import annotations
@@ -42,13 +43,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save(
-    path: Path,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-) -> dict[str, Any]:
+Parts = list[tuple[torch.nn.Module, torch.optim.Optimizer]]
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state_dicts(parts: Parts) -> tuple[dict[str, Any], dict[str, Any], list[tuple[set, set]]]:
+    """Merged model and optimizer state of all parts, plus each part's own keys."""
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    keys = []
+    for module, optimizer in parts:
+        m, o = get_state_dict(module, optimizer, options=_OPTIONS)
+        assert not (m.keys() & model_sd.keys()), "model parts share parameter names"
+        model_sd.update(m)
+        optim_sd.update(o)
+        keys.append((set(m), set(o)))
+    return model_sd, optim_sd, keys
+
+
+def save(path: Path, *, parts: Parts, trainer_state: dict[str, Any]) -> dict[str, Any]:
     """Collective: every rank calls it. Returns the manifest (on every rank)."""
     started = time.perf_counter()
     rank = _rank()
@@ -57,7 +70,7 @@ def save(
             shutil.rmtree(path)
         path.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, _ = _state_dicts(parts)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     torch.save(_rng_state(), path / f"rng_{rank:05d}.pt")
     _barrier()
@@ -82,19 +95,20 @@ def save(
     return manifest
 
 
-def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(path: Path, *, parts: Parts) -> dict[str, Any]:
     """Collective: load model and optimizer (resharded to the current layout) and return the
     trainer state. This rank's RNG is restored when the world size is unchanged."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, keys = _state_dicts(parts)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=True),
-    )
+    for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
+        set_state_dict(
+            module,
+            optimizer,
+            model_state_dict={k: state["model"][k] for k in mkeys},
+            optim_state_dict={k: state["optim"][k] for k in okeys},
+            options=_OPTIONS,
+        )
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     rng_file = path / f"rng_{_rank():05d}.pt"
     if trainer_state["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1) and rng_file.exists():

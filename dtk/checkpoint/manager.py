@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from dtk.checkpoint import dcp as ckpt
 from dtk.rundir import RunDir
 
@@ -19,8 +17,7 @@ class CheckpointManager:
         run: RunDir,
         *,
         cfg: dict[str, Any],
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        parts: ckpt.Parts,
         scheduler: Any,
         rank: int,
         world_size: int,
@@ -32,8 +29,7 @@ class CheckpointManager:
         self.every = cfg["every"]
         self.keep = cfg["keep"]
         self.resume_enabled = cfg["resume"]
-        self.model = model
-        self.optimizer = optimizer
+        self.parts = parts  # (model part, its optimizer): one pair, or one per pipeline stage held
         self.scheduler = scheduler
         self.rank = rank
         self.world_size = world_size
@@ -47,7 +43,7 @@ class CheckpointManager:
         if latest is None:
             return 0
         t0 = time.perf_counter()
-        state = ckpt.load(latest[1], model=self.model, optimizer=self.optimizer)
+        state = ckpt.load(latest[1], parts=self.parts)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.rank == 0:
             self.run.event(
@@ -72,7 +68,7 @@ class CheckpointManager:
             "world_size": self.world_size,
             **self.identity,
         }
-        manifest = ckpt.save(path, model=self.model, optimizer=self.optimizer, trainer_state=state)
+        manifest = ckpt.save(path, parts=self.parts, trainer_state=state)
         if self.rank == 0:
             ckpt.prune(self.run, self.keep)
             self.run.event("checkpoint_saved", step=step, path=str(path), seconds=manifest["save_seconds"])

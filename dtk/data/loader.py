@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -66,9 +67,11 @@ class StepBatches:
         micro = [rows[i : i + self.micro_batch] for i in range(0, len(rows), self.micro_batch)]
         return [(m[:, :-1].to(self.device), m[:, 1:].to(self.device)) for m in micro]
 
-    def global_ids(self, step: int) -> np.ndarray:
+    def global_hash(self, step: int) -> str:
+        """Fingerprint of the global batch of `step`: equal across world sizes iff the order is."""
         with self._lock:
-            return self.order.global_batch(step, self.global_batch)
+            ids = self.order.global_batch(step, self.global_batch)
+        return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
     def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._ahead is not None and self._ahead[0] == step:

@@ -31,6 +31,7 @@ class MetricsLog:
             "step_time_s": round(result.step_time_s, 6),
             "data_wait_s": round(result.data_wait_s, 6),
             "tokens_per_s": round(self.tokens_per_step / max(result.step_time_s, 1e-9), 1),
+            "batch_hash": result.batch_hash,
         }
         append_jsonl(self.path, record)
         if step % self.log_every == 0 or step == self.total_steps:

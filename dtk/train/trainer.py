@@ -22,6 +22,7 @@ class StepResult:
     grad_norm: float
     step_time_s: float
     data_wait_s: float
+    batch_hash: str
 
 
 class Trainer:
@@ -90,6 +91,7 @@ class Trainer:
             grad_norm=float(grad_norm),
             step_time_s=time.perf_counter() - t0,
             data_wait_s=t_data,
+            batch_hash=self.batches.global_hash(step),
         )
 
     def fit(

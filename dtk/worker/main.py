@@ -52,8 +52,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     checkpoints = CheckpointManager(
         run,
         cfg=cfg["checkpoint"],
-        model=model,
-        optimizer=optimizer,
+        parts=[(model, optimizer)],
         scheduler=scheduler,
         rank=env.rank,
         world_size=env.world_size,
