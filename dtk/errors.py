@@ -24,6 +24,9 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
         code = main(sys.argv[1:] if argv is None else argv)
     except UserError as exc:
         fail(str(exc))
+    except BrokenPipeError:  # `python -m dtk.plan --help | head` is not an error
+        sys.stderr.close()
+        sys.exit(0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
