@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, dtk, losses, only_run_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
