@@ -51,7 +51,7 @@ def test_run_identity_follows_semantic_keys_only():
     base = make_plan(compose([]))
     assert make_plan(compose([])).run_name == base.run_name
     # Where and how it runs does not change what the run is ...
-    assert make_plan(compose(["tasks_per_node=4", "checkpoint.every=7", "train.micro_batch=4"])).run_name == base.run_name
+    assert make_plan(compose(["tasks_per_node=4", "checkpoint.every=7", "train.micro_batch=16"])).run_name == base.run_name
     # ... what it computes does.
     assert make_plan(compose(["optim.lr=1e-4"])).run_name != base.run_name
     assert make_plan(compose(["train.seed=1"])).run_name != base.run_name
@@ -103,7 +103,8 @@ BAD_INPUT = [
     (["train.stepz=3"], "unknown key 'train.stepz'"),
     (["nodes=abc"], "nodes=abc: expected integer"),
     (["train.steps=0"], "train.steps=0"),
-    (["train.global_batch=30"], "train.global_batch=30 is not a multiple of train.micro_batch × data-parallel size = 8 × 2 = 16"),
+    (["train.global_batch=30", "train.micro_batch=4"], "train.global_batch=30 does not split over the data-parallel size 2"),
+    (["train.global_batch=24", "train.micro_batch=8"], "train.global_batch=24 is not a multiple of train.micro_batch × data-parallel size = 8 × 2 = 16"),
     (["nodes=2"], "nodes=2: the local cluster is this one machine"),
     (["+scheme=nope"], "scheme=nope: no such scheme"),
     (["cluster=nope"], "cluster=nope: no such cluster"),

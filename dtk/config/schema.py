@@ -75,6 +75,24 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class Hdf5DataConfig:
+    kind: str = "hdf5"
+    """Data source: `hdf5` (a dataset folder made by `python -m dtk.data prepare`)."""
+    path: str = MISSING
+    """The dataset folder (manifest.json + HDF5 shards); must be on storage every node sees."""
+    val_fraction: float = 0.05
+    """Share of the samples held out for validation, drawn with `split_seed`. Ignored when `val_shards` is set."""
+    split_seed: int = 0
+    """Seed of the train / validation split (independent of train.seed)."""
+    val_shards: list[str] = field(default_factory=list)
+    """Shard files (names in the manifest) that form the validation split, instead of a fraction."""
+    eval_samples: int = 1024
+    """Validation samples per evaluation (the first of the split, rounded down to whole global batches). 0: all."""
+    verify: bool = False
+    """Check every shard's checksum when a job opens the dataset (sizes are always checked)."""
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
     """Optimizer; `adamw` (torch.optim.AdamW)."""
@@ -103,7 +121,11 @@ class CheckpointConfig:
     keep: int = 2
     """Keep the newest this many complete checkpoints; older ones are deleted."""
     resume: bool = True
-    """Resume from the latest complete checkpoint of the run directory when one exists."""
+    """Resume from the newest checkpoint of the run directory that verifies (manifest and checksums); stop if some exist and none does."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (ranks agree on the step). 0: off."""
+    async_save: bool = True
+    """Stage to CPU memory and write in the background while training continues; the next save waits for it."""
 
 
 @dataclass
@@ -126,16 +148,18 @@ class SchemeConfig:
 class TrainConfig:
     steps: int = 300
     """Optimizer steps to train for."""
-    global_batch: int = 32
+    global_batch: int = 256
     """Samples per optimizer step, over all data-parallel ranks."""
-    micro_batch: int = 8
-    """Samples per forward/backward on one worker; gradient accumulation makes up the rest."""
+    micro_batch: int | None = None
+    """Samples per forward/backward on one worker; gradient accumulation makes up the rest. None: global_batch / data-parallel size (no accumulation)."""
     seed: int = 0
     """Seed of model initialisation and data order."""
     log_every: int = 10
     """Print a progress line every this many steps (metrics.jsonl gets every step)."""
     threads: int = 0
     """torch intra-op threads per worker on CPU. 0: the machine's cores divided by the workers on it."""
+    eval_every: int = 0
+    """Validation loss every this many optimizer steps (and at the last step), logged to eval.jsonl. 0: never."""
 
 
 @dataclass
@@ -168,8 +192,8 @@ class SubmitConfig:
 class Config:
     nodes: int = 1
     """Nodes to run on (must be 1 on the local cluster)."""
-    tasks_per_node: int = 2
-    """Worker processes per node: one per GPU; on a CPU machine, how many processes."""
+    tasks_per_node: int | None = None
+    """Worker processes per node: one per GPU; on a CPU machine, how many processes. None: cluster.gpus_per_node, or 2 without GPUs."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Where the job runs (group `cluster`)."""
     model: Any = MISSING
@@ -203,6 +227,7 @@ def register() -> None:
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="model", name="transformer_schema", node=TransformerConfig)
     cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
+    cs.store(group="data", name="hdf5_schema", node=Hdf5DataConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)
     cs.store(group="checkpoint", name="checkpoint_schema", node=CheckpointConfig)
     cs.store(group="scheme", name="scheme_schema", node=SchemeConfig)

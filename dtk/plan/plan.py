@@ -13,6 +13,7 @@ from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, resolve_degrees
 
 CLUSTER_KINDS = ("local", "slurm")
+DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -86,8 +87,10 @@ def _model_name(model: dict[str, Any]) -> str:
 
 def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic."""
-    nodes, tpn = cfg["nodes"], cfg["tasks_per_node"]
     cluster = cfg["cluster"]
+    nodes, tpn = cfg["nodes"], cfg["tasks_per_node"]
+    if tpn is None:
+        tpn = cluster["gpus_per_node"] or DEFAULT_CPU_TASKS
     train = cfg["train"]
     _positive("nodes", nodes)
     _positive("tasks_per_node", tpn)
@@ -98,7 +101,7 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
             f"nodes={nodes}: the local cluster is this one machine, so nodes must be 1 "
             f"(use tasks_per_node={nodes * tpn} for {nodes * tpn} workers here, or cluster=slurm / cluster=lab)"
         )
-    for key in ("steps", "global_batch", "micro_batch", "log_every"):
+    for key in ("steps", "global_batch", "log_every"):
         _positive(f"train.{key}", train[key])
     if train["threads"] < 0:
         raise UserError(f"train.threads={train['threads']}: expected 0 (automatic) or a positive count")
@@ -121,7 +124,15 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
     world = nodes * tpn
     scheme = cfg.get("scheme") or {"name": "ddp", "dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1}
     degrees = resolve_degrees(scheme, world)
-    micro, global_batch = train["micro_batch"], train["global_batch"]
+    global_batch = train["global_batch"]
+    if global_batch % degrees.dp:
+        raise UserError(
+            f"train.global_batch={global_batch} does not split over the data-parallel size {degrees.dp}"
+            f" ({global_batch} / {degrees.dp} = {global_batch / degrees.dp:.2f});"
+            f" try train.global_batch={degrees.dp * max(1, round(global_batch / degrees.dp))}"
+        )
+    micro = train["micro_batch"] or global_batch // degrees.dp
+    _positive("train.micro_batch", micro)
     per_step = micro * degrees.dp
     if global_batch % per_step:
         raise UserError(
