@@ -103,7 +103,7 @@ BAD_INPUT = [
     (["train.stepz=3"], "unknown key 'train.stepz'"),
     (["nodes=abc"], "nodes=abc: expected integer"),
     (["train.steps=0"], "train.steps=0"),
-    (["train.global_batch=30", "train.micro_batch=4"], "train.global_batch=30 does not split over the data-parallel size 2"),
+    (["train.global_batch=31"], "train.global_batch=31 does not split over the data-parallel size 2"),
     (["train.global_batch=24", "train.micro_batch=8"], "train.global_batch=24 is not a multiple of train.micro_batch × data-parallel size = 8 × 2 = 16"),
     (["nodes=2"], "nodes=2: the local cluster is this one machine"),
     (["+scheme=nope"], "scheme=nope: no such scheme"),
