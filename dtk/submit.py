@@ -35,22 +35,22 @@ def main(argv: list[str]) -> int:
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
     planned = plan_points(overrides, multirun)
 
-    from dtk.launch.launch import describe_launch, launch
+    from dtk.launch.launch import Launched, describe_launch, launch
 
-    codes = []
+    results = []
     for point, plan in planned:
         if multirun:
             print(f"=== {' '.join(point) or '(defaults)'}", flush=True)
         if plan.config["submit"]["dry_run"]:
             print(describe_launch(plan))
-            codes.append(0)
+            results.append(Launched(0))
         else:
-            codes.append(launch(plan))
+            results.append(launch(plan))
     if multirun:
-        print(f"\n{'code':>4}  run directory")
-        for (_, plan), code in zip(planned, codes, strict=True):
-            print(f"{code:>4}  {plan.run_dir}")
-    return max(codes)
+        print(f"\n{'job':>10}  {'code':>4}  run directory")
+        for (_, plan), result in zip(planned, results, strict=True):
+            print(f"{result.job_id or '-':>10}  {result.code:>4}  {plan.run_dir}")
+    return max(r.code for r in results)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from dtk.driver.record import record_failure
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir, write_json_atomic
+from dtk.rundir import RunDir
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -122,17 +123,8 @@ class LocalDriver:
     def _failed(self, rank: int, code: int, logs: Path) -> None:
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log = logs / f"rank_{rank}.log"
-        self.run.event("failed", rank=rank, exit_code=code, log=str(log))
-        done = self.run.latest_metrics()
-        write_json_atomic(
-            self.run.summary,
-            {
-                "status": "failed",
-                "final_step": max(done) if done else 0,
-                "final_loss": done[max(done)]["loss"] if done else None,
-                "restarts": self.run.starts() - 1,
-                "error": f"worker rank {rank} {how}",
-            },
+        record_failure(
+            self.run, error=f"worker rank {rank} {how}", restarts=self.run.starts() - 1, rank=rank, exit_code=code, log=str(log)
         )
         excerpt = tail(log)
         if excerpt:

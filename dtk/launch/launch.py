@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dtk.config.compose import to_yaml
@@ -18,7 +22,11 @@ def worker_command(plan: Plan) -> str:
 
 
 def describe_launch(plan: Plan) -> str:
-    """What a dry run prints for the local cluster."""
+    """What a dry run prints: the sbatch script on Slurm, the worker commands locally."""
+    if plan.cluster_kind == "slurm":
+        from dtk.launch.slurm import describe_submission
+
+        return describe_submission(plan)
     lines = [plan.describe(), "", f"would start {plan.world_size} worker process(es) on this machine:"]
     for rank in range(plan.world_size):
         lines.append(f"  rank {rank}: DTK_RANK={rank} DTK_WORLD_SIZE={plan.world_size} {worker_command(plan)}")
@@ -55,19 +63,34 @@ def already_finished(plan: Plan, run: RunDir) -> bool:
     return bool(summary and summary.get("status") == "finished" and summary.get("final_step") == plan.steps)
 
 
-def launch(plan: Plan) -> int:
-    """Launch the plan; returns the exit code of the submitting command."""
-    if plan.cluster_kind != "local":
-        raise UserError(f"cluster.kind={plan.cluster_kind}: Slurm submission is not available in this version; use cluster=local")
+@dataclass(frozen=True)
+class Launched:
+    code: int  # exit code for the submitting command
+    job_id: str | None = None
+
+
+def launch(plan: Plan) -> Launched:
+    """Launch the plan on its cluster."""
     run = RunDir(Path(plan.run_dir))
     check_run_dir(plan, run)
+    if plan.cluster_kind == "slurm":
+        from dtk.launch import slurmctl
+
+        c = plan.config["cluster"]
+        slurmctl.check_fits(slurmctl.partitions(), partition=c["partition"], nodes=plan.nodes, time_min=c["time_min"])
     if already_finished(plan, run):
         summary = run.read_summary() or {}
         print(f"run {run.path} already finished: step {summary.get('final_step')}, loss {summary.get('final_loss')}")
-        return 0
+        return Launched(0)
+    print(plan.describe(), flush=True)
+    if plan.cluster_kind == "slurm":
+        return _launch_slurm(plan, run)
+    return Launched(_launch_local(plan))
+
+
+def _launch_local(plan: Plan) -> int:
     run = prepare_run_dir(plan)
     run.event("submitted", cluster="local", world_size=plan.world_size, scheme=plan.scheme)
-    print(plan.describe(), flush=True)
     from dtk.driver.local import LocalDriver
 
     progress = Progress(run.metrics, total=plan.steps, every=plan.config["train"]["log_every"])
@@ -77,3 +100,61 @@ def launch(plan: Plan) -> int:
         summary = run.read_summary() or {}
         print(f"finished: {run.path} step {summary.get('final_step')} loss {summary.get('final_loss')}")
     return code
+
+
+def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    from dtk.driver.slurm import drive
+    from dtk.launch.slurm import make_executor, submitit_folder
+
+    created = not run.path.exists()
+    run = prepare_run_dir(plan)
+    try:
+        job = make_executor(plan).submit(drive, plan.run_dir)
+    except (FailedJobError, FailedSubmissionError, subprocess.CalledProcessError) as exc:
+        if created:  # nothing half-written: a refused job leaves no run behind
+            shutil.rmtree(run.path, ignore_errors=True)
+        detail = " ".join(str(getattr(exc, "stderr", "") or exc).split())
+        raise UserError(f"sbatch refused the job: {detail}") from None
+    run.event("submitted", cluster="slurm", job_id=job.job_id, world_size=plan.world_size, scheme=plan.scheme)
+    log = submitit_folder(plan) / job.job_id / f"{job.job_id}_0_log.out"
+    print(f"submitted job {job.job_id}\n  run dir  {run.path}\n  log      {log}\n"
+          f"  status   python -m dtk.status {run.path}", flush=True)
+    wait = plan.config["submit"]["wait"]
+    if not wait:
+        return Launched(0, job.job_id)
+    return Launched(follow(plan, run, job.job_id), job.job_id)
+
+
+# Slurm states after which the job will not run again by itself. NODE_FAIL and PREEMPTED
+# are not here: a requeueable job goes back to PENDING after them.
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def follow(plan: Plan, run: RunDir, job_id: str, poll_s: float = 2.0) -> int:
+    """Follow a Slurm job to its end with a progress line; 0 when the run finished."""
+    from dtk.launch.slurmctl import job_state
+
+    state: list[str | None] = ["PENDING"]
+    progress = Progress(run.metrics, total=plan.steps, every=plan.config["train"]["log_every"],
+                        state=lambda: f"job {job_id} {state[0]}")
+    progress.skip_existing()
+    shown = None
+    while True:
+        state[0] = job_state(job_id)
+        progress.poll()
+        if state[0] != shown:
+            print(f"job {job_id}: {state[0] or 'gone from the queue'}", flush=True)
+            shown = state[0]
+        if state[0] is None or state[0] in ENDED:
+            break
+        time.sleep(poll_s)
+    progress.poll(final=True)
+    summary = run.read_summary() or {}
+    if summary.get("status") == "finished":
+        print(f"finished: {run.path} step {summary.get('final_step')} loss {summary.get('final_loss')}")
+        return 0
+    print(f"error: job {job_id} ended {state[0] or ''} without finishing the run: "
+          f"{summary.get('error', 'no summary written')}; see python -m dtk.status {run.path}", file=sys.stderr)
+    return 1

@@ -1,0 +1,119 @@
+"""Plan → sbatch submission through submitit.
+
+The sbatch text is a pure function of the plan (`sbatch_text`), checked against golden
+files; the executor used for the real submission renders its script with that same
+function, so a dry run prints exactly what would be submitted.
+
+The batch script runs one process, the driver (`dtk.driver.slurm.drive`), on the first node
+of the allocation (submitit's `use_srun=False`); the driver starts the worker step with srun
+and supervises it. submitit still expects one result per task, so nobody waits on
+`job.results()`: job state comes from squeue/scontrol and the run directory.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtk.errors import UserError
+from dtk.plan.plan import Plan
+
+SETUP_DIR = Path(__file__).resolve().parents[2] / "slurm_templates" / "setup"
+# Signal the driver this many seconds before the time limit (a later release derives it
+# from the measured save time); submitit's USR2 is what NCCL leaves alone.
+SIGNAL_LEAD_S = 120
+
+
+def submitit_folder(plan: Plan) -> Path:
+    log_dir = plan.config["cluster"].get("log_dir")
+    return Path(log_dir) if log_dir else Path(plan.run_dir) / "slurm"
+
+
+def setup_lines(names: list[str]) -> list[str]:
+    lines: list[str] = []
+    for name in names:
+        path = SETUP_DIR / f"{name}.sh"
+        if not path.is_file():
+            available = sorted(p.stem for p in SETUP_DIR.glob("*.sh"))
+            raise UserError(f"cluster.setup: no slurm_templates/setup/{name}.sh (available: {', '.join(available)})")
+        lines += [f"# from slurm_templates/setup/{name}.sh"] + [
+            ln for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+        ]
+    return lines
+
+
+def parse_extra(flags: list[str]) -> dict[str, Any]:
+    """`--reservation=big` / `--mail-type END` → {"reservation": "big", ...} for submitit."""
+    out: dict[str, Any] = {}
+    for flag in flags:
+        if not flag.startswith("--"):
+            raise UserError(f"cluster.sbatch_extra: {flag!r} is not a long sbatch flag (expected like --reservation=NAME)")
+        key, sep, value = flag[2:].partition("=")
+        if not sep:
+            key, _, value = key.partition(" ")
+        out[key.strip()] = value.strip() if value.strip() else True
+    return out
+
+
+def sbatch_parameters(plan: Plan) -> dict[str, Any]:
+    """submitit's `_make_sbatch_string` keyword arguments for this plan."""
+    c = plan.config["cluster"]
+    params: dict[str, Any] = {
+        "job_name": f"dtk-{plan.run_name}",
+        "nodes": plan.nodes,
+        "ntasks_per_node": plan.tasks_per_node,
+        "cpus_per_task": c["cpus_per_task"],
+        "time": c["time_min"],
+        "signal_delay_s": SIGNAL_LEAD_S,
+        "use_srun": False,
+        "stderr_to_stdout": True,
+        "setup": setup_lines(c["setup"]) + [f"export DTK_RUN_DIR={shlex.quote(plan.run_dir)}"],
+    }
+    for key in ("partition", "account", "qos", "constraint"):
+        if c[key]:
+            params[key] = c[key]
+    if c["gpus_per_node"]:
+        params["gpus_per_node"] = c["gpus_per_node"]
+    if c["mem_gb"]:
+        params["mem"] = f"{c['mem_gb']}GB"
+    if c["exclusive"]:
+        params["exclusive"] = True
+    # Requeue: a node failure or preemption puts the job back in the queue, where it finds
+    # its run directory (identity comes from the config) and resumes.
+    params["additional_parameters"] = {"requeue": True, **parse_extra(c["sbatch_extra"])}
+    return params
+
+
+def submit_command(folder: Path, python: str = sys.executable) -> str:
+    """The command submitit puts at the end of the script: unpickle and run the driver."""
+    return f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
+def sbatch_text(plan: Plan, *, command: str | None = None) -> str:
+    """The whole sbatch script. `command` defaults to what submitit's executor passes."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = submitit_folder(plan) / "%j"
+    return _make_sbatch_string(
+        command=command or submit_command(folder), folder=folder, **sbatch_parameters(plan)
+    )
+
+
+def describe_submission(plan: Plan) -> str:
+    return "\n".join([plan.describe(), "", "would submit this sbatch script:", "", sbatch_text(plan)])
+
+
+def make_executor(plan: Plan):
+    """The one place that builds the Slurm executor."""
+    from submitit import SlurmExecutor
+
+    class DtkSlurmExecutor(SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return sbatch_text(plan, command=command)
+
+    folder = submitit_folder(plan) / "%j"
+    executor = DtkSlurmExecutor(folder=folder, max_num_timeout=0)
+    executor.update_parameters(**sbatch_parameters(plan))
+    return executor
