@@ -1,0 +1,71 @@
+"""python -m dtk.lab up [--nodes N] [--no-install] | status | down"""
+
+from __future__ import annotations
+
+import argparse
+
+from dtk.errors import fail, run_cli
+from dtk.lab import cluster
+from dtk.lab.daemons import DaemonError
+
+
+class _Parser(argparse.ArgumentParser):
+    # Usage mistakes read like every other dtk error: one `error:` line, exit 2.
+    def error(self, message: str):
+        fail(f"{message} (see python -m dtk.lab --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m dtk.lab",
+                     description="A real Slurm cluster on this machine: one slurmctld and one "
+                                 "slurmd per node, partitions debug (default) and high. "
+                                 f"State lives in $DTK_LAB_DIR (default {cluster.DEFAULT_DIR}).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    start = commands.add_parser("up", help="start the cluster (root); does nothing if already up")
+    start.add_argument("--nodes", type=int, default=3, metavar="N",
+                       help=f"number of nodes, 1 to {cluster.MAX_NODES} (default 3); a different "
+                            "count than the running lab restarts it, and its jobs are lost")
+    start.add_argument("--no-install", action="store_true",
+                       help="fail instead of installing slurm-wlm and munge with apt-get")
+    start.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="how long to wait for every node to be idle (default 60)")
+    commands.add_parser("status", help="show sinfo and the lab's daemons; exit 0 when up, 1 if not")
+    commands.add_parser("down", help="stop every daemon the lab started (root)")
+    return parser
+
+
+def describe(status: cluster.LabStatus) -> str:
+    """The report `status` prints."""
+    if status.record is None:
+        return f"lab: down (no lab running from {status.layout.root})"
+    dead = [label for label, alive in status.alive.items() if not alive]
+    state = "up" if status.up else "degraded, dead: " + ", ".join(dead)
+    lines = [f"lab: {state}; {status.num_nodes} nodes; state in {status.layout.root}", "daemons:"]
+    for daemon in status.record.daemons:
+        lines.append(f"  {daemon.label:<14} pid {daemon.pid:<8} "
+                     + ("alive" if status.alive[daemon.label] else "dead"))
+    if status.sinfo:
+        lines += ["sinfo:", status.sinfo.rstrip()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "status":
+        status = cluster.status()
+        print(describe(status))
+        return 0 if status.up else 1
+    try:
+        if args.command == "up":
+            cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout)
+        else:
+            cluster.down()
+    except (DaemonError, OSError) as exc:
+        # Files under /etc or the lab folder, or a daemon that would not stop: the
+        # message names the path or the pid, which is what the user needs.
+        raise cluster.LabError(str(exc)) from None
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,196 @@
+"""Start, identify and stop the lab's daemons.
+
+Every daemon is started in its own background mode (it forks and writes a pid file), so
+it is never a child of the Python process that started it: `up` can run inside pytest or
+a short CLI call, and the daemons outlive it without waiting on it to reap them. A daemon is remembered by
+pid *and* start time, so `down` never signals an unrelated process that reused a pid.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+# Names of the processes that belong to a Slurm cluster on this machine; used to find
+# daemons the lab did not start and to check that `down` left none behind.
+SLURM_DAEMONS = ("slurmctld", "slurmscriptd", "slurmd", "slurmstepd")
+
+
+class DaemonError(RuntimeError):
+    """A daemon did not start or would not stop; the message says where its log is."""
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """One process the lab started. `label` is what users see ("slurmd node2")."""
+
+    label: str
+    pid: int
+    create_time: float
+
+    @property
+    def program(self) -> str:
+        return self.label.split()[0]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Daemon:
+        return cls(label=data["label"], pid=int(data["pid"]), create_time=float(data["create_time"]))
+
+
+def find_process(daemon: Daemon) -> psutil.Process | None:
+    """The running process that is `daemon`, or None if it exited (a zombie has exited)."""
+    try:
+        proc = psutil.Process(daemon.pid)
+        # psutil derives start times from boot time and clock ticks; equal within rounding.
+        same = abs(proc.create_time() - daemon.create_time) < 0.05 and proc.name() == daemon.program
+        if same and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    return None
+
+
+def is_alive(daemon: Daemon) -> bool:
+    return find_process(daemon) is not None
+
+
+def start(label: str, argv: list[str], pid_file: Path, *, output: Path, log: Path,
+          user: str | None = None, timeout_s: float = 5.0) -> Daemon:
+    """Run a self-daemonizing program and return the daemon it leaves behind.
+
+    `output` receives what the program prints before it detaches (a config error, for
+    instance); afterwards it writes to its own `log`, which errors quote. A daemon that
+    has not written its pid file after `timeout_s` has failed (they take milliseconds)."""
+    pid_file.unlink(missing_ok=True)  # a stale pid file would name a dead process
+    with output.open("ab") as out:
+        try:
+            result = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    user=user, group=user, extra_groups=[] if user else None,
+                                    timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise DaemonError(f"{label} did not detach within {timeout_s:.0f} s; see {output}") from None
+    if result.returncode != 0:
+        raise DaemonError(f"{label} failed to start (exit {result.returncode}): {tail(output)}")
+    pid = _wait_for_pid(pid_file, timeout_s)
+    if pid is None:
+        raise DaemonError(f"{label} did not start: {tail(log)}")
+    try:
+        return Daemon(label, pid, psutil.Process(pid).create_time())
+    except psutil.NoSuchProcess:
+        raise DaemonError(f"{label} exited right after starting: {tail(log)}") from None
+
+
+def _wait_for_pid(pid_file: Path, timeout_s: float) -> int | None:
+    # The parent exits as soon as it has forked; the child writes the pid file a moment later.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            text = pid_file.read_text().strip()
+            if text:
+                return int(text)
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.02)
+    return None
+
+
+def stop(daemons: list[Daemon], *, grace_s: float = 10.0) -> list[str]:
+    """SIGTERM the daemons that still run, SIGKILL those that outlive `grace_s`.
+    Returns one report line per daemon."""
+    running = {d: p for d in daemons if (p := find_process(d)) is not None}
+    for proc in running.values():
+        _signal(proc, signal.SIGTERM)
+    alive = _wait_gone(list(running.values()), grace_s)
+    for proc in alive:
+        _signal(proc, signal.SIGKILL)
+    survivors = _wait_gone(alive, 5.0)
+    if survivors:
+        raise DaemonError("these lab daemons survived SIGKILL: "
+                          + ", ".join(str(p.pid) for p in survivors))
+    killed = {p.pid for p in alive}
+    lines = []
+    for d in daemons:
+        if d not in running:
+            lines.append(f"{d.label} (pid {d.pid}) was not running")
+        elif d.pid in killed:
+            lines.append(f"killed {d.label} (pid {d.pid}) after {grace_s:.0f} s")
+        else:
+            lines.append(f"stopped {d.label} (pid {d.pid})")
+    return lines
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until each process exited; return those still running at the timeout.
+
+    Not psutil.wait_procs: these are not our children, and it waits until init reaps
+    them, which some inits (this machine's) do late. A zombie counts as gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def kill_job_steps() -> list[str]:
+    """SIGKILL every slurmstepd and the job processes under it.
+
+    A slurmstepd outlives its slurmd, so stopping the daemons alone would leave running
+    jobs behind. Only called while this lab owns the machine's Slurm config, so every
+    slurmstepd here belongs to the lab."""
+    victims = []
+    for proc in processes_named(("slurmstepd",)):
+        try:
+            victims += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in victims:
+        _signal(proc, signal.SIGKILL)
+    _wait_gone(victims, 5.0)
+    return [f"killed {len(victims)} job processes (slurmstepd and their tasks)"] if victims else []
+
+
+def leftover_slurm_processes(timeout_s: float = 5.0) -> list[str]:
+    """Slurm processes ("slurmd (pid 12)") still running once every daemon was told to
+    stop. slurmctld's helper slurmscriptd exits shortly after slurmctld, hence the wait."""
+    return [f"{p.info['name']} (pid {p.pid})"
+            for p in _wait_gone(processes_named(SLURM_DAEMONS), timeout_s)]
+
+
+def processes_named(names: tuple[str, ...]) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] in names and _running(proc):
+            found.append(proc)
+    return found
+
+
+def tail(path: Path, num_lines: int = 3) -> str:
+    """The last lines of a log, joined on one line, for an error message."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return " | ".join(lines[-num_lines:]) + f" (log: {path})"

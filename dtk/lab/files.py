@@ -1,0 +1,167 @@
+"""The files the lab renders and the system files it shares with the rest of the machine.
+
+Rendering is pure (a function of the lab layout and the node count); the writers touch
+/etc only where the file is absent or was written by dtk, so a machine with its own Slurm
+is never reconfigured behind its owner's back.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
+HOSTS_FILE = Path("/etc/hosts")
+MUNGE_KEY = Path("/etc/munge/munge.key")
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm_templates" / "slurm.conf.tmpl"
+
+# The first line of every file dtk.lab writes under /etc; its presence is what makes the
+# file ours to overwrite.
+CONF_HEADER = "# Written by dtk.lab (python -m dtk.lab up): dtk may overwrite it. See docs/lab.md."
+HOSTS_MARK = "# dtk-lab"
+
+FIRST_NODE_PORT = 17001
+CPUS_PER_NODE = 2
+REAL_MEMORY_MB = 2048
+GRACE_TIME_S = 15
+
+
+@dataclass(frozen=True)
+class LabLayout:
+    """Where one lab keeps everything it owns: one directory, default /var/lib/dtk-lab."""
+
+    root: Path
+
+    @property
+    def conf(self) -> Path:
+        """The rendered slurm.conf, kept next to the state it describes."""
+        return self.root / "slurm.conf"
+
+    @property
+    def record(self) -> Path:
+        """JSON record of the running lab: node count and every daemon it started."""
+        return self.root / "lab.json"
+
+    @property
+    def marker(self) -> Path:
+        """Proof that the directory is a lab directory, so `up` may wipe its subfolders."""
+        return self.root / ".dtk-lab"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "lock"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.root / "spool"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "log"
+
+    @property
+    def pid_dir(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def munge_dir(self) -> Path:
+        """munged's own pid, log and seed files; owned by user munge, which it insists on."""
+        return self.root / "munge"
+
+    def fresh_dirs(self) -> tuple[Path, ...]:
+        """Folders `up` empties, so that each lab starts with no jobs and no node history."""
+        return (self.state_dir, self.spool_dir, self.log_dir, self.pid_dir)
+
+
+def node_name(index: int) -> str:
+    return f"node{index}"
+
+
+def node_names(num_nodes: int) -> list[str]:
+    return [node_name(k) for k in range(1, num_nodes + 1)]
+
+
+def node_port(index: int) -> int:
+    """Each slurmd listens on its own port, since all of them share 127.0.0.1."""
+    return FIRST_NODE_PORT + index - 1
+
+
+def render_slurm_conf(layout: LabLayout, num_nodes: int, template: str | None = None) -> str:
+    """The lab's slurm.conf, header included."""
+    if template is None:
+        template = TEMPLATE.read_text()
+    last_port = node_port(num_nodes)
+    body = string.Template(template).substitute(
+        num_nodes=num_nodes,
+        # A one-node range ("node[1-1]", "17001-17001") is legal but reads oddly in sinfo.
+        node_names="node1" if num_nodes == 1 else f"node[1-{num_nodes}]",
+        node_ports=str(FIRST_NODE_PORT) if num_nodes == 1 else f"{FIRST_NODE_PORT}-{last_port}",
+        cpus=CPUS_PER_NODE,
+        real_memory_mb=REAL_MEMORY_MB,
+        grace_time_s=GRACE_TIME_S,
+        state_dir=layout.state_dir,
+        spool_dir=layout.spool_dir,
+        log_dir=layout.log_dir,
+        pid_dir=layout.pid_dir,
+    )
+    return f"{CONF_HEADER}\n{body}"
+
+
+def is_ours(path: Path) -> bool:
+    """True when `path` is absent or starts with dtk's header."""
+    try:
+        with path.open() as f:
+            return f.readline().rstrip("\n") == CONF_HEADER
+    except FileNotFoundError:
+        return True
+
+
+def write_system_conf(text: str, path: Path = SYSTEM_CONF) -> None:
+    """Install the config where every Slurm command looks by default. The caller has
+    checked `is_ours(path)`; the rename makes a reader see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".dtk-tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o644)  # users' sbatch/squeue read it
+    tmp.replace(path)
+
+
+def hosts_with_lab_line(text: str, num_nodes: int) -> str:
+    """/etc/hosts text in which node1..nodeN resolve to 127.0.0.1 through one marked line.
+
+    Slurm itself reaches the nodes by NodeAddr; the names must resolve for code that uses
+    a node name as an address (a torch.distributed master address, for instance)."""
+    kept = [line for line in text.splitlines() if not line.rstrip().endswith(HOSTS_MARK)]
+    kept.append(f"127.0.0.1 {' '.join(node_names(num_nodes))} {HOSTS_MARK}")
+    return "\n".join(kept) + "\n"
+
+
+def ensure_hosts(num_nodes: int, path: Path = HOSTS_FILE) -> None:
+    old = path.read_text()
+    new = hosts_with_lab_line(old, num_nodes)
+    if new != old:
+        # Written in place, not renamed over: /etc/hosts is often a bind mount in containers.
+        with path.open("w") as f:
+            f.write(new)
+
+
+def ensure_munge_key(path: Path = MUNGE_KEY) -> bool:
+    """Create munge's shared secret if the machine has none; True when one was created.
+    munged refuses a key that is readable by anyone but its owner, user munge."""
+    if path.exists():
+        return False
+    munge = pwd.getpwnam("munge")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chown(path.parent, munge.pw_uid, munge.pw_gid)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(1024))
+    os.chown(path, munge.pw_uid, munge.pw_gid)
+    return True

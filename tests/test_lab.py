@@ -1,0 +1,212 @@
+"""The lab: a real Slurm cluster on this machine (python -m dtk.lab up/status/down).
+
+The tests marked `slurm` start real daemons and need root and slurm-wlm; the others check
+the rendered files and the CLI's error path anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+from conftest import dtk
+from lab_support import ensure_lab, lab_down, unavailable_reason
+
+from dtk import lab
+from dtk.errors import run_cli
+from dtk.lab import daemons, files
+from dtk.lab.__main__ import main as lab_main
+
+NOBODY = 65534
+
+
+def run_lab(*args: str) -> subprocess.CompletedProcess:
+    """`python -m dtk.lab ARGS` as a user would type it."""
+    return dtk("dtk.lab", *args, timeout=120)
+
+
+def run_as_nobody(argv: list[str]) -> tuple[int, str]:
+    """Run the lab CLI's main in a forked child that has dropped to user nobody.
+
+    Forked rather than `setpriv ... python -m dtk.lab`: the interpreter may live where
+    nobody cannot read it (here, under /root), and a child that already holds the code in
+    memory needs no file access to reach the permission check."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        code = 99
+        try:
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            os.dup2(write_end, 2)
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 (lives until _exit)
+            run_cli(lab_main, argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as stderr:
+        text = stderr.read()
+    _, wait_status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(wait_status), text
+
+
+# -- anywhere: rendering and CLI errors ---------------------------------------------------
+
+def test_conf_has_partitions_nodes_and_lab_paths(tmp_path):
+    layout = files.LabLayout(tmp_path)
+    conf = files.render_slurm_conf(layout, 16)
+    assert conf.splitlines()[0] == files.CONF_HEADER
+    assert "NodeName=node[1-16] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17016 CPUs=2" in conf
+    assert "PartitionName=debug Nodes=ALL Default=YES PriorityTier=1" in conf
+    assert "PartitionName=high Nodes=ALL PriorityTier=10" in conf
+    assert "PreemptType=preempt/partition_prio" in conf and "PreemptMode=REQUEUE" in conf
+    assert f"StateSaveLocation={tmp_path}/state" in conf
+    assert f"SlurmdSpoolDir={tmp_path}/spool/%n" in conf
+    assert "$" not in conf  # every template variable was substituted
+
+
+def test_conf_for_one_node_names_a_single_port(tmp_path):
+    conf = files.render_slurm_conf(files.LabLayout(tmp_path), 1)
+    assert "NodeName=node1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001 " in conf
+
+
+def test_only_absent_or_dtk_written_conf_is_ours(tmp_path):
+    conf = tmp_path / "slurm.conf"
+    assert files.is_ours(conf)
+    conf.write_text("ClusterName=site\n")
+    assert not files.is_ours(conf)
+    files.write_system_conf(files.render_slurm_conf(files.LabLayout(tmp_path), 2), conf)
+    assert files.is_ours(conf)
+
+
+def test_hosts_line_is_replaced_not_repeated():
+    text = "127.0.0.1 localhost\n::1 ip6-localhost\n"
+    three = files.hosts_with_lab_line(text, 3)
+    assert three.endswith(f"127.0.0.1 node1 node2 node3 {files.HOSTS_MARK}\n")
+    two = files.hosts_with_lab_line(three, 2)
+    assert two == files.hosts_with_lab_line(text, 2)
+    assert two.startswith(text) and two.count(files.HOSTS_MARK) == 1
+
+
+def test_node_count_out_of_range_is_a_user_error():
+    result = run_lab("up", "--nodes", "0")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --nodes=0") and "Traceback" not in result.stderr
+
+
+def test_login_node_path_stays_light():
+    heavy = ("torch", "hydra", "omegaconf")
+    code = f"import sys, dtk.lab.__main__; print([m for m in {heavy!r} if m in sys.modules])"
+    result = dtk("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+# -- on a real lab ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lab_up():
+    """The lab with 3 nodes for this module; whatever ran before is restored after."""
+    reason = unavailable_reason()
+    before = lab.status() if reason is None else None
+    yield ensure_lab(3)
+    if before is not None and before.up:
+        ensure_lab(before.num_nodes)
+    else:
+        lab_down()
+
+
+@pytest.mark.slurm
+def test_status_shows_every_node_and_daemon(lab_up):
+    result = run_lab("status")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lab: up; 3 nodes" in result.stdout
+    assert "debug*" in result.stdout and "high" in result.stdout and "node[1-3]" in result.stdout
+    for label in ("slurmctld", "slurmd node1", "slurmd node2", "slurmd node3"):
+        assert any(line.split("pid")[0].strip() == label and line.endswith("alive")
+                   for line in result.stdout.splitlines()), label
+
+
+@pytest.mark.slurm
+def test_up_again_changes_nothing(lab_up):
+    pids = [d.pid for d in lab.status().record.daemons]
+    result = run_lab("up", "--nodes", "3", "--no-install")
+    assert result.returncode == 0, result.stderr
+    assert "already up with 3 nodes" in result.stdout
+    assert [d.pid for d in lab.status().record.daemons] == pids
+
+
+@pytest.mark.slurm
+def test_srun_runs_one_task_on_each_of_two_nodes(lab_up):
+    result = subprocess.run(["srun", "-N", "2", "--ntasks-per-node=1", "bash", "-c", "echo $SLURMD_NODENAME"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    nodes = sorted(result.stdout.split())
+    assert len(set(nodes)) == 2 and set(nodes) <= {"node1", "node2", "node3"}
+
+
+@pytest.mark.slurm
+def test_two_node_batch_job_completes(lab_up, tmp_path):
+    out = tmp_path / "job.out"
+    submitted = subprocess.run(["sbatch", "--parsable", "-N", "2", "-o", str(out),
+                                "--wrap", "srun bash -c 'echo $SLURM_PROCID $SLURMD_NODENAME'"],
+                               capture_output=True, text=True, timeout=30, check=True)
+    assert wait_for_job(submitted.stdout.strip()) == "COMPLETED"
+    lines = sorted(line.split() for line in out.read_text().splitlines())
+    assert [rank for rank, _ in lines] == ["0", "1"]
+    assert len({node for _, node in lines}) == 2
+
+
+def wait_for_job(job_id: str, timeout_s: float = 60.0) -> str:
+    """The job's final state. Polls scontrol: `sbatch --wait` polls only every few seconds
+    and there is no sacct on the lab."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                               text=True, check=True).stdout
+        state = shown.split("JobState=")[1].split()[0]
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {state} after {timeout_s:.0f} s")
+
+
+@pytest.mark.slurm
+def test_sixteen_nodes_come_up_and_run_a_step(lab_up):
+    try:
+        assert ensure_lab(16).up
+        result = subprocess.run(["srun", "-N", "16", "hostname"], capture_output=True,
+                                text=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+        assert len(result.stdout.splitlines()) == 16
+    finally:
+        ensure_lab(3)
+
+
+@pytest.mark.slurm
+def test_up_as_non_root_is_refused(lab_up):
+    code, stderr = run_as_nobody(["up", "--nodes", "3"])
+    assert code == 2, stderr
+    assert stderr.startswith("error:") and "root" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slurm
+def test_down_leaves_no_lab_daemon(lab_up):
+    started = lab.status().record.daemons
+    result = run_lab("down")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("lab is down")
+    assert not [d.label for d in started if daemons.is_alive(d)]
+    assert daemons.leftover_slurm_processes(timeout_s=0) == []
+    assert run_lab("status").returncode == 1
+    ensure_lab(3)  # back up, so that the order of these tests does not matter
