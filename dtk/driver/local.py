@@ -18,9 +18,10 @@ from pathlib import Path
 from dtk.driver.record import record_failure
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
+from dtk.worker.codes import EXIT_STOPPED
 
 POLL_S = 0.2
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 60.0  # SIGTERM → the workers agree, save and exit; then SIGKILL
 
 
 def free_port() -> int:
@@ -53,6 +54,30 @@ def tail(path: Path, lines: int = 8) -> str:
     return "\n".join(text[-lines:])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the driver dies, even by SIGKILL, so no
+    orphaned workers go on writing into a run that a new driver may start again. Linux only;
+    elsewhere the workers outlive a killed driver."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+PR_SET_PDEATHSIG = 1
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, _frame) -> None:
+    raise _Terminated(signal.Signals(signum).name)
+
+
 class LocalDriver:
     def __init__(self, plan: Plan, run: RunDir, *, progress=None) -> None:
         self.plan = plan
@@ -83,6 +108,7 @@ class LocalDriver:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             )
             log.close()
@@ -108,15 +134,18 @@ class LocalDriver:
             codes = [p.poll() for p in self.procs]
             if self.progress is not None:
                 self.progress.poll()
-            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_STOPPED)]
             if failed:
                 rank, code = failed[0]
                 self.stop()
                 self._failed(rank, code, logs)
                 return 1
-            if all(c == 0 for c in codes):
+            if all(c in (0, EXIT_STOPPED) for c in codes):
                 if self.progress is not None:
                     self.progress.poll(final=True)
+                if EXIT_STOPPED in codes:
+                    print("stopped on a signal after committing a checkpoint; run the same command to continue")
+                    return EXIT_STOPPED
                 return 0
             time.sleep(POLL_S)
 
@@ -137,10 +166,14 @@ class LocalDriver:
 
     def run_to_end(self) -> int:
         logs = self.start()
+        previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             return self.watch(logs)
-        except KeyboardInterrupt:
-            print("\ninterrupted: stopping workers (the latest checkpoint is kept)", file=sys.stderr)
+        except (KeyboardInterrupt, _Terminated) as exc:
+            why = str(exc) or "SIGINT"
+            print(f"\n{why}: the workers save at the end of this step and stop", file=sys.stderr)
             self.stop()
-            self.run.event("failed", reason="interrupted by the user")
             return 130
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -19,6 +19,7 @@ from dtk.driver.record import record_failure
 from dtk.launch.slurmctl import expand_nodelist
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
+from dtk.worker.codes import EXIT_STOPPED
 
 # Variables of the local driver that must not leak into srun tasks: the workers there read
 # their rank from SLURM_PROCID (see dtk.worker.env).
@@ -40,6 +41,31 @@ def srun_command(plan: Plan, *, logs: Path, nodes: list[str]) -> list[str]:
         "dtk.worker",
         str(plan.run_dir),
     ]
+
+
+def _latest_step(run: RunDir) -> int:
+    complete = [step for step, _, ok in run.checkpoint_steps() if ok]
+    return complete[-1] if complete else 0
+
+
+def _requeue(run: RunDir, *, job_id: str, nodes: list[str], restart: int, step_at_start: int) -> int:
+    """The workers saved and stopped on a signal (time limit ahead, or preemption): put the
+    job back in the queue, unless this start made no progress, which would loop forever."""
+    step = _latest_step(run)
+    if step <= step_at_start:
+        error = (
+            f"job {job_id} was stopped again at step {step} without completing a step since its start;"
+            " not requeued (is the time limit shorter than start-up plus a checkpoint?)"
+        )
+        record_failure(run, error=error, restarts=restart, job_id=job_id, step=step)
+        raise RuntimeError(error)
+    run.event("requeued", job_id=job_id, step=step, nodes=nodes, restart=restart)
+    # A requeued job becomes PENDING again; scontrol kills this batch script while doing it.
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        record_failure(run, error=f"scontrol requeue {job_id} failed: {proc.stderr.strip()}", restarts=restart)
+        raise RuntimeError(proc.stderr.strip())
+    return EXIT_STOPPED
 
 
 def drive(run_dir: str) -> int:
@@ -70,7 +96,10 @@ def drive(run_dir: str) -> int:
     )
     cmd = srun_command(plan, logs=logs, nodes=nodes)
     print("driver:", " ".join(cmd), flush=True)
+    step_at_start = _latest_step(run)
     code = subprocess.run(cmd, env=env).returncode
+    if code == EXIT_STOPPED:
+        return _requeue(run, job_id=job_id, nodes=nodes, restart=restart, step_at_start=step_at_start)
     if code != 0:
         error = f"worker step exited with code {code} in job {job_id}; logs in {logs}"
         record_failure(run, error=error, restarts=restart, job_id=job_id, exit_code=code, nodes=nodes)

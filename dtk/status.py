@@ -1,0 +1,122 @@
+"""python -m dtk.status RUN_DIR [--json]: where a run stands, from its directory and Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from dtk.errors import UserError, run_cli
+from dtk.rundir import RunDir
+
+USAGE = """usage: python -m dtk.status RUN_DIR [--json]
+
+State (pending, running, finished, failed, stopped), step / total, loss, last complete
+checkpoint, restarts and every start with its job id and nodes. Slurm jobs are asked
+with squeue/scontrol; the rest comes from the run directory."""
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _slurm_state(job_id: str) -> str | None:
+    try:
+        from dtk.launch.slurmctl import job_state
+
+        return job_state(job_id)
+    except UserError:  # no Slurm commands here: report what the run directory says
+        return None
+
+
+def collect(run: RunDir) -> dict[str, Any]:
+    if not run.plan_json.is_file():
+        raise UserError(f"{run.path}: not a dtk run directory (no plan.json); run directories live under run.root")
+    plan = json.loads(run.plan_json.read_text())
+    events = run.events_list()
+    metrics = run.latest_metrics()
+    summary = run.read_summary()
+    starts = [e for e in events if e.get("event") == "started"]
+    job_ids = list(dict.fromkeys(str(e["job_id"]) for e in events if e.get("job_id")))
+    slurm_ids = [j for j in job_ids if not j.startswith("local-")]
+    last_job = slurm_ids[-1] if slurm_ids else None
+    job_state = _slurm_state(last_job) if last_job else None
+
+    last_event = events[-1]["event"] if events else None
+    if job_state in ACTIVE:
+        state = "pending" if job_state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING") else "running"
+    elif summary and summary.get("status") in ("finished", "failed") and last_event in ("finished", "failed"):
+        state = summary["status"]
+    elif starts and not last_job and _alive(int(starts[-1].get("driver_pid", 0) or 0)):
+        state = "running"
+    elif not starts:
+        state = "pending" if last_job else "submitted"
+    else:
+        state = "stopped"
+    last_step = max(metrics) if metrics else 0
+    complete = [step for step, _, ok in run.checkpoint_steps() if ok]
+    return {
+        "run_dir": str(run.path),
+        "state": state,
+        "slurm_state": job_state,
+        "step": last_step,
+        "total_steps": plan["steps"],
+        "loss": metrics[last_step]["loss"] if metrics else None,
+        "last_checkpoint": complete[-1] if complete else None,
+        "restarts": max(0, len(starts) - 1),
+        "job_ids": job_ids,
+        "starts": [
+            {k: e.get(k) for k in ("restart", "job_id", "nodes", "world_size", "slurm_restart_count") if k in e}
+            for e in starts
+        ],
+        "error": summary.get("error") if summary and state == "failed" else None,
+        "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
+    }
+
+
+def render(info: dict[str, Any]) -> str:
+    loss = f"{info['loss']:.4f}" if info["loss"] is not None else "-"
+    state = info["state"] + (f" (Slurm: {info['slurm_state']})" if info["slurm_state"] else "")
+    lines = [
+        f"run          {info['run_dir']}",
+        f"state        {state}",
+        f"step         {info['step']}/{info['total_steps']}  loss {loss}",
+        f"checkpoint   {'step ' + str(info['last_checkpoint']) if info['last_checkpoint'] is not None else 'none yet'}",
+        f"restarts     {info['restarts']}",
+    ]
+    if info["final_loss"] is not None:
+        lines.append(f"final loss   {info['final_loss']:.6f}")
+    if info["error"]:
+        lines.append(f"error        {info['error']}")
+    for s in info["starts"]:
+        nodes = ",".join(s.get("nodes") or [])
+        lines.append(f"start {s.get('restart')}      job {s.get('job_id')} on {nodes} (world {s.get('world_size')})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0 if argv else 2
+    paths = [a for a in argv if a != "--json"]
+    if len(paths) != 1:
+        raise UserError(f"expected one RUN_DIR, got {len(paths)}: {' '.join(paths)}")
+    path = Path(paths[0])
+    if not path.is_dir():
+        raise UserError(f"RUN_DIR={path}: no such directory")
+    info = collect(RunDir(path))
+    print(json.dumps(info, indent=2) if "--json" in argv else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
