@@ -60,6 +60,12 @@ class TransformerConfig:
     """Tokens per sample (context length)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    wrap_classes: list[str] = field(default_factory=list)
+    """Classes of the repeated blocks: units of FSDP sharding, activation checkpointing and compile."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """Tensor-parallel plan: module path pattern → colwise, rowwise, colwise_output, sequence_parallel or sequence_gather."""
+    split_points: list[str] = field(default_factory=list)
+    """Module paths where pipeline stages 1, 2, ... begin. Empty: the blocks split evenly over the stages."""
 
 
 @dataclass
@@ -130,18 +136,44 @@ class CheckpointConfig:
 
 @dataclass
 class SchemeConfig:
+    """Defaults are plain DDP, what a job without `+scheme=` runs. docs/schemes.md explains each scheme."""
+
     name: str = "ddp"
     """Parallelism scheme. Chosen with `+scheme=NAME`; without one a multi-worker job is DDP."""
-    dp_replicate: int = 1
-    """Data-parallel replicas (outermost mesh axis, across nodes)."""
-    dp_shard: int = -1
-    """Data-parallel shards; -1: inferred so that the degrees multiply to the world size."""
+    dp_replicate: int = -1
+    """Data-parallel replicas (outermost mesh axis, across nodes); -1: inferred."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP); -1: inferred so that the degrees multiply to the world size."""
     tp: int = 1
-    """Tensor-parallel degree (innermost mesh axis, inside a node)."""
+    """Tensor-parallel degree (innermost mesh axis, inside a node); -1: inferred."""
     pp: int = 1
-    """Pipeline-parallel degree."""
+    """Pipeline-parallel degree; -1: inferred."""
+    data_parallel: str = "ddp"
+    """How data-parallel ranks hold the model: `ddp` (DistributedDataParallel, replicated; needs dp_shard=1, tp=1) or `fsdp` (FSDP2 over dp_replicate × dp_shard)."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size in MiB."""
+    shard_optimizer: bool = False
+    """ZeRO-1: shard the optimizer state over the data-parallel ranks (with data_parallel=ddp)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
+    cpu_offload: bool = False
+    """FSDP: keep parameter shards, gradients and optimizer state in host memory."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard norms and residual activations along the sequence too."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved_1f1b` (needs pp_virtual_stages ≥ 2)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per pipeline rank (interleaved 1F1B); the model is cut into pp × this many stages."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per optimizer step. 0: global_batch / (micro_batch × data-parallel size); set: train.micro_batch follows from it."""
+    activation_checkpoint: str = "none"
+    """Recompute activations in backward: `none`, `selective` (keep matmul and attention outputs) or `full` (each block)."""
+    compile: bool = False
+    """torch.compile each block."""
+    param_dtype: str = "auto"
+    """Dtype of parameters in forward/backward: `auto` (bfloat16 on GPU, float32 on CPU), `float32` or `bfloat16`."""
+    reduce_dtype: str = "auto"
+    """Dtype of the FSDP gradient reduction: `auto` (float32), `float32` or `bfloat16`."""
 
 
 @dataclass

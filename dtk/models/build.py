@@ -1,9 +1,16 @@
-"""Build a model from `model._target_` and the other keys of the `model` config."""
+"""Build a model from `model._target_` and the other keys of the `model` config.
+
+A model is built on the meta device (no memory), parallelized, and only then given real
+storage and initial values (`materialize`). The initial values never depend on how the
+model was split or sharded, so every scheme starts exactly where one process would.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,6 +18,26 @@ from torch import nn
 
 # Keys of the model config that describe how to parallelize, not how to build.
 PARALLEL_KEYS = ("wrap_classes", "tp_plan", "split_points")
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """What the model config says about parallelizing the model (see docs/schemes.md)."""
+
+    wrap_classes: tuple[str, ...] = ()
+    """Class names (or dotted paths) of the repeated blocks: FSDP and activation-checkpoint units."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """Module path pattern → tensor-parallel style (colwise, rowwise, colwise_output, ...)."""
+    split_points: tuple[str, ...] = ()
+    """Module paths where pipeline stages 1, 2, ... begin; empty: an even split of the blocks."""
+
+    @staticmethod
+    def from_config(cfg: dict[str, Any]) -> ParallelSpec:
+        return ParallelSpec(
+            wrap_classes=tuple(cfg.get("wrap_classes") or ()),
+            tp_plan=dict(cfg.get("tp_plan") or {}),
+            split_points=tuple(cfg.get("split_points") or ()),
+        )
 
 
 def locate(target: str) -> Callable[..., Any]:
@@ -24,14 +51,75 @@ def locate(target: str) -> Callable[..., Any]:
         raise ValueError(f"model._target_={target}: cannot import it ({exc})") from None
 
 
-def build_model(cfg: dict[str, Any], *, seed: int) -> nn.Module:
-    """Build on the CPU with a seeded generator, so every rank starts from the same weights."""
+def _factory_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg.items() if not k.startswith("_") and k not in PARALLEL_KEYS}
+
+
+def build_model(cfg: dict[str, Any], *, device: str | torch.device = "meta", seed: int = 0) -> nn.Module:
+    """Call the factory under `device`. On "meta" nothing is allocated; `materialize` later
+    gives the parameters storage and values. On a real device the factory's own
+    initialisation runs under `seed`."""
     factory = locate(cfg["_target_"])
-    kwargs = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in PARALLEL_KEYS}
     torch.manual_seed(seed)
-    model = factory(**kwargs)
+    with torch.device(device):
+        model = factory(**_factory_kwargs(cfg))
     if not isinstance(model, nn.Module):
         raise ValueError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not an nn.Module")
-    if hasattr(model, "init_weights"):
-        model.init_weights(torch.Generator().manual_seed(seed))
     return model
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A generator seed from (seed, parameter name): stable across processes and runs."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _tensors(parts: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    out = []
+    for part in parts:
+        for name, t in part.named_parameters():
+            out.append((part, name, t))
+        for name, t in part.named_buffers():
+            out.append((part, name, t))
+    return out
+
+
+@torch.no_grad()
+def _assign(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` (the unsharded value, on the CPU) into `target`, which may be a DTensor
+    shard of it: each rank keeps only its own piece."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        full = full.to(device=target.device, dtype=target.dtype)
+        # src_data_rank=None: every rank already holds the full value; no communication.
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def materialize(parts: list[nn.Module], *, cfg: dict[str, Any], device: torch.device, seed: int) -> None:
+    """Give meta parameters storage on `device` and their initial values.
+
+    A model with `reset_parameter(name, full, generator)` fills each full tensor from a
+    generator seeded by (seed, name), one tensor at a time, so memory stays one parameter
+    above the shards. Any other model is built once more on the CPU under `seed` with
+    its own initialisation, and each rank copies its shards from that reference (memory:
+    one full model on the host while starting)."""
+    for part in parts:
+        part.to_empty(device=device)
+    hook = getattr(parts[0], "reset_parameter", None)
+    if hook is not None:
+        for part, name, t in _tensors(parts):
+            full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            part.reset_parameter(name, full, torch.Generator().manual_seed(name_seed(seed, name)))
+            _assign(t, full)
+        return
+    reference = build_model(cfg, device="cpu", seed=seed)
+    values = dict(reference.named_parameters())
+    values.update(reference.named_buffers())
+    for _, name, t in _tensors(parts):
+        if name not in values:
+            raise ValueError(f"model._target_={cfg['_target_']}: parameter {name} is not in a fresh build of the model")
+        _assign(t, values[name].detach())

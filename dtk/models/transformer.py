@@ -1,9 +1,10 @@
 """The built-in decoder-only transformer (pre-norm, RMSNorm, SwiGLU, causal SDPA).
 
-Module names are chosen for parallelism plans: `layers` is a ModuleDict keyed by the
-block index, so a pipeline stage can drop the blocks it does not own and keep the
-original parameter names (checkpoints stay loadable under any split); the embedding,
-final norm and output head may be None on stages that do not hold them.
+Module names are chosen for parallelism plans (conf/model/transformer.yaml names them):
+`layers` is a ModuleDict keyed by the block index, so a pipeline stage can replace the
+blocks it does not own and keep the original parameter names (checkpoints stay loadable
+under any split); the embeddings, final norm and output head are None on stages that do
+not hold them, and `forward` skips them.
 """
 
 from __future__ import annotations
@@ -97,25 +98,30 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = RMSNorm(dim, norm_eps)
         self.output: nn.Module | None = nn.Linear(dim, vocab_size, bias=False)
 
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Deterministic initialisation (GPT-2 style, residual projections scaled by depth)."""
+    def reset_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full (unsharded) tensor of parameter `name` in place.
+
+        dtk calls this once per parameter with a generator seeded from (train.seed, name),
+        so a value depends on its name alone: every scheme, shard and pipeline stage starts
+        from the weights a single process would have (GPT-2 style: residual projections
+        scaled by depth)."""
         std = 0.02
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(param)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(param, 0.0, std / math.sqrt(2 * self.n_layers), generator=generator)
-            else:
-                nn.init.normal_(param, 0.0, std, generator=generator)
+        if name.endswith("norm.weight"):
+            nn.init.ones_(full)
+        elif name.endswith(("wo.weight", "w2.weight")):
+            nn.init.normal_(full, 0.0, std / math.sqrt(2 * self.n_layers), generator=generator)
+        else:
+            nn.init.normal_(full, 0.0, std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            # (1, seq): the sequence is dim 1 as in h, so tensor parallelism can shard both alike.
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
             h = h + self.pos_embeddings(positions)
         else:
             h = tokens  # a later pipeline stage receives activations
-        for block in self.layers.values():
+        for block in self.layers.values():  # blocks of other pipeline stages are nn.Identity
             h = block(h)
         if self.norm is not None:
             h = self.norm(h)
@@ -127,4 +133,3 @@ class Transformer(nn.Module):
 def build(**kwargs) -> Transformer:
     """Factory named by `model._target_` in conf/model/transformer.yaml."""
     return Transformer(**kwargs)
-

@@ -1,31 +1,142 @@
 """The one composition point of parallelism.
 
-Order, fixed: pipeline split → tensor parallel → activation checkpointing → compile →
-FSDP / DDP. Each step is an `apply_*` of its own module; this function only decides
-which apply and in what order.
+Order, fixed, each step an `apply_*` of its own module:
+
+    1. pipeline split       the (meta) model → this rank's stage modules
+    2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis)
+    3. activation ckpt      wrap each block's forward (after TP, so recompute redoes TP comms)
+    4. compile              each block, in place (after AC, so the checkpoint is in the graph)
+    5. FSDP                 shard each block over dp_shard, replicate over dp_replicate
+       materialize          storage and initial values (after sharding: no rank ever holds
+                            the whole model; before DDP, which broadcasts real weights)
+       DDP                  or wrap for replicated data parallelism
+    6. pipeline schedule    stages of this rank → the schedule that runs the micro-batches
+
+This function only decides which apply runs, and in what order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
+from dtk.dist.mesh import Axis, ParallelMesh
+from dtk.models.build import ParallelSpec
+from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
+from dtk.parallel.precision import resolve_dtype
 from dtk.plan.degrees import Degrees
 
 
+@dataclass
+class Parallelized:
+    """The model as this rank holds it."""
+
+    parts: list[nn.Module]
+    """One module, or one per pipeline stage this rank holds (interleaved schedules: several)."""
+    pipeline: Pipeline | None
+    """The pipeline schedule when pp > 1."""
+    autocast_dtype: torch.dtype | None
+    """Run forward under autocast to this dtype (mixed precision without FSDP's policy)."""
+
+
 def parallelize(
-    model: nn.Module, *, scheme: dict, degrees: Degrees, device: torch.device
-) -> nn.Module:
-    """Return the model ready to train on this rank under `scheme`."""
-    name = scheme.get("name", "ddp")
-    if name != "ddp" or degrees.tp != 1 or degrees.pp != 1 or degrees.dp_shard != 1:
-        raise ValueError(
-            f"scheme={name} (dp_shard={degrees.dp_shard}, tp={degrees.tp}, pp={degrees.pp}) is not available;"
-            " available: ddp"
+    model: nn.Module,
+    *,
+    mesh: ParallelMesh,
+    degrees: Degrees,
+    scheme: dict[str, Any],
+    spec: ParallelSpec,
+    device: torch.device,
+    materialize: Callable[[list[nn.Module]], None],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    n_microbatches: int,
+) -> Parallelized:
+    """Return this rank's model ready to train under `scheme`. `model` is on the meta device;
+    `materialize(parts)` gives parts storage and initial values."""
+    data_parallel = scheme["data_parallel"]
+    param_dtype = resolve_dtype(scheme["param_dtype"], device, auto=torch.bfloat16)
+    reduce_dtype = resolve_dtype(scheme["reduce_dtype"], device, auto=torch.float32)
+    use_fsdp = data_parallel == "fsdp" and degrees.dp > 1
+    use_ddp = data_parallel == "ddp" and degrees.dp > 1
+
+    if degrees.tp > 1:
+        from dtk.parallel.tp import check_tp_plan
+
+        check_tp_plan(model, spec.tp_plan)
+
+    # 1. pipeline split
+    parts, stage_ids = [model], [0]
+    num_stages = degrees.pp * scheme["pp_virtual_stages"]
+    if degrees.pp > 1:
+        parts, stage_ids = split_model(
+            model,
+            split_points=spec.split_points,
+            pp_rank=mesh.rank(Axis.PP),
+            pp=degrees.pp,
+            virtual=scheme["pp_virtual_stages"],
         )
-    model.to(device)
-    if degrees.dp_replicate > 1:
+
+    for part in parts:
+        # 2. tensor parallel
+        if degrees.tp > 1:
+            from dtk.parallel.tp import apply_tp
+
+            apply_tp(part, mesh=mesh[Axis.TP], tp_plan=spec.tp_plan, sequence_parallel=scheme["sequence_parallel"])
+        # 3. activation checkpointing
+        if scheme["activation_checkpoint"] != "none":
+            from dtk.parallel.ac import apply_ac
+
+            apply_ac(part, mode=scheme["activation_checkpoint"], wrap_classes=spec.wrap_classes)
+        # 4. compile
+        if scheme["compile"]:
+            from dtk.parallel.compile import apply_compile
+
+            apply_compile(part, wrap_classes=spec.wrap_classes)
+        # 5. FSDP (on the meta device: shards are allocated by materialize)
+        if use_fsdp:
+            from dtk.parallel.fsdp import apply_fsdp
+
+            # 1-D when there is nothing to replicate: HSDP with one replica would only add
+            # a no-op all-reduce per step.
+            fsdp_mesh = mesh[Axis.DP_SHARD] if degrees.dp_replicate == 1 else mesh.data_parallel_2d
+            apply_fsdp(
+                part,
+                mesh=fsdp_mesh,
+                wrap_classes=spec.wrap_classes,
+                reshard_after_forward=scheme["reshard_after_forward"],
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                cpu_offload=scheme["cpu_offload"],
+                device=device,
+            )
+
+    materialize(parts)
+
+    # 5. DDP (needs real weights: it checks and broadcasts them when it wraps)
+    if use_ddp:
         from dtk.parallel.ddp import apply_ddp
 
-        model = apply_ddp(model, device=device, bucket_cap_mb=scheme.get("bucket_cap_mb", 25))
-    return model
+        parts = [
+            apply_ddp(part, device=device, bucket_cap_mb=scheme["bucket_cap_mb"], process_group=mesh.group(Axis.DP))
+            for part in parts
+        ]
+
+    # 6. the pipeline schedule over this rank's stages
+    pipeline = None
+    if degrees.pp > 1:
+        pipeline = build_pipeline(
+            parts,
+            stage_ids,
+            num_stages=num_stages,
+            schedule=scheme["pp_schedule"],
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            device=device,
+            group=mesh.group(Axis.PP),
+        )
+    autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
+    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast)

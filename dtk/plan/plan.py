@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
-from dtk.plan.degrees import Degrees, resolve_degrees
+from dtk.plan.degrees import Degrees, check_scheme, default_scheme, micro_batch_size, resolve_degrees
 
 CLUSTER_KINDS = ("local", "slurm")
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
@@ -122,7 +122,7 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
     _check_model(cfg["model"])
 
     world = nodes * tpn
-    scheme = cfg.get("scheme") or {"name": "ddp", "dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1}
+    scheme = cfg.get("scheme") or default_scheme()
     degrees = resolve_degrees(scheme, world)
     global_batch = train["global_batch"]
     if global_batch % degrees.dp:
@@ -131,7 +131,7 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
             f" ({global_batch} / {degrees.dp} = {global_batch / degrees.dp:.2f});"
             f" try train.global_batch={degrees.dp * max(1, round(global_batch / degrees.dp))}"
         )
-    micro = train["micro_batch"] or global_batch // degrees.dp
+    micro = micro_batch_size(scheme, micro_batch=train["micro_batch"], global_batch=global_batch, degrees=degrees)
     _positive("train.micro_batch", micro)
     per_step = micro * degrees.dp
     if global_batch % per_step:
@@ -140,6 +140,9 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
             f" = {micro} × {degrees.dp} = {per_step}; try train.global_batch={per_step * max(1, round(global_batch / per_step))}"
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
+    check_scheme(
+        scheme, degrees, cfg["model"], n_microbatches=global_batch // per_step, eval_every=train.get("eval_every", 0)
+    )
     digest = semantic_hash(cfg)
     name = cfg["run"]["name"] or f"{_model_name(cfg['model'])}-{digest}"
     if "/" in name or name in (".", ".."):

@@ -1,4 +1,12 @@
-"""The training loop: data → forward/backward with accumulation → step → metrics → checkpoint."""
+"""The training loop: data → forward/backward with accumulation → step → metrics → checkpoint.
+
+One optimizer step sees the whole global batch; this rank's share arrives as
+`grad_accum` micro-batches. Without a pipeline they are run one after another with the
+gradient summed; with one, they are the pipeline's micro-batches and the schedule runs
+them all. Either way the gradient is the mean over the rank's samples, and the data-
+parallel reduction makes it the mean over the global batch — the same number a single
+process computes.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtk.data.loader import StepBatches
+from dtk.parallel.grad_norm import clip_grad_norm_
+from dtk.parallel.parallelize import Parallelized
 from dtk.train.metrics import MetricsLog
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over a micro-batch, computed in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @dataclass
@@ -27,64 +42,108 @@ class StepResult:
 
 class Trainer:
     """Runs optimizer steps. Everything distributed is decided before it is built: it gets a
-    parallelized model, its own data share and a process group for the loss mean."""
+    parallelized model (or a plain module), its own data share, and process groups for the
+    loss mean (data parallel) and for summing over pipeline stages."""
 
     def __init__(
         self,
         *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        model: torch.nn.Module | Parallelized,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        scheduler,
         batches: StepBatches,
         grad_clip: float,
         dp_group: dist.ProcessGroup | None,
         metrics: MetricsLog | None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.model = model
-        self.optimizer = optimizer
+        if not isinstance(model, Parallelized):
+            model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None)
+        self.parallel = model
+        self.parts = model.parts
+        self.model = model.parts[0]
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self.scheduler = scheduler
         self.batches = batches
         self.grad_clip = grad_clip
         self.dp_group = dp_group
+        self.pp_group = pp_group
         self.metrics = metrics
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
 
     def _sync_context(self, last_micro: bool):
-        # DDP all-reduces gradients in backward; on all but the last micro-batch of the
-        # accumulation that traffic is wasted, so skip it.
-        if not last_micro and hasattr(self.model, "no_sync"):
-            return self.model.no_sync()
+        """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
+        model = self.model
+        if hasattr(model, "no_sync"):  # DDP: all-reduce only after the last micro-batch
+            return model.no_sync() if not last_micro else contextlib.nullcontext()
+        if hasattr(model, "set_requires_all_reduce"):
+            # FSDP: reduce-scatter every micro-batch (gradients stay sharded), but the HSDP
+            # all-reduce across replicas only once, on the summed shards.
+            model.set_requires_all_reduce(last_micro)
         return contextlib.nullcontext()
+
+    def _autocast(self):
+        dtype = self.parallel.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.batches.device.type, dtype=dtype)
+
+    def _accumulate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward/backward of each micro-batch; returns the mean loss over them."""
+        total = torch.zeros((), device=micro[0][0].device)
+        n = len(micro)
+        for i, (inputs, targets) in enumerate(micro):
+            with self._sync_context(i == n - 1):
+                with self._autocast():
+                    logits = self.model(inputs)
+                loss = cross_entropy(logits, targets)
+                (loss / n).backward()
+            total += loss.detach()
+        return total / n
+
+    def _pipeline(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One schedule step over all micro-batches; the mean loss on the last stage, 0 elsewhere."""
+        pipe = self.parallel.pipeline
+        inputs = torch.cat([m[0] for m in micro])
+        targets = torch.cat([m[1] for m in micro])
+        args = (inputs,) if pipe.has_first_stage else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if pipe.has_last_stage else {}
+        with self._autocast():
+            pipe.schedule.step(*args, **kwargs)
+        if not pipe.has_last_stage:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _global_mean(self, local: torch.Tensor) -> float:
+        # Pipeline: only the last stage has the loss; summing over stages gives it to all
+        # (global rank 0, which logs, holds the first stage).
+        if self.parallel.pipeline is not None and self.pp_group is not None:
+            dist.all_reduce(local, group=self.pp_group)
+        # Every data-parallel rank saw the same number of samples, so the mean of the rank
+        # means is the mean over the global batch.
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(local, group=self.dp_group)
+            local /= dist.get_world_size(self.dp_group)
+        return local.item()
 
     def step(self, step: int) -> StepResult:
         """One optimizer step over the global batch of `step` (0-based)."""
         t0 = time.perf_counter()
         micro = self.batches.get(step)
         t_data = time.perf_counter() - t0
-        total = torch.zeros((), device=micro[0][0].device)
-        n = len(micro)
-        for i, (inputs, targets) in enumerate(micro):
-            with self._sync_context(i == n - 1):
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                (loss / n).backward()
-            total += loss.detach()
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=True)
-            if self.grad_clip > 0
-            else torch.zeros(())
-        )
+        if self.parallel.pipeline is not None:
+            local = self._pipeline(micro)
+        else:
+            local = self._accumulate(micro)
+        grad_norm = clip_grad_norm_(self._params, self.grad_clip, pp_group=self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        mean = total / n
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            # Every data-parallel rank saw the same number of samples, so the mean of the
-            # rank means is the mean over the global batch.
-            dist.all_reduce(mean, group=self.dp_group)
-            mean /= dist.get_world_size(self.dp_group)
-        loss_value = mean.item()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss_value = self._global_mean(local)
         return StepResult(
             loss=loss_value,
             lr=lr,
@@ -110,4 +169,3 @@ class Trainer:
             if on_step_end is not None:
                 on_step_end(step + 1, result)
         return result
-

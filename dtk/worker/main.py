@@ -16,13 +16,15 @@ import torch.distributed as dist
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.data.loader import StepBatches, build_dataset
 from dtk.dist.init import init_process_group, pick_device
-from dtk.models.build import build_model
+from dtk.dist.mesh import Axis, build_mesh
+from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
+from dtk.plan.degrees import default_scheme
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
 from dtk.train.metrics import MetricsLog
-from dtk.train.optim import build_optimizer, build_scheduler
-from dtk.train.trainer import Trainer
+from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
+from dtk.train.trainer import Trainer, cross_entropy
 from dtk.worker.env import WorkerEnv, read_env
 
 
@@ -43,16 +45,30 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     restart = int(os.environ.get("DTK_RESTART", "0"))
     seed = cfg["train"]["seed"]
 
-    model = build_model(cfg["model"], seed=seed)
-    model = parallelize(model, scheme=cfg.get("scheme") or {"name": "ddp"}, degrees=plan.degrees, device=device)
-    optimizer = build_optimizer(model.parameters(), cfg["optim"])
-    scheduler = build_scheduler(optimizer, cfg["optim"], plan.steps)
+    scheme = cfg.get("scheme") or default_scheme()
+    mesh = build_mesh(plan.degrees, device.type)
+    dp_group = mesh.group(Axis.DP)
+    model = parallelize(
+        build_model(cfg["model"], device="meta"),
+        mesh=mesh,
+        degrees=plan.degrees,
+        scheme=scheme,
+        spec=ParallelSpec.from_config(cfg["model"]),
+        device=device,
+        materialize=lambda parts: materialize(parts, cfg=cfg["model"], device=device, seed=seed),
+        loss_fn=cross_entropy,
+        n_microbatches=plan.grad_accum,
+    )
+    # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
+    shard_group = dp_group if scheme["shard_optimizer"] and plan.degrees.dp > 1 else None
+    optimizers = [build_optimizer(part.parameters(), cfg["optim"], shard_group=shard_group) for part in model.parts]
+    scheduler = SchedulerGroup([build_scheduler(o, cfg["optim"], plan.steps) for o in optimizers])
     dataset = build_dataset(cfg["data"], cfg["model"])
 
     checkpoints = CheckpointManager(
         run,
         cfg=cfg["checkpoint"],
-        parts=[(model, optimizer)],
+        parts=[(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)],
         scheduler=scheduler,
         rank=env.rank,
         world_size=env.world_size,
@@ -63,7 +79,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     start_step = checkpoints.resume()
     torch.manual_seed(seed + 1000 * start_step + env.rank)  # per-rank stream for anything stochastic
 
-    dp_rank, dp_size = env.rank, plan.degrees.dp  # pure data parallel: every rank is its own dp rank
+    # Ranks with the same dp coordinate (tensor / pipeline peers) train on the same samples.
+    dp_rank, dp_size = mesh.rank(Axis.DP), plan.degrees.dp
     batches = StepBatches(
         dataset,
         seed=seed,
@@ -87,11 +104,12 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     )
     trainer = Trainer(
         model=model,
-        optimizer=optimizer,
+        optimizer=optimizers,
         scheduler=scheduler,
         batches=batches,
         grad_clip=cfg["optim"]["grad_clip"],
-        dp_group=dist.group.WORLD if dist.is_initialized() else None,
+        dp_group=dp_group,
+        pp_group=mesh.group(Axis.PP) if plan.degrees.pp > 1 else None,
         metrics=metrics,
     )
     if rank0 and start_step:

@@ -1,0 +1,121 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+The model is cut into `pp × pp_virtual_stages` stages at unit boundaries (see
+`dtk.parallel.units.pipeline_units`): stage s begins at `split_points[s-1]`, or, with no
+split points, the blocks are divided evenly and the stages before the first block and
+after the last go to the first and last stage. A stage is a copy of the model in which
+every unit it does not own is gone: a block becomes `nn.Identity()` (names of the others
+stay), a top-level module becomes None (the model's forward must skip None modules).
+
+Pipeline rank r holds stages r, r + pp, r + 2·pp, ... (looped, as interleaved 1F1B
+expects). The accumulation micro-batches of one optimizer step are the pipeline's
+micro-batches: the schedule runs them all in one `step`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from dtk.parallel.units import pipeline_units
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE = ("interleaved_1f1b",)
+
+
+def stage_units(model: nn.Module, *, split_points: tuple[str, ...], num_stages: int) -> list[list[str]]:
+    """The unit paths of each stage, in order."""
+    units = pipeline_units(model)
+    names = [name for name, _ in units]
+    if split_points:
+        if len(split_points) != num_stages - 1:
+            raise ValueError(
+                f"model.split_points has {len(split_points)} entries, which make {len(split_points) + 1} stages,"
+                f" but pp × pp_virtual_stages = {num_stages}; give {num_stages - 1} split points or none (even split)"
+            )
+        missing = [p for p in split_points if p not in names]
+        if missing:
+            raise ValueError(f"model.split_points {missing} are not units of the model; units: {', '.join(names)}")
+        starts = [names.index(p) for p in split_points]
+        if starts != sorted(set(starts)) or starts[0] == 0:
+            raise ValueError(f"model.split_points {list(split_points)} must be increasing and after the first unit")
+    else:
+        blocks = [i for i, (_, is_block) in enumerate(units) if is_block]
+        if len(blocks) < num_stages:
+            raise ValueError(
+                f"pp × pp_virtual_stages = {num_stages} stages, but the model has {len(blocks)} blocks;"
+                " every stage needs at least one"
+            )
+        starts = [blocks[s * len(blocks) // num_stages] for s in range(1, num_stages)]
+    bounds = [0, *starts, len(names)]
+    return [names[bounds[s] : bounds[s + 1]] for s in range(num_stages)]
+
+
+def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
+    """A copy of the (meta) model holding only the units in `keep`."""
+    stage = copy.deepcopy(model)
+    for name, is_block in pipeline_units(stage):
+        if name in keep:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = stage.get_submodule(parent_name) if parent_name else stage
+        if is_block:
+            parent.register_module(child, nn.Identity())
+        else:
+            setattr(parent, child, None)
+    return stage
+
+
+def local_stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def split_model(
+    model: nn.Module, *, split_points: tuple[str, ...], pp_rank: int, pp: int, virtual: int
+) -> tuple[list[nn.Module], list[int]]:
+    """This pipeline rank's stage modules and their stage indices."""
+    units = stage_units(model, split_points=split_points, num_stages=pp * virtual)
+    ids = local_stage_ids(pp_rank, pp, virtual)
+    return [stage_module(model, units[i]) for i in ids], ids
+
+
+@dataclass
+class Pipeline:
+    schedule: object
+    has_first_stage: bool
+    has_last_stage: bool
+
+
+def build_pipeline(
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    *,
+    num_stages: int,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    group,
+) -> Pipeline:
+    stages = [
+        PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
+        for part, i in zip(parts, stage_ids, strict=True)
+    ]
+    cls = SCHEDULES[schedule]
+    # The loss is a mean over one micro-batch; scale_grads divides the summed gradients by
+    # the micro-batch count, so the result is the mean over the rank's batch, as without pp.
+    if schedule in MULTI_STAGE:
+        sched = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    else:
+        assert len(stages) == 1, "single-stage schedules take one stage per rank"
+        sched = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return Pipeline(
+        schedule=sched,
+        has_first_stage=0 in stage_ids,
+        has_last_stage=num_stages - 1 in stage_ids,
+    )
