@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 from dtk.checkpoint import dcp as ckpt
+from dtk.checkpoint.manifest import Rejected
+from dtk.checkpoint.retention import prune
+from dtk.errors import UserError
 from dtk.rundir import RunDir
 
 
@@ -27,6 +31,11 @@ class CheckpointManager:
     ) -> None:
         self.run = run
         self.every = cfg["every"]
+        self.every_s = 60.0 * float(cfg.get("every_minutes", 0) or 0)
+        if cfg["every"] < 0 or self.every_s < 0:
+            raise UserError(
+                f"checkpoint.every={cfg['every']} checkpoint.every_minutes={cfg.get('every_minutes')}: expected 0 (off) or more"
+            )
         self.keep = cfg["keep"]
         self.resume_enabled = cfg["resume"]
         self.parts = parts  # (model part, its optimizer): one pair, or one per pipeline stage held
@@ -35,47 +44,158 @@ class CheckpointManager:
         self.world_size = world_size
         self.global_batch = global_batch
         self.total_steps = total_steps
-        self.identity = identity  # config hash, data version, scheme: recorded in every checkpoint
+        self.identity = identity  # config hash, data version, scheme, mesh: recorded in every checkpoint
+        self.comm = ckpt.Comm.create()
+        # The minutes-based trigger needs all ranks to agree on a step; it votes on a group of
+        # its own because the checkpoint group may be busy with a background save.
+        self._vote = ckpt.Comm.create() if self.every_s > 0 else None
+        self._saver = ckpt.Saver(self.comm, asynchronous=bool(cfg.get("async_save", False)), on_commit=self._committed)
+        self._last_save_t = time.monotonic()
+        self.verified_step: int | None = None  # newest checkpoint known good: retention never deletes it
+        self.rng_restored = False
+        self.last_blocked_s = 0.0
+        self._last_step: int | None = None  # the step of the newest save started by this process
+
+    # --- resume -------------------------------------------------------------------------
 
     def resume(self) -> int:
-        """Load the latest complete checkpoint if there is one; return the step to start from."""
-        latest = ckpt.latest_complete(self.run) if self.resume_enabled else None
-        if latest is None:
+        """Load the newest checkpoint that verifies and return its step (0: none, start fresh).
+
+        Folders are tried newest first; one that fails (no manifest, a missing, short or
+        changed file, a load error) is logged as `checkpoint_rejected` and the previous one
+        is tried. If committed checkpoints exist but none verifies, the job stops: starting
+        from scratch would silently throw away the run.
+        """
+        if not self.resume_enabled:
             return 0
-        t0 = time.perf_counter()
-        state = ckpt.load(latest[1], parts=self.parts)
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.rank == 0:
-            self.run.event(
-                "checkpoint_loaded",
-                step=state["step"],
-                path=str(latest[1]),
-                from_world_size=state["world_size"],
-                seconds=round(time.perf_counter() - t0, 3),
+        found = self.comm.broadcast(self.run.checkpoint_steps() if self.rank == 0 else None)
+        reasons = []
+        for step, path, committed in reversed(found):
+            t0 = time.perf_counter()
+            try:
+                if not committed:
+                    raise Rejected("no manifest.json: the save did not finish, or the manifest was deleted")
+                manifest = ckpt.verify(self.comm, path)
+                self._check_identity(manifest, path)
+                state, self.rng_restored = self._load(path)
+            except Rejected as exc:
+                self._reject(step, path, str(exc))
+                if committed:
+                    reasons.append(f"step {step}: {exc}")
+                continue
+            self.scheduler.load_state_dict(state["scheduler"])
+            assert state["samples_consumed"] == state["step"] * self.global_batch, "data position and step disagree"
+            self.verified_step = self._last_step = step
+            self._last_save_t = time.monotonic()
+            if self.rank == 0:
+                self.run.event(
+                    "checkpoint_loaded",
+                    step=state["step"],
+                    path=str(path),
+                    from_world_size=state["world_size"],
+                    samples_consumed=state["samples_consumed"],
+                    seconds=round(time.perf_counter() - t0, 3),
+                )
+            return state["step"]
+        if reasons:
+            raise UserError(
+                f"checkpoints exist in {self.run.checkpoints} but none verifies ({'; '.join(reasons)});"
+                " the run stops instead of starting from scratch: restore a checkpoint,"
+                " or move the folder away (or set checkpoint.resume=false) to start over"
             )
-        return state["step"]
+        return 0
+
+    def _load(self, path) -> tuple[dict[str, Any], bool]:
+        try:
+            return ckpt.load(path, parts=self.parts, comm=self.comm)
+        except Exception as exc:  # DCP raises on every rank when one fails
+            raise Rejected(f"load failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+
+    def _check_identity(self, manifest: dict[str, Any], path) -> None:
+        """A checkpoint of another configuration or dataset is the user's problem, not a
+        corrupt file: falling back to an older one would have the same mismatch."""
+        for key in ("config_hash", "data_version"):
+            have, want = manifest.get(key), self.identity.get(key)
+            if have is not None and want is not None and have != want:
+                hint = (
+                    "the dataset changed since this run started; resuming on other data would not"
+                    " reproduce the run — restore the dataset, or start a new run (another run.name)"
+                    if key == "data_version"
+                    else "the run directory holds another configuration; choose another run.name"
+                )
+                raise UserError(f"{key}: checkpoint {path.name} was written with {have}, this job has {want}: {hint}")
+        if manifest.get("global_batch", self.global_batch) != self.global_batch:
+            raise UserError(
+                f"train.global_batch={self.global_batch}: checkpoint {path.name} was written with"
+                f" global batch {manifest['global_batch']}; the data position would not match"
+            )
+
+    def _reject(self, step: int, path, reason: str) -> None:
+        if self.rank == 0:
+            print(f"checkpoint {path.name} rejected: {reason}", file=sys.stderr, flush=True)
+            self.run.event("checkpoint_rejected", step=step, path=str(path), reason=reason)
+
+    # --- save ---------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
+        """Whether the step interval (or the last step) asks for a save. Local, no collective."""
         return step == self.total_steps or bool(self.every and step % self.every == 0)
 
+    def _minutes_due(self) -> bool:
+        """Collective: whether any rank's clock says `every_minutes` have passed."""
+        if self._vote is None:
+            return False
+        return self._vote.any(time.monotonic() - self._last_save_t >= self.every_s)
+
     def save(self, step: int) -> None:
+        """Start a checkpoint of `step` (asynchronous unless checkpoint.async_save=false). The
+        previous one is committed first. Saving a step already saved is a no-op."""
+        if step == self._last_step:
+            return
+        self._last_step = step
         path = self.run.checkpoint_dir(step)
+        samples = step * self.global_batch  # the loader's whole state: global samples consumed
         state = {
             "step": step,
-            "samples_consumed": step * self.global_batch,
+            "samples_consumed": samples,
             "global_batch": self.global_batch,
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.world_size,
             **self.identity,
         }
-        manifest = ckpt.save(path, parts=self.parts, trainer_state=state)
-        if self.rank == 0:
-            ckpt.prune(self.run, self.keep)
-            self.run.event("checkpoint_saved", step=step, path=str(path), seconds=manifest["save_seconds"])
+        header = {
+            "step": step,
+            "samples_consumed": samples,
+            "global_batch": self.global_batch,
+            "world_size": self.world_size,
+            **self.identity,
+        }
+        self._last_save_t = time.monotonic()
+        self.last_blocked_s = self._saver.start(path, parts=self.parts, trainer_state=state, header=header)
+
+    def _committed(self, manifest: dict[str, Any]) -> None:
+        """Rank 0, in the finisher thread, right after the manifest of a save was written."""
+        step = manifest["step"]
+        self.verified_step = step
+        prune(self.run, keep=self.keep, current_step=step, protect=[step])
+        self.run.event(
+            "checkpoint_saved",
+            step=step,
+            path=str(self.run.checkpoint_dir(step)),
+            seconds=manifest["save_seconds"],
+            blocked_seconds=manifest["blocked_seconds"],
+            bytes=sum(f["size"] for f in manifest["files"].values()),
+            asynchronous=self._saver.asynchronous,
+        )
 
     def on_step_end(self, step: int, _result: Any = None) -> None:
-        if self.due(step):
+        if self.due(step) or self._minutes_due():
             self.save(step)
 
+    def wait(self) -> None:
+        """Block until the save in flight is committed."""
+        self._saver.wait()
+
     def close(self) -> None:
-        """Wait for anything still being written (a no-op while saves are synchronous)."""
+        """Commit the save still in flight; after this the manager saves nothing more."""
+        self._saver.close()

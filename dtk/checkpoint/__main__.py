@@ -1,0 +1,95 @@
+"""python -m dtk.checkpoint {list,export}: inspect a run's checkpoints, export one.
+
+`list` imports no torch (it runs on a login node); `export` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dtk.errors import UserError, run_cli
+
+EPILOG = """examples:
+  python -m dtk.checkpoint list runs/transformer-1a2b3c4d5e
+  python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --out model.pt
+  python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --step 200 --out model_200.pt
+
+A checkpoint is verified when its manifest.json exists and every file it lists has the
+recorded size and CRC-32. Training resumes from the newest verified one.
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line and exit 2, like every dtk command
+        raise UserError(f"{message} (python -m dtk.checkpoint --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="python -m dtk.checkpoint",
+        description="Inspect and export the checkpoints of a run directory.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    ls = sub.add_parser("list", help="steps, sizes, and whether each checkpoint verifies")
+    ls.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    ls.add_argument("--no-checksums", action="store_true", help="check sizes only (reads no checkpoint data)")
+    ls.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
+    ex = sub.add_parser("export", help="one consolidated model file (torch.save'd state dict) from a checkpoint")
+    ex.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
+    ex.add_argument("--out", required=True, type=Path, help="the file to write; FILE.json gets where it came from")
+    return p
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def list_command(run_dir: Path, *, checksums: bool, as_json: bool) -> int:
+    from dtk.checkpoint.manifest import list_checkpoints
+    from dtk.rundir import RunDir
+
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise UserError(f"RUN_DIR {run_dir}: no such run directory")
+    found = list_checkpoints(run, checksums=checksums)
+    if as_json:
+        for c in found:
+            m = c.manifest or {}
+            print(json.dumps({"step": c.step, "path": str(c.path), "bytes": c.size, "committed": c.committed,
+                              "verified": c.verified, "reason": c.reason, "world_size": m.get("world_size"),
+                              "scheme": m.get("scheme"), "save_seconds": m.get("save_seconds")}))
+        return 0
+    if not found:
+        print(f"no checkpoints in {run.checkpoints}")
+        return 0
+    what = "verified" if checksums else "sizes ok"
+    print(f"{'step':>10}  {'size':>9}  {'world':>5}  {what}")
+    for c in found:
+        m = c.manifest or {}
+        status = "yes" if c.verified else f"NO: {c.reason}"
+        print(f"{c.step:>10}  {human(c.size):>9}  {m.get('world_size', '-'):>5}  {status}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+        return list_command(args.run_dir, checksums=not args.no_checksums, as_json=args.json)
+    from dtk.checkpoint.export import export
+
+    info = export(args.run_dir, out=args.out, step=args.step)
+    print(f"{args.out}: step {info['step']}, {info['tensors']} tensors, {info['parameters']} parameters ({human(info['bytes'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

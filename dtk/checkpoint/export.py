@@ -1,0 +1,100 @@
+"""One consolidated file from a sharded checkpoint, for inference or another framework.
+
+The file is a plain `torch.save`d state dict of the model — the parameter names of the
+unwrapped model, full tensors, no optimizer — so
+
+    model.load_state_dict(torch.load(FILE))
+
+works on one process without dtk's parallel wrappers. A JSON sidecar `FILE.json` says
+where it came from (run, step, model config, data version, checkpoint manifest).
+
+It needs no process group and no model code: the tensors' shapes and dtypes come from
+DCP's own metadata, and DCP assembles each one from however many shards it was saved in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dtk.checkpoint.manifest import Rejected, verify
+from dtk.errors import UserError
+from dtk.rundir import RunDir, write_json_atomic
+
+PREFIX = "model."
+
+
+def choose(run: RunDir, step: int | None) -> tuple[int, Path, dict[str, Any]]:
+    """The newest checkpoint that verifies, or the one of `step` (which must verify)."""
+    found = [(s, p) for s, p, _ in run.checkpoint_steps()]
+    if not found:
+        raise UserError(f"RUN_DIR {run.path}: no checkpoints in {run.checkpoints}")
+    if step is not None:
+        match = [(s, p) for s, p in found if s == step]
+        if not match:
+            raise UserError(f"--step {step}: no checkpoint of that step in {run.path} (steps: {', '.join(str(s) for s, _ in found)})")
+        try:
+            return step, match[0][1], verify(match[0][1])
+        except Rejected as exc:
+            raise UserError(f"--step {step}: the checkpoint does not verify ({exc})") from None
+    reasons = []
+    for s, p in reversed(found):
+        try:
+            return s, p, verify(p)
+        except Rejected as exc:
+            reasons.append(f"step {s}: {exc}")
+    raise UserError(f"RUN_DIR {run.path}: no checkpoint verifies ({'; '.join(reasons)})")
+
+
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The full model tensors of a DCP checkpoint, on the CPU, by parameter name."""
+    reader = FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    model: dict[str, torch.Tensor] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata):
+            model[key[len(PREFIX) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not model:
+        raise UserError(f"{path}: the checkpoint holds no model tensors")
+    state = {"model": model}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"]
+
+
+def export(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> dict[str, Any]:
+    run = RunDir(Path(run_dir))
+    if not run.path.is_dir():
+        raise UserError(f"RUN_DIR {run.path}: no such run directory")
+    step, path, manifest = choose(run, step)
+    tensors = load_model_state(path)
+    out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    torch.save(tensors, tmp)
+    os.replace(tmp, out)
+    model_cfg = None
+    if run.plan_json.is_file():
+        model_cfg = json.loads(run.plan_json.read_text())["config"].get("model")
+    info = {
+        "run": str(run.path),
+        "step": step,
+        "checkpoint": str(path),
+        "model": model_cfg,
+        "data_version": manifest.get("data_version"),
+        "config_hash": manifest.get("config_hash"),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "tensors": len(tensors),
+        "bytes": out.stat().st_size,
+    }
+    write_json_atomic(out.with_name(out.name + ".json"), info)
+    return info
