@@ -1,4 +1,4 @@
-"""Per-rank batches for a training step, prepared one step ahead in a thread."""
+"""Datasets of a `data` config, and per-rank batches for each step, read ahead in a thread."""
 
 from __future__ import annotations
 
@@ -20,23 +20,43 @@ class TokenDataset(Protocol):
     def get(self, ids: np.ndarray) -> np.ndarray: ...
 
 
-def build_dataset(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> TokenDataset:
+def build_splits(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> tuple[TokenDataset, TokenDataset]:
+    """(train, validation) datasets of the `data` config, identical on every rank."""
     kind = data_cfg.get("kind", "synthetic")
     if kind == "synthetic":
         from dtk.data.synthetic import SyntheticTokens
 
-        return SyntheticTokens(
+        train = SyntheticTokens(
             num_samples=data_cfg["num_samples"],
             seq_len=model_cfg["seq_len"],
             vocab_size=model_cfg["vocab_size"],
             seed=data_cfg["seed"],
             branching=data_cfg["branching"],
         )
-    raise ValueError(f"data.kind={kind}: no such data source (available: synthetic)")
+        return train, train.validation()
+    if kind == "hdf5":
+        from dtk.data.hdf5 import Hdf5Tokens, check_model, split
+
+        dataset = Hdf5Tokens(data_cfg["path"], verify=data_cfg.get("verify", False))
+        check_model(dataset, model_cfg)
+        return split(
+            dataset,
+            val_fraction=data_cfg.get("val_fraction", 0.0),
+            seed=data_cfg.get("split_seed", 0),
+            val_shards=list(data_cfg.get("val_shards") or []),
+        )
+    raise ValueError(f"data.kind={kind}: no such data source (available: synthetic, hdf5)")
+
+
+def build_dataset(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> TokenDataset:
+    """The training split of the `data` config."""
+    return build_splits(data_cfg, model_cfg)[0]
 
 
 class StepBatches:
-    """Micro-batches (inputs, targets) of this rank for each step, one step prefetched."""
+    """Micro-batches (inputs, targets) of this rank for each step. A loader thread reads the
+    next `ahead` steps while the current one computes (reading is numpy gathers from memory
+    or a memory-mapped file, which release the GIL for the copy)."""
 
     def __init__(
         self,
@@ -48,8 +68,10 @@ class StepBatches:
         dp_rank: int,
         dp_size: int,
         device: torch.device,
+        ahead: int = 2,
     ) -> None:
         self.dataset = dataset
+        self.ahead = max(1, ahead)
         self.order = GlobalOrder(len(dataset), seed)
         self.global_batch = global_batch
         self.micro_batch = micro_batch
@@ -58,7 +80,7 @@ class StepBatches:
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-data")
         self._lock = threading.Lock()  # GlobalOrder caches permutations; one thread at a time
-        self._ahead: tuple[int, Future] | None = None
+        self._ahead: dict[int, Future] = {}
 
     def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with self._lock:
@@ -74,11 +96,13 @@ class StepBatches:
         return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
     def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._ahead is not None and self._ahead[0] == step:
-            batches = self._ahead[1].result()
-        else:
-            batches = self._load(step)
-        self._ahead = (step + 1, self._pool.submit(self._load, step + 1))
+        pending = self._ahead.pop(step, None)
+        batches = pending.result() if pending is not None else self._load(step)
+        for stale in [s for s in self._ahead if s < step]:
+            self._ahead.pop(stale).cancel()
+        for nxt in range(step + 1, step + 1 + self.ahead):
+            if nxt not in self._ahead:
+                self._ahead[nxt] = self._pool.submit(self._load, nxt)
         return batches
 
     def close(self) -> None:

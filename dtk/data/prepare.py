@@ -1,0 +1,159 @@
+"""Build a dataset folder (dtk.data.hdf5) from token arrays or plain text.
+
+Input: one file or a folder of files (read in name order).
+  - `.npy`: integer token ids. 1-D: one stream, cut into samples of seq_len + 1 tokens.
+    2-D: one sample per row (rows must hold seq_len + 1 tokens).
+  - anything else: plain text, tokenized byte by byte (UTF-8 bytes: ids 0..255).
+The tail that does not fill a whole sample is dropped. The same input and options give
+the same folder, byte for byte, and so the same version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtk.data.hdf5 import FORMAT, MANIFEST, TOKENS, file_checksum
+from dtk.errors import UserError
+
+DTYPES = (np.uint8, np.uint16, np.uint32)
+
+
+def input_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise UserError(f"--input {path}: no such file or folder")
+    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise UserError(f"--input {path}: the folder holds no files")
+    kinds = {p.suffix == ".npy" for p in files}
+    if len(kinds) > 1:
+        raise UserError(f"--input {path}: mixes .npy token arrays and text files; give one kind per dataset")
+    return files
+
+
+def read_tokens(files: list[Path], seq_len: int | None) -> tuple[np.ndarray, str, int]:
+    """(rows of seq_len + 1 tokens, tokenizer name, vocabulary size)."""
+    if files[0].suffix != ".npy":
+        stream = np.concatenate([np.frombuffer(p.read_bytes(), dtype=np.uint8) for p in files])
+        return _rows(stream, seq_len or 64, files[0].parent), "bytes", 256
+    parts = []
+    for p in files:
+        try:
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:
+            raise UserError(f"--input {p}: not a plain .npy array ({exc})") from None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise UserError(f"--input {p}: dtype {arr.dtype}; token ids must be integers")
+        if arr.size and int(arr.min()) < 0:
+            raise UserError(f"--input {p}: holds negative token ids")
+        if arr.ndim == 1:
+            parts.append(_rows(np.asarray(arr), seq_len or 64, p))
+        elif arr.ndim == 2:
+            if seq_len is not None and arr.shape[1] != seq_len + 1:
+                raise UserError(
+                    f"--input {p}: rows of {arr.shape[1]} tokens, but --seq-len {seq_len} needs {seq_len + 1}"
+                    f" (omit --seq-len to use {arr.shape[1] - 1})"
+                )
+            seq_len = arr.shape[1] - 1
+            parts.append(np.asarray(arr))
+        else:
+            raise UserError(f"--input {p}: a {arr.ndim}-D array; expected 1-D (a token stream) or 2-D (samples)")
+    widths = {r.shape[1] for r in parts}
+    if len(widths) > 1:
+        raise UserError(f"--input: the files hold samples of different lengths {sorted(widths)}")
+    rows = np.concatenate(parts)
+    return rows, "none", int(rows.max()) + 1 if rows.size else 0
+
+
+def _rows(stream: np.ndarray, seq_len: int, source: Path) -> np.ndarray:
+    if seq_len < 1:
+        raise UserError(f"--seq-len {seq_len}: expected a positive integer")
+    width = seq_len + 1
+    n = len(stream) // width
+    if n == 0:
+        raise UserError(f"--input {source}: {len(stream)} tokens, fewer than one sample of {width} (--seq-len {seq_len} + 1)")
+    return stream[: n * width].reshape(n, width)
+
+
+def smallest_dtype(vocab_size: int) -> np.dtype:
+    for dt in DTYPES:
+        if vocab_size - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise UserError(f"token ids up to {vocab_size - 1} do not fit 32 bits")
+
+
+def content_version(rows: np.ndarray, header: dict[str, Any]) -> str:
+    """A hash of the layout and every token: equal content, equal version."""
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    for start in range(0, len(rows), 1 << 16):
+        h.update(np.ascontiguousarray(rows[start : start + (1 << 16)]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def write_shard(path: Path, rows: np.ndarray) -> None:
+    import h5py
+
+    # No timestamps and a contiguous, uncompressed layout: identical bytes for identical
+    # tokens, and readers can map the rows straight from the file.
+    with h5py.File(path, "w", libver="earliest", track_order=False) as f:
+        f.create_dataset(TOKENS, data=rows, track_times=False)
+        f.flush()
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def prepare(input_path: str | Path, out: str | Path, *, seq_len: int | None = None,
+            samples_per_shard: int = 16384, force: bool = False) -> dict[str, Any]:
+    """Write the dataset folder `out` and return its manifest. The folder appears whole or
+    not at all (built beside it, then renamed)."""
+    src, dst = Path(input_path).expanduser(), Path(out).expanduser()
+    if samples_per_shard < 1:
+        raise UserError(f"--samples-per-shard {samples_per_shard}: expected a positive integer")
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise UserError(f"--out {dst}: exists and is not empty; choose a new folder, or pass --force to replace it")
+    rows, tokenizer, vocab = read_tokens(input_files(src), seq_len)
+    dtype = smallest_dtype(vocab)
+    rows = rows.astype(dtype, copy=False)
+    header = {"format": FORMAT, "seq_len": rows.shape[1] - 1, "dtype": dtype.name, "tokenizer": tokenizer}
+    version = content_version(rows, header)
+
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = []
+    for i, start in enumerate(range(0, len(rows), samples_per_shard)):
+        name = f"shard_{i:05d}.h5"
+        part = rows[start : start + samples_per_shard]
+        write_shard(tmp / name, part)
+        shards.append(
+            {"file": name, "num_samples": len(part), "size": (tmp / name).stat().st_size, "crc32": file_checksum(tmp / name)}
+        )
+    manifest = {
+        **header,
+        "version": version,
+        "vocab_size": vocab,
+        "num_samples": len(rows),
+        "shards": shards,
+    }
+    with open(tmp / MANIFEST, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(dst)
+    return manifest
