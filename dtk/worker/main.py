@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dtk.checkpoint.manager import CheckpointManager
-from dtk.data.loader import StepBatches, build_dataset
+from dtk.data.loader import StepBatches, build_splits
 from dtk.dist.init import init_process_group, pick_device
 from dtk.dist.mesh import Axis, build_mesh
 from dtk.models.build import ParallelSpec, build_model, materialize
@@ -22,6 +23,7 @@ from dtk.parallel.parallelize import parallelize
 from dtk.plan.degrees import default_scheme
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
+from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
 from dtk.train.trainer import Trainer, cross_entropy
@@ -63,7 +65,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     shard_group = dp_group if scheme["shard_optimizer"] and plan.degrees.dp > 1 else None
     optimizers = [build_optimizer(part.parameters(), cfg["optim"], shard_group=shard_group) for part in model.parts]
     scheduler = SchedulerGroup([build_scheduler(o, cfg["optim"], plan.steps) for o in optimizers])
-    dataset = build_dataset(cfg["data"], cfg["model"])
+    dataset, val_dataset = build_splits(cfg["data"], cfg["model"])
 
     checkpoints = CheckpointManager(
         run,
@@ -74,10 +76,17 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
         world_size=env.world_size,
         global_batch=plan.global_batch,
         total_steps=plan.steps,
-        identity={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
+        identity={
+            "config_hash": plan.config_hash,
+            "data_version": dataset.version,
+            "scheme": plan.scheme,
+            "mesh": asdict(plan.degrees),
+        },
     )
+    torch.manual_seed(seed + env.rank)  # per-rank stream for anything stochastic; a resume restores it
     start_step = checkpoints.resume()
-    torch.manual_seed(seed + 1000 * start_step + env.rank)  # per-rank stream for anything stochastic
+    if start_step and not checkpoints.rng_restored:  # resumed on another world size: fresh per-rank streams
+        torch.manual_seed(seed + 1000 * start_step + env.rank)
 
     # Ranks with the same dp coordinate (tensor / pipeline peers) train on the same samples.
     dp_rank, dp_size = mesh.rank(Axis.DP), plan.degrees.dp
@@ -112,9 +121,28 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
         pp_group=mesh.group(Axis.PP) if plan.degrees.pp > 1 else None,
         metrics=metrics,
     )
+    evaluator = Evaluator(
+        model=model.parts[0],  # the plan rejects eval_every with a pipeline
+        dataset=val_dataset,
+        every=cfg["train"].get("eval_every", 0),
+        total_steps=plan.steps,
+        max_samples=cfg["data"].get("eval_samples", 0),
+        global_batch=plan.global_batch,
+        micro_batch=plan.micro_batch,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        dp_group=dp_group,
+        device=device,
+        log=run.path / EVAL_LOG if rank0 else None,
+    )
+
+    def on_step_end(step: int, result) -> None:
+        evaluator.on_step_end(step, result)
+        checkpoints.on_step_end(step, result)
+
     if rank0 and start_step:
         run.event("resumed", step=start_step, restart=restart, world_size=env.world_size)
-    last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=checkpoints.on_step_end)
+    last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=on_step_end)
     checkpoints.close()
     batches.close()
 
@@ -130,6 +158,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
             "world_size": env.world_size,
             "scheme": plan.scheme,
             "config_hash": plan.config_hash,
+            "data_version": dataset.version,
         }
         write_json_atomic(run.summary, summary)
         run.event("finished", step=plan.steps, final_loss=summary["final_loss"])
