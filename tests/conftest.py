@@ -52,3 +52,18 @@ def only_run_dir(root: Path) -> Path:
     runs = [p for p in root.iterdir() if p.is_dir()]
     assert len(runs) == 1, f"expected one run directory in {root}, found {runs}"
     return runs[0]
+
+
+@pytest.fixture(scope="session")
+def lab():
+    """The lab Slurm cluster with 3 nodes, up for the session and down at its end (if this
+    session brought it up)."""
+    import lab_support
+
+    from dtk import lab as dtk_lab
+
+    was_up = lab_support.unavailable_reason() is None and dtk_lab.status().up
+    status = lab_support.ensure_lab(3)
+    yield status
+    if not was_up:
+        lab_support.lab_down()

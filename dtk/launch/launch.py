@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -110,12 +112,15 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
 
     created = not run.path.exists()
     run = prepare_run_dir(plan)
+    sbatch_stderr = io.StringIO()  # submitit echoes sbatch's stderr; it belongs in our one error line
     try:
-        job = make_executor(plan).submit(drive, plan.run_dir)
+        with contextlib.redirect_stderr(sbatch_stderr):
+            job = make_executor(plan).submit(drive, plan.run_dir)
     except (FailedJobError, FailedSubmissionError, subprocess.CalledProcessError) as exc:
         if created:  # nothing half-written: a refused job leaves no run behind
             shutil.rmtree(run.path, ignore_errors=True)
-        detail = " ".join(str(getattr(exc, "stderr", "") or exc).split())
+        said = sbatch_stderr.getvalue().strip() or str(getattr(exc, "stderr", "") or exc)
+        detail = " ".join(said.replace("sbatch: error:", "").split())
         raise UserError(f"sbatch refused the job: {detail}") from None
     run.event("submitted", cluster="slurm", job_id=job.job_id, world_size=plan.world_size, scheme=plan.scheme)
     log = submitit_folder(plan) / job.job_id / f"{job.job_id}_0_log.out"

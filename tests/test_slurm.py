@@ -1,0 +1,159 @@
+"""Real Slurm jobs on the lab cluster: submitit submission, the driver's srun step, lineage,
+status, multirun, login-node checks and Slurm's own requeue after a node failure."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import dtk, losses, only_run_dir
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# Small and quick: every lab node has 2 CPUs and all share this machine's 2 cores.
+JOB = ["cluster=lab", "train.global_batch=32", "train.log_every=10"]
+
+
+def job_ids(stdout: str) -> list[str]:
+    return re.findall(r"submitted job (\d+)", stdout)
+
+
+def wait_gone(job_id: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
+        if not out.strip():
+            return
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still in the queue after {timeout} s")
+
+
+def status(run: Path) -> dict:
+    proc = dtk("dtk.status", str(run), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_two_node_job_trains_to_completion_and_records_lineage(lab, tmp_path):
+    proc = dtk("dtk.submit", *JOB, "nodes=2", "tasks_per_node=1", "train.steps=20", "submit.wait=true",
+               f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job,) = job_ids(proc.stdout)
+    run = only_run_dir(tmp_path)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["world_size"] for r in records} == {2}
+    assert max(r["step"] for r in records) == 20
+    started = [e for e in events(run) if e["event"] == "started"]
+    assert len(started) == 1
+    assert started[0]["job_id"] == job and started[0]["restart"] == 0
+    assert sorted(started[0]["nodes"]) == ["node1", "node2"]
+    info = status(run)
+    assert info["state"] == "finished" and info["step"] == 20 and info["job_ids"] == [job]
+    assert info["final_loss"] == losses(run)[20]
+
+
+def test_status_reports_a_running_job_step(lab, tmp_path):
+    proc = dtk("dtk.submit", *JOB, "nodes=1", "tasks_per_node=1", "train.steps=400", f"run.root={tmp_path}",
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job,) = job_ids(proc.stdout)
+    run = only_run_dir(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        info = status(run)
+        while not (info["state"] == "running" and info["step"] > 0) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            info = status(run)
+        assert info["state"] == "running" and info["slurm_state"] == "RUNNING"
+        assert 0 < info["step"] < 400 and info["total_steps"] == 400
+        text = dtk("dtk.status", str(run)).stdout
+        assert f"job {job}" in text and "running" in text
+    finally:
+        subprocess.run(["scancel", job])
+        wait_gone(job)
+
+
+def test_multirun_over_two_learning_rates_submits_two_jobs_that_finish(lab, tmp_path):
+    proc = dtk("dtk.submit", "-m", *JOB, "nodes=1", "tasks_per_node=1", "train.steps=15", "optim.lr=1e-3,3e-3",
+               f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ids = job_ids(proc.stdout)
+    assert len(ids) == 2 and ids[0] != ids[1]
+    table = proc.stdout.split("run directory", 1)[1]
+    for job in ids:
+        assert job in table
+        wait_gone(job)
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(runs) == 2
+    for run in runs:
+        assert str(run) in table
+        assert status(run)["state"] == "finished"
+    assert losses(runs[0])[15] != losses(runs[1])[15]
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["cluster.partition=nope"], "cluster.partition=nope: no such partition (available: debug, high)"),
+        (["nodes=4"], "nodes=4: partition debug has only 3 node(s)"),
+    ],
+)
+def test_impossible_jobs_are_refused_before_submission(lab, tmp_path, overrides, needle):
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    proc = dtk("dtk.submit", *JOB, "tasks_per_node=1", *overrides, f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {needle}")
+    assert list(tmp_path.iterdir()) == []
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
+
+
+def test_sbatch_refusal_is_an_error_line_and_leaves_nothing(lab, tmp_path):
+    proc = dtk("dtk.submit", *JOB, "tasks_per_node=1", "cluster.sbatch_extra=['--reservation=none-such']",
+               f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: sbatch refused the job") and proc.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_node_failure_requeues_and_the_job_resumes_in_the_same_run(lab, tmp_path):
+    proc = dtk("dtk.submit", *JOB, "nodes=2", "tasks_per_node=1", "train.steps=120", "checkpoint.every=10",
+               f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job,) = job_ids(proc.stdout)
+    run = only_run_dir(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while status(run)["last_checkpoint"] is None:
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.5)
+        node = [e for e in events(run) if e["event"] == "started"][0]["nodes"][1]
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"], check=True)
+        # Slurm holds a requeued job back for its BeginTime (about two minutes); an operator
+        # would wait, the test moves it along.
+        deadline = time.monotonic() + 60
+        while len([e for e in events(run) if e["event"] == "started"]) < 2:
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True)
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+            assert time.monotonic() < deadline, "the job did not start again"
+            time.sleep(1)
+        wait_gone(job)
+    finally:
+        subprocess.run(["scancel", job])
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+    started = [e for e in events(run) if e["event"] == "started"]
+    assert [e["job_id"] for e in started] == [job, job]
+    assert [e["restart"] for e in started] == [0, 1]
+    assert [e["slurm_restart_count"] for e in started] == [0, 1]
+    loaded = [e for e in events(run) if e["event"] == "checkpoint_loaded"]
+    assert loaded and loaded[-1]["step"] >= 10
+    info = status(run)
+    assert info["state"] == "finished" and info["restarts"] == 1 and info["step"] == 120
