@@ -205,6 +205,20 @@ class DistConfig:
 
 
 @dataclass
+class FaultConfig:
+    max_restarts: int = 3
+    """Relaunches after a crash or hang within one allocation before the job fails."""
+    hang_timeout_s: int = 60
+    """A start with no worker heartbeat for this long is torn down and relaunched (the heartbeat beats every step, evaluation and save)."""
+    startup_timeout_s: int = 300
+    """Time a start may take to its first heartbeat (imports, process group, checkpoint load)."""
+    shrink: bool = True
+    """After a node failure with no spare left, continue on fewer nodes (same global batch, more accumulation) when the scheme allows it."""
+    signal_lead_floor_s: int = 60
+    """Least lead time of the pre-time-limit signal; the lead grows with the measured checkpoint save and step time."""
+
+
+@dataclass
 class RunConfig:
     root: str = "runs"
     """Folder that holds run directories; must be on storage every node sees."""
@@ -224,6 +238,8 @@ class SubmitConfig:
 class Config:
     nodes: int = 1
     """Nodes to run on (must be 1 on the local cluster)."""
+    spare_nodes: int = 0
+    """Hot spare nodes allocated on top of `nodes` (Slurm); a failed node is replaced by a spare without requeueing."""
     tasks_per_node: int | None = None
     """Worker processes per node: one per GPU; on a CPU machine, how many processes. None: cluster.gpus_per_node, or 2 without GPUs."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -242,6 +258,8 @@ class Config:
     """Training loop."""
     dist: DistConfig = field(default_factory=DistConfig)
     """torch.distributed settings."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Recovery from crashes, hangs, node failure and time limits."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory."""
     submit: SubmitConfig = field(default_factory=SubmitConfig)

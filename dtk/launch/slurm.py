@@ -62,7 +62,7 @@ def sbatch_parameters(plan: Plan) -> dict[str, Any]:
     c = plan.config["cluster"]
     params: dict[str, Any] = {
         "job_name": f"dtk-{plan.run_name}",
-        "nodes": plan.nodes,
+        "nodes": plan.nodes + plan.spare_nodes,
         "ntasks_per_node": plan.tasks_per_node,
         "cpus_per_task": c["cpus_per_task"],
         "time": c["time_min"],

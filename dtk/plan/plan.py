@@ -40,6 +40,7 @@ class Plan:
     micro_batch: int
     grad_accum: int
     steps: int
+    spare_nodes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -94,6 +95,17 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
     train = cfg["train"]
     _positive("nodes", nodes)
     _positive("tasks_per_node", tpn)
+    spares = cfg.get("spare_nodes", 0)
+    if not isinstance(spares, int) or spares < 0:
+        raise UserError(f"spare_nodes={spares}: expected 0 or a positive count of extra nodes")
+    if spares and cluster["kind"] == "local":
+        raise UserError(f"spare_nodes={spares}: spare nodes need a Slurm cluster; the local cluster has one machine")
+    fault = cfg.get("fault") or {}
+    if fault and fault["max_restarts"] < 0:
+        raise UserError(f"fault.max_restarts={fault['max_restarts']}: expected 0 or more")
+    for key in ("hang_timeout_s", "startup_timeout_s"):
+        if fault and fault[key] < 1:
+            raise UserError(f"fault.{key}={fault[key]}: expected a positive number of seconds")
     if cluster["kind"] not in CLUSTER_KINDS:
         raise UserError(f"cluster.kind={cluster['kind']}: expected one of {', '.join(CLUSTER_KINDS)}")
     if cluster["kind"] == "local" and nodes != 1:
@@ -157,6 +169,7 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
         config_hash=digest,
         cluster_kind=cluster["kind"],
         nodes=nodes,
+        spare_nodes=spares,
         tasks_per_node=tpn,
         world_size=world,
         scheme=scheme["name"],

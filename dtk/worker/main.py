@@ -7,6 +7,7 @@ or an srun task) as `python -m dtk.worker RUN_DIR`; reads the plan the submitter
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -27,13 +28,16 @@ from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
 from dtk.train.trainer import Trainer, cross_entropy
+from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
+from dtk.worker.signals import StopFlag, StopRequested
 
 
 def set_threads(requested: int, local_world_size: int) -> None:
     # Several workers on one CPU machine each default to all cores and then fight over
-    # them; give each its share.
-    threads = requested or max(1, (os.cpu_count() or 1) // local_world_size)
+    # them; give each its share: what Slurm allotted the task, else the node's cores split.
+    allotted = int(os.environ.get("SLURM_CPUS_PER_TASK", "0"))
+    threads = requested or allotted or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
 
 
@@ -64,7 +68,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
     shard_group = dp_group if scheme["shard_optimizer"] and plan.degrees.dp > 1 else None
     optimizers = [build_optimizer(part.parameters(), cfg["optim"], shard_group=shard_group) for part in model.parts]
-    scheduler = SchedulerGroup([build_scheduler(o, cfg["optim"], plan.steps) for o in optimizers])
+    scheduler = SchedulerGroup([build_scheduler(state_optimizer(o), cfg["optim"], plan.steps) for o in optimizers])
     dataset, val_dataset = build_splits(cfg["data"], cfg["model"])
 
     checkpoints = CheckpointManager(
@@ -136,9 +140,19 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
         log=run.path / EVAL_LOG if rank0 else None,
     )
 
+    stop = StopFlag().install()
+
     def on_step_end(step: int, result) -> None:
         evaluator.on_step_end(step, result)
         checkpoints.on_step_end(step, result)
+        signum = stop.agreed(device) if step < plan.steps else 0
+        if signum:
+            if not checkpoints.due(step):
+                checkpoints.save(step)
+            checkpoints.close()  # the stop is only safe once the save is committed
+            if rank0:
+                run.event("preempted", step=step, signal=signal.Signals(signum).name, restart=restart)
+            raise StopRequested(step, signum)
 
     if rank0 and start_step:
         run.event("resumed", step=start_step, restart=restart, world_size=env.world_size)
@@ -174,6 +188,9 @@ def main(argv: list[str]) -> int:
     env = read_env()
     try:
         train(plan, env, run)
+    except StopRequested as stop:
+        print(f"worker {env.rank}: {stop}; checkpoint committed", flush=True)
+        return EXIT_STOPPED
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
