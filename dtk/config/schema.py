@@ -212,6 +212,8 @@ class FaultConfig:
     """A start with no worker heartbeat for this long is torn down and relaunched (the heartbeat beats every step, evaluation and save)."""
     startup_timeout_s: int = 300
     """Time a start may take to its first heartbeat (imports, process group, checkpoint load)."""
+    survive_node_loss: bool = True
+    """Submit with --no-kill so that a failed node ends the worker step, not the job: the driver relaunches on the nodes left. False: Slurm requeues the whole job."""
     shrink: bool = True
     """After a node failure with no spare left, continue on fewer nodes (same global batch, more accumulation) when the scheme allows it."""
     signal_lead_floor_s: int = 60

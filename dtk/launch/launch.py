@@ -28,7 +28,7 @@ def describe_launch(plan: Plan) -> str:
     if plan.cluster_kind == "slurm":
         from dtk.launch.slurm import describe_submission
 
-        return describe_submission(plan)
+        return describe_submission(plan, submit_inputs(plan, RunDir(Path(plan.run_dir))))
     lines = [plan.describe(), "", f"would start {plan.world_size} worker process(es) on this machine:"]
     for rank in range(plan.world_size):
         lines.append(f"  rank {rank}: DTK_RANK={rank} DTK_WORLD_SIZE={plan.world_size} {worker_command(plan)}")
@@ -63,6 +63,23 @@ def prepare_run_dir(plan: Plan) -> RunDir:
 def already_finished(plan: Plan, run: RunDir) -> bool:
     summary = run.read_summary()
     return bool(summary and summary.get("status") == "finished" and summary.get("final_step") == plan.steps)
+
+
+def submit_inputs(plan: Plan, run: RunDir):
+    """Exclusions and the signal lead time, from what this run recorded so far."""
+    import statistics
+
+    from dtk.driver.exclusions import read_exclusions
+    from dtk.launch.slurm import SubmitInputs, signal_lead
+
+    saves = [e["seconds"] for e in run.events_list() if e.get("event") == "checkpoint_saved" and "seconds" in e]
+    steps = [r["step_time_s"] for r in run.latest_metrics().values() if "step_time_s" in r]
+    lead = signal_lead(
+        floor_s=plan.config["fault"]["signal_lead_floor_s"],
+        save_s=max(saves) if saves else None,
+        step_s=statistics.median(steps) if steps else None,
+    )
+    return SubmitInputs(exclude=tuple(read_exclusions(run)), signal_lead_s=lead)
 
 
 @dataclass(frozen=True)
@@ -111,18 +128,20 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
     from dtk.launch.slurm import make_executor, submitit_folder
 
     created = not run.path.exists()
+    inputs = submit_inputs(plan, run)
     run = prepare_run_dir(plan)
     sbatch_stderr = io.StringIO()  # submitit echoes sbatch's stderr; it belongs in our one error line
     try:
         with contextlib.redirect_stderr(sbatch_stderr):
-            job = make_executor(plan).submit(drive, plan.run_dir)
+            job = make_executor(plan, inputs).submit(drive, plan.run_dir)
     except (FailedJobError, FailedSubmissionError, subprocess.CalledProcessError) as exc:
         if created:  # nothing half-written: a refused job leaves no run behind
             shutil.rmtree(run.path, ignore_errors=True)
         said = sbatch_stderr.getvalue().strip() or str(getattr(exc, "stderr", "") or exc)
         detail = " ".join(said.replace("sbatch: error:", "").split())
         raise UserError(f"sbatch refused the job: {detail}") from None
-    run.event("submitted", cluster="slurm", job_id=job.job_id, world_size=plan.world_size, scheme=plan.scheme)
+    run.event("submitted", cluster="slurm", job_id=job.job_id, world_size=plan.world_size, scheme=plan.scheme,
+              signal_lead_s=inputs.signal_lead_s, exclude=list(inputs.exclude))
     log = submitit_folder(plan) / job.job_id / f"{job.job_id}_0_log.out"
     print(f"submitted job {job.job_id}\n  run dir  {run.path}\n  log      {log}\n"
           f"  status   python -m dtk.status {run.path}", flush=True)

@@ -12,8 +12,10 @@ and supervises it. submitit still expects one result per task, so nobody waits o
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,26 @@ from dtk.errors import UserError
 from dtk.plan.plan import Plan
 
 SETUP_DIR = Path(__file__).resolve().parents[2] / "slurm_templates" / "setup"
-# Signal the driver this many seconds before the time limit (a later release derives it
-# from the measured save time); submitit's USR2 is what NCCL leaves alone.
-SIGNAL_LEAD_S = 120
+# Seconds added to the measured save + step time when choosing the signal lead: slack for
+# the signal's delivery and the agreement at the next step boundary.
+SIGNAL_MARGIN_S = 30
+
+
+@dataclass(frozen=True)
+class SubmitInputs:
+    """What a submission takes from the run directory besides the plan."""
+
+    exclude: tuple[str, ...] = ()
+    signal_lead_s: int = 60
+    """USR2 this many seconds before the time limit: the workers save and the job requeues."""
+
+
+def signal_lead(*, floor_s: int, save_s: float | None, step_s: float | None) -> int:
+    """Lead time of the pre-time-limit signal: a save plus a step plus a margin, measured on
+    this run's earlier starts; the configured floor until there is something to measure."""
+    if save_s is None or step_s is None:
+        return floor_s
+    return max(floor_s, math.ceil(save_s + step_s + SIGNAL_MARGIN_S))
 
 
 def submitit_folder(plan: Plan) -> Path:
@@ -57,7 +76,7 @@ def parse_extra(flags: list[str]) -> dict[str, Any]:
     return out
 
 
-def sbatch_parameters(plan: Plan) -> dict[str, Any]:
+def sbatch_parameters(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str, Any]:
     """submitit's `_make_sbatch_string` keyword arguments for this plan."""
     c = plan.config["cluster"]
     params: dict[str, Any] = {
@@ -66,7 +85,9 @@ def sbatch_parameters(plan: Plan) -> dict[str, Any]:
         "ntasks_per_node": plan.tasks_per_node,
         "cpus_per_task": c["cpus_per_task"],
         "time": c["time_min"],
-        "signal_delay_s": SIGNAL_LEAD_S,
+        # USR2 (not USR1, which NCCL may use) to the job steps, i.e. the workers, ahead of
+        # the time limit: they agree at a step boundary, save, and the driver requeues.
+        "signal_delay_s": inputs.signal_lead_s,
         "use_srun": False,
         "stderr_to_stdout": True,
         "setup": setup_lines(c["setup"]) + [f"export DTK_RUN_DIR={shlex.quote(plan.run_dir)}"],
@@ -80,9 +101,15 @@ def sbatch_parameters(plan: Plan) -> dict[str, Any]:
         params["mem"] = f"{c['mem_gb']}GB"
     if c["exclusive"]:
         params["exclusive"] = True
-    # Requeue: a node failure or preemption puts the job back in the queue, where it finds
-    # its run directory (identity comes from the config) and resumes.
-    params["additional_parameters"] = {"requeue": True, **parse_extra(c["sbatch_extra"])}
+    if inputs.exclude:
+        params["exclude"] = ",".join(inputs.exclude)
+    # Requeue: a preemption or a requeue by the driver puts the job back in the queue, where
+    # it finds its run directory (identity comes from the config) and resumes. --no-kill: a
+    # failed node ends the worker step, not the job, and the driver carries on without it.
+    extra: dict[str, Any] = {"requeue": True}
+    if plan.config["fault"]["survive_node_loss"]:
+        extra["no-kill"] = True
+    params["additional_parameters"] = {**extra, **parse_extra(c["sbatch_extra"])}
     return params
 
 
@@ -91,29 +118,30 @@ def submit_command(folder: Path, python: str = sys.executable) -> str:
     return f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
 
 
-def sbatch_text(plan: Plan, *, command: str | None = None) -> str:
-    """The whole sbatch script. `command` defaults to what submitit's executor passes."""
+def sbatch_text(plan: Plan, inputs: SubmitInputs = SubmitInputs(), *, command: str | None = None) -> str:
+    """The whole sbatch script: a pure function of the plan and the submission inputs.
+    `command` defaults to what submitit's executor passes."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     folder = submitit_folder(plan) / "%j"
     return _make_sbatch_string(
-        command=command or submit_command(folder), folder=folder, **sbatch_parameters(plan)
+        command=command or submit_command(folder), folder=folder, **sbatch_parameters(plan, inputs)
     )
 
 
-def describe_submission(plan: Plan) -> str:
-    return "\n".join([plan.describe(), "", "would submit this sbatch script:", "", sbatch_text(plan)])
+def describe_submission(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> str:
+    return "\n".join([plan.describe(), "", "would submit this sbatch script:", "", sbatch_text(plan, inputs)])
 
 
-def make_executor(plan: Plan):
+def make_executor(plan: Plan, inputs: SubmitInputs = SubmitInputs()):
     """The one place that builds the Slurm executor."""
     from submitit import SlurmExecutor
 
     class DtkSlurmExecutor(SlurmExecutor):
         def _make_submission_file_text(self, command: str, uid: str) -> str:
-            return sbatch_text(plan, command=command)
+            return sbatch_text(plan, inputs, command=command)
 
     folder = submitit_folder(plan) / "%j"
     executor = DtkSlurmExecutor(folder=folder, max_num_timeout=0)
-    executor.update_parameters(**sbatch_parameters(plan))
+    executor.update_parameters(**sbatch_parameters(plan, inputs))
     return executor

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, st
 from dtk.train.trainer import Trainer, cross_entropy
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
+from dtk.worker.heartbeat import HEARTBEAT, Heartbeat
 from dtk.worker.signals import StopFlag, StopRequested
 
 
@@ -141,10 +144,21 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     )
 
     stop = StopFlag().install()
+    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None)
+    heartbeat.beat()
+
+    recovery_from = float(os.environ.get("DTK_RECOVERY_FROM") or 0)
 
     def on_step_end(step: int, result) -> None:
+        heartbeat.beat()
+        if rank0 and step == start_step + 1 and start_step:
+            # The first completed step after a restart closes the recovery it belongs to.
+            recovery_s = round(time.time() - recovery_from, 3) if recovery_from else None
+            run.event("resumed", step=start_step, restart=restart, world_size=env.world_size, recovery_s=recovery_s,
+                      job_id=os.environ.get("SLURM_JOB_ID"))
         evaluator.on_step_end(step, result)
         checkpoints.on_step_end(step, result)
+        heartbeat.beat()
         signum = stop.agreed(device) if step < plan.steps else 0
         if signum:
             if not checkpoints.due(step):
@@ -154,8 +168,6 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
                 run.event("preempted", step=step, signal=signal.Signals(signum).name, restart=restart)
             raise StopRequested(step, signum)
 
-    if rank0 and start_step:
-        run.event("resumed", step=start_step, restart=restart, world_size=env.world_size)
     last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=on_step_end)
     checkpoints.close()
     batches.close()
@@ -184,8 +196,14 @@ def main(argv: list[str]) -> int:
         print("usage: python -m dtk.worker RUN_DIR", file=sys.stderr)
         return 2
     run = RunDir(Path(argv[0]))
-    plan = Plan.from_json(run.plan_json.read_text())
+    # A driver that relaunches on fewer nodes hands the workers an adjusted plan.
+    plan = Plan.from_json(Path(os.environ.get("DTK_PLAN") or run.plan_json).read_text())
     env = read_env()
+    # Where this rank runs, for drills and for people: logs/start_NN/rank_R.pid = "host pid".
+    restart = int(os.environ.get("DTK_RESTART", "0"))
+    pid_file = run.log_dir(restart) / f"rank_{env.rank}.pid"
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         train(plan, env, run)
     except StopRequested as stop:

@@ -1,0 +1,118 @@
+"""python -m dtk.drill {preempt,timelimit,node-fail,crash,hang} RUN_DIR: inject a real fault
+into a live Slurm run, to see (and test) that it recovers.
+
+    preempt     a high-priority job on the `high` partition takes the run's nodes
+    timelimit   the job's time limit is cut so that it ends shortly after the signal lead
+    node-fail   a node of the run (not the batch host) is set DOWN
+    crash       one worker is killed with SIGKILL
+    hang        one worker is stopped with SIGSTOP (a collective that never completes)
+
+Afterwards `python -m dtk.status RUN_DIR` and events.jsonl show what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+from dtk.errors import UserError, run_cli
+from dtk.launch import slurmctl
+from dtk.rundir import RunDir
+
+DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang")
+
+
+def _last_start(run: RunDir) -> dict:
+    starts = [e for e in run.events_list() if e.get("event") == "started"]
+    if not starts:
+        raise UserError(f"{run.path}: the run has not started yet; nothing to drill")
+    start = starts[-1]
+    if not str(start.get("job_id", "")).isdigit():
+        raise UserError(f"{run.path}: the latest start is not a Slurm job (job {start.get('job_id')}); drills need Slurm")
+    state = slurmctl.job_state(str(start["job_id"]))
+    if state != "RUNNING":
+        raise UserError(f"job {start['job_id']} is {state or 'gone'}, not RUNNING; drill a live run")
+    return start
+
+
+def _scontrol(*args: str) -> None:
+    proc = subprocess.run(["scontrol", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"scontrol {' '.join(args)}: {proc.stderr.strip()}")
+
+
+def _signal_worker(run: RunDir, start: dict, rank: int | None, sig: signal.Signals) -> str:
+    logs = run.log_dir(start["restart"])
+    ranks = sorted(int(p.stem.split("_")[1]) for p in logs.glob("rank_*.pid"))
+    if not ranks:
+        raise UserError(f"{logs}: no worker pid files yet; wait until the workers have started")
+    rank = ranks[-1] if rank is None else rank
+    if rank not in ranks:
+        raise UserError(f"--rank {rank}: no such worker (ranks: {ranks[0]}..{ranks[-1]})")
+    host, pid = (logs / f"rank_{rank}.pid").read_text().split()
+    if host == socket.gethostname():
+        os.kill(int(pid), sig)
+    else:  # on a real cluster: inside the job's allocation, next to the worker
+        subprocess.run(["srun", f"--jobid={start['job_id']}", "--overlap", "-N1", "-n1", f"-w{host}",
+                        "kill", f"-{sig.name.removeprefix('SIG')}", pid], check=True)
+    return f"sent {sig.name} to rank {rank} (pid {pid} on {host})"
+
+
+def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) -> str:
+    start = _last_start(run)
+    job = str(start["job_id"])
+    nodes = start["nodes"]
+    if kind == "preempt":
+        proc = subprocess.run(
+            ["sbatch", "--parsable", "--partition=high", "--exclusive", f"--nodes={len(nodes)}",
+             f"--nodelist={','.join(nodes)}", "--job-name=dtk-drill-preempt", "--output=/dev/null",
+             f"--wrap=sleep {hold_s}"],
+            capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UserError(f"could not submit the preempting job: {proc.stderr.strip()}")
+        return f"high-priority job {proc.stdout.strip()} takes {','.join(nodes)} for {hold_s} s; job {job} is preempted"
+    if kind == "timelimit":
+        info = slurmctl.parse_kv_line(subprocess.run(["scontrol", "show", "job", job, "-o"],
+                                                     capture_output=True, text=True).stdout)
+        elapsed = slurmctl.parse_time_min(info.get("RunTime", "0:0:0")) or 0
+        lead_s = int(next((e.get("signal_lead_s", 60) for e in reversed(run.events_list())
+                           if e.get("event") == "submitted"), 60))
+        limit_s = int(elapsed * 60) + lead_s + 15
+        _scontrol("update", f"JobId={job}", f"TimeLimit={limit_s // 60}:{limit_s % 60:02d}")
+        return f"job {job} time limit cut to {limit_s // 60}:{limit_s % 60:02d} (signal lead {lead_s} s)"
+    if kind == "node-fail":
+        if len(nodes) < 2:
+            raise UserError(f"job {job} runs on one node ({nodes[0]}), its batch host; node-fail needs a second node")
+        victim = nodes[-1]  # not the first: that is the batch host, whose loss ends the job itself
+        _scontrol("update", f"NodeName={victim}", "State=DOWN", "Reason=dtk-drill")
+        return f"node {victim} set DOWN (bring it back: scontrol update nodename={victim} state=resume)"
+    if kind == "crash":
+        return _signal_worker(run, start, rank, signal.SIGKILL)
+    if kind == "hang":
+        return _signal_worker(run, start, rank, signal.SIGSTOP)
+    raise UserError(f"no such drill {kind!r}; choose one of {', '.join(DRILLS)}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtk.drill", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=DRILLS)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--rank", type=int, default=None, help="worker for crash/hang (default: the last rank)")
+    parser.add_argument("--hold", type=int, default=30, help="seconds the preempting job holds the nodes")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) and 2
+    if not (args.run_dir / "plan.json").is_file():
+        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
+    print(drill(args.kind, RunDir(args.run_dir), rank=args.rank, hold_s=args.hold))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
