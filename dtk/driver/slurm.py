@@ -19,6 +19,7 @@ every step) and owns every recovery decision; workers never requeue themselves.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -82,6 +83,12 @@ class Supervisor:
         self.job_id = job_id
         self.fault = plan.config["fault"]
         self.relaunches = 0  # after crashes and hangs, in this allocation
+        self.signalled = 0  # SIGTERM (preemption) or USR2 seen by the driver itself
+
+    def _note_signal(self, signum: int, _frame) -> None:
+        # Replaces submitit's handlers in this process: USR2 there would end the driver,
+        # and deciding what a signal means is the driver's job. The workers got their own.
+        self.signalled = signum
 
     # --- Slurm facts -------------------------------------------------------------------
     def allocation(self) -> list[str]:
@@ -156,8 +163,11 @@ class Supervisor:
         detected = time.time()
         if code == 0:
             return Outcome("finished", code)
-        if code == EXIT_STOPPED:
-            return Outcome("stopped", code)
+        # Preemption signals srun too, so its exit code may say "terminated" although the
+        # workers agreed, saved and stopped: their `preempted` event is what counts.
+        stopped_by_workers = any(e.get("event") == "preempted" and e["time"] >= started for e in self.run.events_list())
+        if code == EXIT_STOPPED or stopped_by_workers or self.signalled:
+            return Outcome("stopped", code, detected_at=detected)
         left = set(self.allocation())
         lost = [n for n in nodes if n not in left]
         if lost:
@@ -166,6 +176,8 @@ class Supervisor:
 
     # --- the loop ------------------------------------------------------------------------
     def drive(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(sig, self._note_signal)
         recovery_from = self._recovery_from_previous_job()
         while True:
             excluded = set(read_exclusions(self.run))
@@ -230,6 +242,8 @@ class Supervisor:
                        detected_at=detected_at)
         # The job becomes PENDING again; scontrol ends this batch script while doing it.
         proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True)
+        if proc.returncode != 0 and slurmctl.job_state(self.job_id) in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
+            return EXIT_STOPPED  # preemption with PreemptMode=REQUEUE: Slurm requeued it first
         if proc.returncode != 0:
             error = f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()}"
             record_failure(self.run, error=error, restarts=self.run.starts() - 1, job_id=self.job_id)
