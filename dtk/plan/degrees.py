@@ -145,8 +145,13 @@ def check_scheme(
 def _check_tp(scheme: dict[str, Any], tp: int, model: dict[str, Any]) -> None:
     if tp == 1 or "n_heads" not in model:
         return
-    ffn = model.get("ffn_hidden") or 16 * math.ceil(8 * model["dim"] / 3 / 16)
-    sizes = {"model.n_heads": model["n_heads"], "model.dim": model["dim"], "ffn hidden size": ffn}
+    sizes = {"model.n_heads": model["n_heads"], "model.dim": model["dim"]}
+    if model.get("ffn_hidden"):
+        sizes["model.ffn_hidden"] = model["ffn_hidden"]
+    else:
+        sizes["feed-forward hidden size (model.ffn_hidden=0: 8/3 × dim, rounded up to 16)"] = 16 * math.ceil(
+            8 * model["dim"] / 3 / 16
+        )
     sizes["model.vocab_size"] = model["vocab_size"]
     sizes["model.seq_len"] = model["seq_len"]  # the position table is split by rows too
     common = math.gcd(*sizes.values())

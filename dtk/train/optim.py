@@ -26,40 +26,48 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: dict[str, Any], *, shard_group=None
-) -> torch.optim.Optimizer:
-    """AdamW; with `shard_group` ZeRO-1: each rank of the group keeps the state of its share
-    of the parameters, steps that share and broadcasts the result."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: dict[str, Any], *, shard_group=None):
+    """AdamW; with `shard_group` ZeRO-1 (dtk.parallel.zero): each rank of the group keeps the
+    state of its share of the parameters only."""
     if cfg["name"] != "adamw":
         raise ValueError(f"optim.name={cfg['name']}: no such optimizer (available: adamw)")
-    params = list(params)
-    # Weight decay on matrices only; norms and biases are not regularised.
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    kwargs = {"lr": cfg["lr"], "betas": (cfg["beta1"], cfg["beta2"]), "eps": cfg["eps"], "foreach": True}
     if shard_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from dtk.parallel.zero import ZeroOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=shard_group, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        return ZeroOptimizer(list(params), lambda share: _adamw(share, cfg), group=shard_group)
+    return _adamw(list(params), cfg)
 
 
-def state_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose state a checkpoint holds: under ZeRO-1 the rank's local one, so
-    each rank saves (and loads) the state of exactly the parameters it steps."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def _adamw(params: list[torch.nn.Parameter], cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    from torch.distributed.tensor import DTensor
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    groups = []
+    # Weight decay on matrices only; norms and biases are not regularised. Plain tensors and
+    # DTensors (tensor parallel without FSDP leaves unplanned modules plain) go in groups
+    # of their own: the fused multi-tensor update cannot mix them.
+    for decay in (True, False):
+        for sharded in (True, False):
+            picked = [p for p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == sharded]
+            if picked:
+                groups.append({"params": picked, "weight_decay": cfg["weight_decay"] if decay else 0.0})
+    return torch.optim.AdamW(groups, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"], foreach=True)
+
+
+def state_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that holds the state: the rank's local one under ZeRO-1. A
+    checkpoint and the learning-rate schedule attach to it."""
+    return getattr(optimizer, "local", optimizer)
 
 
 class SchedulerGroup:
     """One learning-rate schedule over several optimizers (one per pipeline stage a rank
-    holds), stepped together and checkpointed as one."""
+    holds), stepped together and checkpointed as one.
 
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+    Its state is the step count alone, not torch's per-param-group lists: the groups of an
+    optimizer differ between schemes (ZeRO-1 shares, tensor-parallel splits), and a
+    checkpoint must load under any of them."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LambdaLR]) -> None:
         assert schedulers, "at least one scheduler"
         self.schedulers = schedulers
 
@@ -71,16 +79,17 @@ class SchedulerGroup:
         return self.schedulers[0].get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.schedulers[0].state_dict()
+        first = self.schedulers[0]
+        return {"last_epoch": first.last_epoch, "_step_count": first._step_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for s in self.schedulers:
-            s.load_state_dict(state)
-            # Put the resumed rate into the optimizer too: a ZeRO-1 optimizer copies its own
-            # param_groups' lr into the local optimizer at every step, so the value loaded
-            # into the local optimizer alone would be overwritten.
-            for group, lr in zip(s.optimizer.param_groups, s.get_last_lr(), strict=True):
+            s.last_epoch = state["last_epoch"]
+            s._step_count = state.get("_step_count", state["last_epoch"] + 1)
+            lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas, strict=True)]
+            for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
+            s._last_lr = lrs
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: dict[str, Any], total_steps: int):

@@ -1,0 +1,53 @@
+"""A user's model, as a team would write it: nothing of dtk imported, no dtk hooks.
+
+dtk learns how to parallelize it from the model's yaml alone (the test writes it: see tests/test_schemes_user_model.py):
+the block class for FSDP, a tensor-parallel plan and the pipeline split points. Its one
+concession to pipelining is the usual one: forward skips top-level modules that are None.
+It keeps PyTorch's default initialisation (no `reset_parameter`), so dtk initialises it
+from a seeded CPU build.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, width: int, expansion: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, expansion * width)
+        self.down = nn.Linear(expansion * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class MlpLM(nn.Module):
+    """Predicts the next token from the current one through residual MLP blocks."""
+
+    def __init__(self, vocab_size: int, width: int, depth: int, expansion: int) -> None:
+        super().__init__()
+        self.embed: nn.Module | None = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList(ResidualMLP(width, expansion) for _ in range(depth))
+        self.final_norm: nn.Module | None = nn.LayerNorm(width)
+        self.head: nn.Module | None = nn.Linear(width, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def build(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
+    """The factory named by `_target_`; `seq_len` is read by the data loader, not the model."""
+    del seq_len
+    return MlpLM(vocab_size, width, depth, expansion)
