@@ -55,16 +55,18 @@ def _factory_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if not k.startswith("_") and k not in PARALLEL_KEYS}
 
 
-def build_model(cfg: dict[str, Any], *, device: str | torch.device = "meta", seed: int = 0) -> nn.Module:
+def build_model(cfg: dict[str, Any], *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
     """Call the factory under `device`. On "meta" nothing is allocated; `materialize` later
-    gives the parameters storage and values. On a real device the factory's own
-    initialisation runs under `seed`."""
+    gives the parameters storage and values. On a real device the model gets the initial
+    values a distributed run starts from (see `materialize`)."""
     factory = locate(cfg["_target_"])
     torch.manual_seed(seed)
     with torch.device(device):
         model = factory(**_factory_kwargs(cfg))
     if not isinstance(model, nn.Module):
         raise ValueError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not an nn.Module")
+    if torch.device(device).type != "meta" and hasattr(model, "reset_parameter"):
+        _init_by_name([model], seed)
     return model
 
 
@@ -99,6 +101,13 @@ def _assign(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
+def _init_by_name(parts: list[nn.Module], seed: int) -> None:
+    for part, name, t in _tensors(parts):
+        full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        part.reset_parameter(name, full, torch.Generator().manual_seed(name_seed(seed, name)))
+        _assign(t, full)
+
+
 def materialize(parts: list[nn.Module], *, cfg: dict[str, Any], device: torch.device, seed: int) -> None:
     """Give meta parameters storage on `device` and their initial values.
 
@@ -109,12 +118,8 @@ def materialize(parts: list[nn.Module], *, cfg: dict[str, Any], device: torch.de
     one full model on the host while starting)."""
     for part in parts:
         part.to_empty(device=device)
-    hook = getattr(parts[0], "reset_parameter", None)
-    if hook is not None:
-        for part, name, t in _tensors(parts):
-            full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            part.reset_parameter(name, full, torch.Generator().manual_seed(name_seed(seed, name)))
-            _assign(t, full)
+    if hasattr(parts[0], "reset_parameter"):
+        _init_by_name(parts, seed)
         return
     reference = build_model(cfg, device="cpu", seed=seed)
     values = dict(reference.named_parameters())

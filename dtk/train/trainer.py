@@ -30,6 +30,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def peak_memory_gib(device: torch.device) -> float | None:
+    """Peak memory the caching allocator handed out on this rank's GPU; None on the CPU,
+    where a process's peak is its resident size, measured from outside (benchmarks/)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+
+
 @dataclass
 class StepResult:
     loss: float

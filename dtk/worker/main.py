@@ -29,7 +29,7 @@ from dtk.rundir import RunDir, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
-from dtk.train.trainer import Trainer, cross_entropy
+from dtk.train.trainer import Trainer, cross_entropy, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.heartbeat import HEARTBEAT, Heartbeat
@@ -185,6 +185,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
             "scheme": plan.scheme,
             "config_hash": plan.config_hash,
             "data_version": dataset.version,
+            "peak_memory_gib": peak_memory_gib(device),  # rank 0's GPU; None on the CPU
         }
         write_json_atomic(run.summary, summary)
         run.event("finished", step=plan.steps, final_loss=summary["final_loss"])
