@@ -216,6 +216,18 @@ class Supervisor:
         times = [e["time"] for e in self.run.events_list() if e.get("event") == name]
         return times[-1] if times else time.time()
 
+    def _requeued_anyway(self, wait_s: float = 10.0) -> bool:
+        """Whether the job is on its way back to the queue (it passes through COMPLETING)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            state = slurmctl.job_state(self.job_id)
+            if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+                return True
+            if state not in ("COMPLETING", "RUNNING"):
+                return False
+            time.sleep(0.5)
+        return False
+
     def _recovery_from_previous_job(self) -> float:
         """A start after a requeue measures its recovery from the detection that caused it."""
         events = self.run.events_list()
@@ -242,8 +254,8 @@ class Supervisor:
                        detected_at=detected_at)
         # The job becomes PENDING again; scontrol ends this batch script while doing it.
         proc = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True)
-        if proc.returncode != 0 and slurmctl.job_state(self.job_id) in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
-            return EXIT_STOPPED  # preemption with PreemptMode=REQUEUE: Slurm requeued it first
+        if proc.returncode != 0 and self._requeued_anyway():
+            return EXIT_STOPPED  # e.g. preemption with PreemptMode=REQUEUE: Slurm requeued it first
         if proc.returncode != 0:
             error = f"scontrol requeue {self.job_id} failed: {proc.stderr.strip()}"
             record_failure(self.run, error=error, restarts=self.run.starts() - 1, job_id=self.job_id)
