@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,22 @@ def test_export_writes_a_plain_state_dict(saved, tmp_path):
     model.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(params(model), held[2], strict=True))
     assert json.loads((tmp_path / "m.pt.json").read_text())["step"] == 2
+
+
+def test_minutes_interval_saves_when_the_time_has_come(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = make_parts()
+    ckpt = CheckpointManager(
+        run,
+        cfg={"every": 0, "keep": 5, "resume": True, "async_save": True, "every_minutes": 0.001},  # 60 ms
+        parts=[(model, optimizer)], scheduler=scheduler, rank=0, world_size=1, global_batch=4, total_steps=100,
+        identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"},
+    )
+    ckpt.on_step_end(1)
+    assert not run.checkpoint_steps()  # not yet: the clock starts at construction
+    time.sleep(0.08)
+    ckpt.on_step_end(2)
+    ckpt.on_step_end(3)  # the clock restarted at the save of step 2
+    ckpt.close()
+    assert [s for s, _, ok in run.checkpoint_steps() if ok] == [2]

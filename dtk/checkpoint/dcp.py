@@ -50,6 +50,7 @@ from dtk.checkpoint import manifest as mf
 from dtk.rundir import write_json_atomic
 
 TRAINER_STATE = "trainer.json"
+WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
 FORMAT_VERSION = mf.FORMAT_VERSION
 
 Parts = list[tuple[torch.nn.Module, torch.optim.Optimizer]]
@@ -134,6 +135,10 @@ class Saver:
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-ckpt")
         self._pending: Future | None = None
 
+    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+        # Files are fsynced before the manifest can count them.
+        return dcp.FileSystemWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
+
     def wait(self) -> None:
         """Block until the save in flight is committed; re-raise its failure."""
         pending, self._pending = self._pending, None
@@ -157,10 +162,11 @@ class Saver:
         model_sd, optim_sd, _ = _state_dicts(parts)
         state = {"model": model_sd, "optim": optim_sd}
         if self.asynchronous:
-            written = dcp.async_save(state, checkpoint_id=str(path), process_group=self.comm.group,
+            written = dcp.async_save(state, storage_writer=self._writer(path), process_group=self.comm.group,
                                      async_stager=self._stager, no_dist=self.comm.group is None)
         else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self.comm.group, no_dist=self.comm.group is None)
+            dcp.save(state, storage_writer=self._writer(path), process_group=self.comm.group,
+                     no_dist=self.comm.group is None)
             written = Future()
             written.set_result(None)
         blocked = time.perf_counter() - t0

@@ -1,0 +1,176 @@
+"""Checkpoint save: how long training is blocked by an async save vs a synchronous one, and
+the write throughput of a save vs a raw sequential write (dd) on the same disk.
+
+One process trains a stack of Linear layers with AdamW (the state — parameters and two
+moments — is at least --state-mb) and saves through dtk's CheckpointManager, the code a
+worker runs:
+
+  sync    `save()` returns once the checkpoint is written, checksummed and committed:
+          training is blocked for all of it.
+  async   `save()` stages the state into CPU buffers kept between saves and returns;
+          DCP writes and the manifest is committed in the background while training goes
+          on. Blocked = the `save()` call, plus how much slower the steps that overlap the
+          background write ran than steps without one (the GIL and the memory bus are
+          shared), so the figure hides nothing.
+
+Throughput: bytes of the checkpoint / seconds of a synchronous save, from the start to the
+committed manifest (fsynced DCP files, CRC-32 of every file, manifest) vs `dd bs=8M
+conv=fsync` of the same number of bytes into the same folder.
+
+    python benchmarks/checkpoint.py --state-mb 600 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtk.checkpoint.manager import CheckpointManager  # noqa: E402
+from dtk.rundir import RunDir  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: intended
+
+DIM = 2048
+
+
+def build(state_mb: int):
+    # AdamW keeps two moments per parameter: state = 3 × parameters × 4 bytes.
+    layers = max(1, -(-state_mb * 1_000_000 // (3 * 4 * DIM * DIM)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return model, optimizer, scheduler
+
+
+def step(model, optimizer, scheduler, x) -> float:
+    t0 = time.perf_counter()
+    model(x).square().mean().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def manager(run: RunDir, parts, scheduler, *, asynchronous: bool) -> CheckpointManager:
+    return CheckpointManager(
+        run,
+        cfg={"every": 0, "keep": 1, "resume": False, "async_save": asynchronous, "every_minutes": 0},
+        parts=parts,
+        scheduler=scheduler,
+        rank=0,
+        world_size=1,
+        global_batch=1,
+        total_steps=10**9,
+        identity={"config_hash": "bench", "data_version": "bench", "scheme": "single"},
+    )
+
+
+def dd_seconds(folder: Path, nbytes: int) -> float:
+    out = folder / "dd.bin"
+    count = max(1, round(nbytes / (8 << 20)))
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={out}", "bs=8M", f"count={count}", "conv=fsync"],
+                   check=True, capture_output=True)
+    seconds = time.perf_counter() - t0
+    out.unlink()
+    return seconds * nbytes / (count * (8 << 20))
+
+
+def settle() -> None:
+    """Flush what earlier writes left dirty, so each measured write starts from a clean cache."""
+    os.sync()
+    time.sleep(0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-mb", type=int, default=600, help="model + optimizer state to save, in MB (default 600)")
+    ap.add_argument("--repeats", type=int, default=7, help="rounds of (sync save, async save, dd); medians are reported")
+    ap.add_argument("--batch", type=int, default=8, help="rows of the training batch (sets the step time)")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp folder under the cwd)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # one core computes, the other is free for the background write
+
+    model, optimizer, scheduler = build(args.state_mb)
+    parts = [(model, optimizer)]
+    x = torch.randn(args.batch, DIM)
+    folder = Path(tempfile.mkdtemp(prefix="dtk-ckpt-bench-", dir=args.dir or Path.cwd()))
+    rows = []
+    try:
+        for _ in range(3):
+            step(model, optimizer, scheduler, x)
+        state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
+        managers = {}
+        for kind in ("sync", "async"):
+            run = RunDir(folder / kind)
+            run.path.mkdir()
+            managers[kind] = manager(run, parts, scheduler, asynchronous=kind == "async")
+        # Repeats interleave the kinds, so the machine's noise hits both alike. Round 0 warms
+        # up (the async stager allocates its CPU buffers on its first save).
+        for r in range(args.repeats + 1):
+            row = {"base": statistics.median(step(model, optimizer, scheduler, x) for _ in range(3))}
+            for kind, ckpt in managers.items():
+                settle()
+                t0 = time.perf_counter()
+                ckpt.save(r + 1)
+                row[f"{kind}_call"] = time.perf_counter() - t0
+                extra, n = 0.0, 0
+                while ckpt._saver._pending is not None and not ckpt._saver._pending.done():
+                    extra += step(model, optimizer, scheduler, x) - row["base"]
+                    n += 1
+                ckpt.wait()
+                row[f"{kind}_overlap"], row[f"{kind}_steps"] = max(0.0, extra), n
+                manifest = json.loads((ckpt.run.checkpoint_dir(r + 1) / "manifest.json").read_text())
+                row[f"{kind}_seconds"] = manifest["save_seconds"]
+                row["bytes"] = sum(f["size"] for f in manifest["files"].values())
+            settle()
+            row["dd"] = dd_seconds(folder, row["bytes"])
+            if r:
+                rows.append(row)
+        for ckpt in managers.values():
+            ckpt.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def med(key: str) -> float:
+        return statistics.median(row[key] for row in rows)
+
+    def med_ratio(num, den) -> float:
+        """Median over rounds of a ratio of one round's figures (neighbours in time share the noise)."""
+        return statistics.median(num(row) / den(row) for row in rows)
+
+    nbytes = med("bytes")
+    print(f"state {state_bytes / 1e6:.0f} MB, checkpoint {nbytes / 1e6:.0f} MB, step {med('base') * 1000:.0f} ms,"
+          f" {len(rows)} rounds of (sync save, async save, dd); medians")
+    print(f"blocked by a sync save       {med('sync_call'):.3f} s")
+    print(f"blocked by an async save     {med('async_call'):.3f} s   (the save() call: wait for the previous save,"
+          " stage to CPU, start)")
+    print(f"async / sync blocked         {med_ratio(lambda r: r['async_call'], lambda r: r['sync_call']):.3f}"
+          "   (target <= 0.10)")
+    print(f"async background write      {med('async_seconds'):.3f} s to the committed manifest, overlapping"
+          f" {med('async_steps'):.0f} steps that ran {med('async_overlap'):.3f} s slower in total")
+    both = med_ratio(lambda r: r["async_call"] + r["async_overlap"], lambda r: r["sync_call"])
+    print(f"(async blocked + slowdown of overlapping steps) / sync blocked   {both:.3f}")
+    print(f"save throughput              {nbytes / med('sync_seconds') / 1e6:.0f} MB/s"
+          " (sync save: DCP write + fsync + CRC-32 + manifest)")
+    print(f"dd throughput                {nbytes / med('dd') / 1e6:.0f} MB/s (dd bs=8M conv=fsync, same folder, same bytes)")
+    print(f"save / dd                    {med_ratio(lambda r: r['dd'], lambda r: r['sync_seconds']):.3f}"
+          "   (target >= 0.70)")
+
+
+if __name__ == "__main__":
+    main()
