@@ -4,7 +4,7 @@ Order, fixed, each step an `apply_*` of its own module:
 
     1. pipeline split       the (meta) model → this rank's stage modules
     2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis)
-    3. activation ckpt      wrap each block's forward (after TP, so recompute redoes TP comms)
+    3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
     5. FSDP                 shard each block over dp_shard, replicate over dp_replicate
        materialize          storage and initial values (after sharding: no rank ever holds
@@ -60,7 +60,9 @@ def parallelize(
     data_parallel = scheme["data_parallel"]
     param_dtype = resolve_dtype(scheme["param_dtype"], device, auto=torch.bfloat16)
     reduce_dtype = resolve_dtype(scheme["reduce_dtype"], device, auto=torch.float32)
-    use_fsdp = data_parallel == "fsdp" and degrees.dp > 1
+    # A one-process fsdp job still runs fully_shard (on a one-rank mesh): the same code,
+    # mixed-precision policy and memory layout as on many GPUs.
+    use_fsdp = data_parallel == "fsdp" and (degrees.dp > 1 or degrees.world == 1)
     use_ddp = data_parallel == "ddp" and degrees.dp > 1
 
     if degrees.tp > 1:

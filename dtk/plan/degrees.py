@@ -128,6 +128,11 @@ def check_scheme(
     virtual = scheme["pp_virtual_stages"]
     if not isinstance(virtual, int) or virtual < 1:
         raise UserError(f"scheme.pp_virtual_stages={virtual}: expected a positive integer")
+    if scheme["pp_schedule"] == "interleaved_1f1b" and virtual < 2 and degrees.pp > 1:
+        raise UserError(
+            "scheme.pp_schedule=interleaved_1f1b needs scheme.pp_virtual_stages ≥ 2 (stages per pipeline rank);"
+            " with 1 use scheme.pp_schedule=1f1b"
+        )
     if scheme["pp_schedule"] != "interleaved_1f1b" and virtual != 1:
         raise UserError(
             f"scheme.pp_virtual_stages={virtual} needs scheme.pp_schedule=interleaved_1f1b"
