@@ -3,7 +3,9 @@
 Each scheme trains the same model on the same data through the real CLI
 (`python -m dtk.submit`), twice:
 
-- time: the median of the logged `step_time_s` after 2 warm-up steps;
+- time: the median of the logged `step_time_s` after 2 warm-up steps, in `--repeats`
+  rounds over all schemes; the table gives the median over rounds, and the ratio to ddp
+  is taken within each round (this machine's load changes from minute to minute);
 - memory: each worker's peak resident set size (RSS), sampled from outside every 50 ms
   until the last training step is logged (the final checkpoint is not counted). This run
   sets MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns freed tensors to the system at
@@ -34,7 +36,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODEL = ["model.dim=384", "model.n_layers=8", "model.n_heads=6", "model.vocab_size=8192", "model.seq_len=32"]
+MODEL = ["model.dim=384", "model.n_layers=8", "model.n_heads=8", "model.vocab_size=8192", "model.seq_len=32"]
 JOB = [
     "tasks_per_node=4",
     "train.global_batch=16",
@@ -104,41 +106,45 @@ def run_scheme(overrides: list[str], steps: int, root: Path, *, memory: bool) ->
     return [json.loads(line) for line in metrics.read_text().splitlines()], peak
 
 
-def measure(name: str, overrides: list[str], steps: int) -> dict:
+def step_ms(overrides: list[str], steps: int) -> float:
     with tempfile.TemporaryDirectory(prefix="dtk-bench-") as tmp:
         records, _ = run_scheme(overrides, steps, Path(tmp), memory=False)
+    return 1000 * statistics.median(r["step_time_s"] for r in records if r["step"] > 2)
+
+
+def peak_gib(overrides: list[str]) -> list[float]:
     with tempfile.TemporaryDirectory(prefix="dtk-bench-") as tmp:
         _, peak = run_scheme(overrides, 3, Path(tmp), memory=True)
-    return {
-        "name": name,
-        "overrides": overrides,
-        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in records if r["step"] > 2),
-        "peak_gib": [peak[r] / 2**30 for r in sorted(peak)],
-    }
+    return [peak[r] / 2**30 for r in sorted(peak)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per scheme (the first 2 are warm-up)")
-    parser.add_argument("--only", nargs="*", help="scheme names (prefixes) to run")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per timing run (the first 2 are warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="timing rounds over all schemes; medians are reported")
+    parser.add_argument("--only", nargs="*", help="scheme names (prefixes) to run; ddp is always run as the baseline")
     args = parser.parse_args()
-    picked = {k: v for k, v in SCHEMES.items() if not args.only or any(k.startswith(o) for o in args.only)}
-    results = []
-    for name, overrides in picked.items():
-        result = measure(name, overrides, args.steps)
-        results.append(result)
-        peaks = " / ".join(f"{g:.2f}" for g in result["peak_gib"])
-        print(f"{name}: {result['step_ms']:.0f} ms/step, peak RSS per rank {peaks} GiB", flush=True)
-    base = next((r for r in results if r["name"] == "ddp"), None)
+    names = [k for k in SCHEMES if k == "ddp" or not args.only or any(k.startswith(o) for o in args.only)]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    # Rounds over all schemes, so a change in the machine's load hits every scheme alike;
+    # each ratio to ddp is taken within one round.
+    for round_ in range(args.repeats):
+        for name in names:
+            times[name].append(step_ms(SCHEMES[name], args.steps))
+            print(f"round {round_ + 1}: {name} {times[name][-1]:.0f} ms/step", flush=True)
+    peaks = {}
+    for name in names:
+        peaks[name] = peak_gib(SCHEMES[name])
+        print(f"{name}: peak RSS per rank {' / '.join(f'{g:.2f}' for g in peaks[name])} GiB", flush=True)
     print(f"\nmodel state (params + grads + AdamW, fp32, unsharded): {model_state_mib():.0f} MiB")
     print("\n| scheme | overrides | ms/step | time vs ddp | peak RSS per rank (GiB) | max rank vs ddp (MiB) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        ratio = f"{r['step_ms'] / base['step_ms']:.2f}" if base else "–"
-        delta = f"{(max(r['peak_gib']) - max(base['peak_gib'])) * 1024:+.0f}" if base else "–"
+    for name in names:
+        ratio = statistics.median(t / b for t, b in zip(times[name], times["ddp"], strict=True))
+        delta = (max(peaks[name]) - max(peaks["ddp"])) * 1024
         print(
-            f"| {r['name']} | `{' '.join(r['overrides'])}` | {r['step_ms']:.0f} | {ratio} |"
-            f" {' / '.join(f'{g:.2f}' for g in r['peak_gib'])} | {delta} |"
+            f"| {name} | `{' '.join(SCHEMES[name])}` | {statistics.median(times[name]):.0f} | {ratio:.2f} |"
+            f" {' / '.join(f'{g:.2f}' for g in peaks[name])} | {delta:+.0f} |"
         )
 
 

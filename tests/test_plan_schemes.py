@@ -49,6 +49,10 @@ def test_degrees_from_the_command_line():
 def test_pipeline_microbatches_decide_the_micro_batch():
     p = plan("+scheme=pp", "tasks_per_node=2", "train.global_batch=32", "scheme.pp_microbatches=8")
     assert (p.micro_batch, p.grad_accum) == (4, 8)
+    p = plan("+scheme=pp", "tasks_per_node=2", "train.global_batch=32")  # neither set: 2 × stages
+    assert (p.micro_batch, p.grad_accum) == (8, 4)
+    p = plan("+scheme=pp", "tasks_per_node=2", "train.global_batch=32", "train.micro_batch=2")
+    assert (p.micro_batch, p.grad_accum) == (2, 16)
 
 
 # (overrides, words the error must contain): one case per rule of the issue, and a few more.

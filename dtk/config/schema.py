@@ -165,7 +165,7 @@ class SchemeConfig:
     pp_virtual_stages: int = 1
     """Pipeline stages per pipeline rank (interleaved 1F1B); the model is cut into pp × this many stages."""
     pp_microbatches: int = 0
-    """Pipeline micro-batches per optimizer step. 0: global_batch / (micro_batch × data-parallel size); set: train.micro_batch follows from it."""
+    """Pipeline micro-batches per optimizer step. 0: global_batch / (micro_batch × data-parallel size), or 2 × pp × pp_virtual_stages when train.micro_batch is unset; set: train.micro_batch follows from it."""
     activation_checkpoint: str = "none"
     """Recompute activations in backward: `none`, `selective` (keep matmul and attention outputs) or `full` (each block)."""
     compile: bool = False

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def partition(params: list[torch.nn.Parameter], num_ranks: int) -> list[int]:
@@ -60,11 +59,14 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.local.step()
-        for src, share in enumerate(self.shares):
-            flat = _flatten_dense_tensors([p.detach() for p in share])
-            dist.broadcast(flat, group=self.group, group_src=src)
-            for p, value in zip(share, _unflatten_dense_tensors(flat, share), strict=True):
-                p.copy_(value)
+        # In place, all in flight at once: no flattening copies of the whole model.
+        works = [
+            dist.broadcast(p.detach(), group=self.group, group_src=src, async_op=True)
+            for src, share in enumerate(self.shares)
+            for p in share
+        ]
+        for work in works:
+            work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Every rank holds every gradient (ZeRO-1), not only those of its share.

@@ -77,8 +77,13 @@ def default_scheme() -> dict[str, Any]:
 
 def micro_batch_size(scheme: dict[str, Any], *, micro_batch: int | None, global_batch: int, degrees: Degrees) -> int:
     """Samples per forward on one rank. scheme.pp_microbatches, when set, decides it:
-    global_batch = micro_batch × pp_microbatches × data-parallel size."""
+    global_batch = micro_batch × pp_microbatches × data-parallel size. With a pipeline and
+    neither set, the pipeline gets 2 × its stage count of micro-batches."""
     n = scheme.get("pp_microbatches", 0)
+    if not n and not micro_batch and degrees.pp > 1:
+        # Neither given: enough micro-batches to keep the stages busy (bubble ≤ ~1/3).
+        local, stages = global_batch // degrees.dp, degrees.pp * scheme.get("pp_virtual_stages", 1)
+        n = next((c for c in (2 * stages, stages) if local % c == 0), 0)
     if not n:
         return micro_batch or global_batch // degrees.dp
     if n < 0:
