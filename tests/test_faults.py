@@ -1,0 +1,197 @@
+"""Fault drills on the lab cluster: preemption, time limit, node failure (with and without a
+spare), crash, hang, and a job that fails at every start. Each drill is injected for real
+with `python -m dtk.drill` into a live run, which must recover and finish.
+
+Tolerance: with this model in fp32 on CPU, a resume on the same world size is bitwise
+equal to the uninterrupted run (asserted exactly); a run that continues on fewer workers
+changes only the summation order of the gradient all-reduce, so its final loss is checked
+to rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import dtk, losses, only_run_dir
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+STEPS = 400
+TRAIN = ["train.global_batch=32", f"train.steps={STEPS}", "checkpoint.every=20", "train.log_every=50"]
+LAB = ["cluster=lab", "nodes=2", "tasks_per_node=1", "fault.hang_timeout_s=10", *TRAIN]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run: same config and world size (2), on the local cluster."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = dtk("dtk.submit", "tasks_per_node=2", *TRAIN, f"run.root={root}", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    return losses(only_run_dir(root))
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def named(run: Path, name: str) -> list[dict]:
+    return [e for e in events(run) if e["event"] == name]
+
+
+def submit(tmp_path: Path, *extra: str) -> tuple[str, Path]:
+    proc = dtk("dtk.submit", *LAB, *extra, f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = proc.stdout.split("submitted job ", 1)[1].split()[0]
+    return job, only_run_dir(tmp_path)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def step_reached(run: Path, step: int, restart: int | None = None) -> bool:
+    if not (run / "metrics.jsonl").exists():
+        return False
+    for line in (run / "metrics.jsonl").read_text().splitlines()[::-1]:
+        rec = json.loads(line)
+        if restart is None or rec["restart"] == restart:
+            return rec["step"] >= step
+    return False
+
+
+def job_gone(job: str) -> bool:
+    return not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
+
+
+def finish(job: str, run: Path, timeout: float = 240) -> dict:
+    try:
+        wait_for(lambda: job_gone(job), timeout, f"job {job} to end")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    summary = json.loads((run / "summary.json").read_text())
+    return summary
+
+
+def drill(kind: str, run: Path, *args: str) -> float:
+    t = time.time()
+    proc = dtk("dtk.drill", kind, str(run), *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return t
+
+
+def steps_once_each(run: Path) -> bool:
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return sorted(steps) == list(range(1, STEPS + 1))
+
+
+def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
+    job, run = submit(tmp_path)
+    wait_for(lambda: step_reached(run, 60), 120, "step 60")
+    drill("preempt", run, "--hold", "5")
+    summary = finish(job, run)
+    assert summary["status"] == "finished", summary
+    (preempted,) = named(run, "preempted")
+    (requeued,) = named(run, "requeued")
+    assert requeued["job_id"] == job and requeued["step"] == preempted["step"]
+    started = named(run, "started")
+    assert [s["restart"] for s in started] == [0, 1] and {s["job_id"] for s in started} == {job}
+    resumed = named(run, "resumed")[-1]
+    assert resumed["step"] == preempted["step"] and resumed["restart"] == 1
+    assert steps_once_each(run), "a step was computed twice or lost"
+    assert losses(run) == reference
+
+
+def test_time_limit_saves_before_each_limit_and_finishes_over_allocations(lab, tmp_path):
+    job, run = submit(tmp_path, "cluster.time_min=1", "fault.signal_lead_floor_s=30", "train.steps=600")
+    summary = finish(job, run, timeout=420)
+    assert summary["status"] == "finished", summary
+    preempted, requeued, resumed = named(run, "preempted"), named(run, "requeued"), named(run, "resumed")
+    assert len(requeued) >= 1 and len(resumed) == len(requeued)
+    assert all(p["signal"] == "SIGUSR2" for p in preempted)
+    # No step lost: every allocation resumes exactly where the previous one saved.
+    assert [r["step"] for r in requeued] == [p["step"] for p in preempted] == [r["step"] for r in resumed]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(steps) == list(range(1, 601))
+    assert all(e["signal_lead_s"] == 30 for e in named(run, "submitted"))
+
+
+def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, reference):
+    job, run = submit(tmp_path, "spare_nodes=1")
+    wait_for(lambda: step_reached(run, 60), 120, "step 60")
+    victim = named(run, "started")[0]["nodes"][-1]
+    try:
+        drill("node-fail", run)
+        summary = finish(job, run)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+    assert summary["status"] == "finished", summary
+    assert not named(run, "requeued")
+    (failed,) = named(run, "node_failed")
+    assert failed["nodes"] == [victim]
+    excluded = [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
+    assert excluded == [victim]
+    started = named(run, "started")
+    assert len(started) == 2 and victim not in started[1]["nodes"] and len(started[1]["nodes"]) == 2
+    assert named(run, "resumed")[-1]["step"] == failed["resume_from"]
+    assert losses(run)[STEPS] == reference[STEPS]
+
+
+def test_node_failure_without_spare_continues_on_one_node(lab, tmp_path, reference):
+    job, run = submit(tmp_path)
+    wait_for(lambda: step_reached(run, 60), 120, "step 60")
+    victim = named(run, "started")[0]["nodes"][-1]
+    try:
+        drill("node-fail", run)
+        summary = finish(job, run)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+    assert summary["status"] == "finished", summary
+    assert not named(run, "requeued")
+    started = named(run, "started")
+    assert started[-1]["nodes"] == [started[0]["nodes"][0]] and started[-1]["world_size"] == 1
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["world_size"] == 1
+    assert math.isclose(losses(run)[STEPS], reference[STEPS], rel_tol=1e-5)
+
+
+def test_crash_and_hang_recover_and_the_hang_is_seen_in_time(lab, tmp_path, reference):
+    job, run = submit(tmp_path)
+    wait_for(lambda: step_reached(run, 60), 120, "step 60")
+    drill("crash", run)
+    wait_for(lambda: named(run, "relaunched"), 60, "the relaunch after the crash")
+    wait_for(lambda: step_reached(run, named(run, "relaunched")[0]["resume_from"] + 30, restart=1), 120,
+             "progress after the crash")
+    t_hang = drill("hang", run)
+    summary = finish(job, run)
+    assert summary["status"] == "finished", summary
+    crash, hang = named(run, "relaunched")
+    assert crash["cause"] == "crashed" and hang["cause"] == "hung"
+    (detected,) = named(run, "hang_detected")
+    assert detected["time"] - t_hang <= 10 + 5, "hang seen later than fault.hang_timeout_s + 5 s"
+    assert [r["restart"] for r in named(run, "resumed")] == [1, 2]
+    assert all(r["recovery_s"] is not None and r["recovery_s"] < 60 for r in named(run, "resumed"))
+    assert losses(run) == reference
+
+
+def test_a_job_that_fails_at_every_start_stops_after_max_restarts(lab, tmp_path):
+    proc = dtk("dtk.submit", *LAB, "fault.max_restarts=2", "model._target_=builtins.dict", "submit.wait=true",
+               f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run = only_run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "fault.max_restarts=2" in summary["error"] and "not an nn.Module" in summary["error"]
+    assert len(named(run, "started")) == 3 and len(named(run, "relaunched")) == 2
+    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
+    assert status["state"] == "failed" and "not an nn.Module" in status["error"]
