@@ -1,0 +1,128 @@
+"""Recovery on the lab cluster: each fault drill several times, with medians.
+
+For every drill, a 2-node job (3 for node-fail: one spare) is submitted, the fault is
+injected with `python -m dtk.drill` once the job has trained a while, and the run must
+finish. Per drill it prints the median of:
+
+  detect_s    drill → the driver's detection event (crash, hang, node-fail) or the workers'
+              agreed stop (preempt, timelimit)
+  recovery_s  detection → first completed step after the restart (the `resumed` event)
+  lost        steps computed before the fault that had to be computed again
+              (last step logged before the fault − step resumed from)
+
+next to the run's median step time and checkpoint save time. Targets: recovery ≤ 30 s
+after node failure, crash or hang; 0 steps lost on preempt and timelimit; at most one
+checkpoint interval lost otherwise.
+
+    python benchmarks/recovery.py [--repeats 3] [--drills crash,hang,...] [--every 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+DETECTION = {"crash": "relaunched", "hang": "hang_detected", "node-fail": "node_failed",
+             "preempt": "preempted", "timelimit": "preempted"}
+
+
+def dtk(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=ENV, capture_output=True, text=True)
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def one(kind: str, root: Path, args) -> dict:
+    extra = ["spare_nodes=1"] if kind == "node-fail" else []
+    if kind == "timelimit":
+        extra += ["fault.signal_lead_floor_s=30"]
+    proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32",
+               f"train.steps={args.steps}", f"checkpoint.every={args.every}", "fault.hang_timeout_s=10",
+               *extra, f"run.root={root}")
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout + proc.stderr)
+    job = proc.stdout.split("submitted job ", 1)[1].split()[0]
+    (run,) = [p for p in root.iterdir() if p.is_dir()]
+    wait(lambda: any(m["step"] >= args.at for m in metrics(run)), 180, f"step {args.at}")
+    nodes = [e for e in events(run) if e["event"] == "started"][0]["nodes"]
+    t_drill = time.time()
+    out = dtk("dtk.drill", kind, str(run), *(["--hold", "5"] if kind == "preempt" else []))
+    if out.returncode != 0:
+        raise SystemExit(out.stdout + out.stderr)
+    try:
+        wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
+             420, f"job {job} to end")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        for node in nodes:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+    evs = events(run)
+    summary = json.loads((run / "summary.json").read_text())
+    if summary.get("status") != "finished":
+        raise SystemExit(f"{kind}: the run did not finish: {summary}")
+    detected = next(e for e in evs if e["event"] == DETECTION[kind] and e["time"] >= t_drill)
+    resumed = next(e for e in evs if e["event"] == "resumed" and e["time"] >= detected["time"])
+    before = [m["step"] for m in metrics(run) if m["restart"] == resumed["restart"] - 1]
+    saves = [e["seconds"] for e in evs if e["event"] == "checkpoint_saved"]
+    return {
+        "detect_s": detected["time"] - t_drill,
+        "recovery_s": resumed["recovery_s"],
+        "lost": max(before) - resumed["step"],
+        "step_s": statistics.median(m["step_time_s"] for m in metrics(run)),
+        "save_s": statistics.median(saves),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--drills", default="preempt,timelimit,node-fail,crash,hang")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--at", type=int, default=100, help="drill once this step is logged")
+    p.add_argument("--every", type=int, default=20, help="checkpoint interval (steps)")
+    args = p.parse_args()
+    sys.path.insert(0, str(REPO))
+    from dtk import lab
+
+    lab.up(3, install=False, log=lambda _line: None)
+    rows = []
+    for kind in args.drills.split(","):
+        results = []
+        for r in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                results.append(one(kind, Path(tmp), args))
+            print(f"{kind} #{r}: " + " ".join(f"{k} {v:.3g}" for k, v in results[-1].items()), flush=True)
+        rows.append((kind, {k: statistics.median(res[k] for res in results) for k in results[0]}))
+    print(f"\nmedians of {args.repeats} (checkpoint every {args.every} steps):")
+    print(f"{'drill':<10} {'detect_s':>9} {'recovery_s':>11} {'lost':>5} {'step_s':>7} {'save_s':>7}")
+    for kind, m in rows:
+        print(f"{kind:<10} {m['detect_s']:>9.1f} {m['recovery_s']:>11.1f} {m['lost']:>5.0f}"
+              f" {m['step_s']:>7.3f} {m['save_s']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
