@@ -129,7 +129,7 @@ def main() -> None:
                 ckpt.save(r + 1)
                 row[f"{kind}_call"] = time.perf_counter() - t0
                 extra, n = 0.0, 0
-                while ckpt._saver._pending is not None and not ckpt._saver._pending.done():
+                while ckpt.saving:
                     extra += step(model, optimizer, scheduler, x) - row["base"]
                     n += 1
                 ckpt.wait()

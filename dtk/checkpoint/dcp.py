@@ -139,6 +139,10 @@ class Saver:
         # Files are fsynced before the manifest can count them.
         return dcp.FileSystemWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
 
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> None:
         """Block until the save in flight is committed; re-raise its failure."""
         pending, self._pending = self._pending, None

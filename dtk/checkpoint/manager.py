@@ -53,7 +53,6 @@ class CheckpointManager:
         self._last_save_t = time.monotonic()
         self.verified_step: int | None = None  # newest checkpoint known good: retention never deletes it
         self.rng_restored = False
-        self.last_blocked_s = 0.0
         self._last_step: int | None = None  # the step of the newest save started by this process
 
     # --- resume -------------------------------------------------------------------------
@@ -171,7 +170,7 @@ class CheckpointManager:
             **self.identity,
         }
         self._last_save_t = time.monotonic()
-        self.last_blocked_s = self._saver.start(path, parts=self.parts, trainer_state=state, header=header)
+        self._saver.start(path, parts=self.parts, trainer_state=state, header=header)
 
     def _committed(self, manifest: dict[str, Any]) -> None:
         """Rank 0, in the finisher thread, right after the manifest of a save was written."""
@@ -191,6 +190,11 @@ class CheckpointManager:
     def on_step_end(self, step: int, _result: Any = None) -> None:
         if self.due(step) or self._minutes_due():
             self.save(step)
+
+    @property
+    def saving(self) -> bool:
+        """Whether a save is still being written or committed in the background (this rank)."""
+        return self._saver.busy
 
     def wait(self) -> None:
         """Block until the save in flight is committed."""
