@@ -23,8 +23,15 @@ config). python -m dtk.plan --help lists every key with its meaning.
 
 def plan_points(overrides: list[str], multirun: bool) -> list[tuple[list[str], Plan]]:
     """Compose and plan every point first, so one bad point stops the sweep before any launch."""
+    from dtk.data.hdf5 import check_config
+
     points = expand_sweep(overrides) if multirun else [overrides]
-    return [(point, make_plan(compose(point))) for point in points]
+    planned = [(point, make_plan(compose(point))) for point in points]
+    for _, plan in planned:
+        # The one check that reads files: a dataset that is missing or does not fit the
+        # model is an error here, not in every worker after the job waited in the queue.
+        check_config(plan.config["data"], plan.config["model"])
+    return planned
 
 
 def main(argv: list[str]) -> int:

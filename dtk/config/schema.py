@@ -180,7 +180,7 @@ class SchemeConfig:
 class TrainConfig:
     steps: int = 300
     """Optimizer steps to train for."""
-    global_batch: int = 256
+    global_batch: int = 128
     """Samples per optimizer step, over all data-parallel ranks."""
     micro_batch: int | None = None
     """Samples per forward/backward on one worker; gradient accumulation makes up the rest. None: global_batch / data-parallel size (no accumulation)."""

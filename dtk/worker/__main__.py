@@ -1,4 +1,20 @@
-from dtk.errors import run_cli
+import os
+import sys
+
+from dtk.errors import UserError
 from dtk.worker.main import main
 
-run_cli(main)
+try:
+    code = main(sys.argv[1:])
+except UserError as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    code = 2
+# Everything that matters is on disk (the checkpoint committed, the summary written), and
+# the process group is destroyed. Leave without interpreter teardown: background threads
+# of torch's C++ side (gloo, async checkpoint staging) occasionally abort the process in
+# their destructors at exit ("terminate called without an active exception"), which would
+# turn a finished run into a failed exit code. An exception above still exits with its
+# traceback and code 1.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code or 0)
