@@ -60,8 +60,11 @@ def one(kind: str, root: Path, args) -> dict:
     extra = ["spare_nodes=1"] if kind == "node-fail" else []
     if kind == "timelimit":
         extra += ["fault.signal_lead_floor_s=30"]
+    # A time-limit drill needs the run to outlast the cut limit (lead + 15 s) plus Slurm's
+    # time-limit sweep, which runs about every 30 s.
+    steps = args.steps * 5 if kind == "timelimit" else args.steps
     proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32",
-               f"train.steps={args.steps}", f"checkpoint.every={args.every}", "fault.hang_timeout_s=10",
+               f"train.steps={steps}", f"checkpoint.every={args.every}", "fault.hang_timeout_s=10",
                *extra, f"run.root={root}")
     if proc.returncode != 0:
         raise SystemExit(proc.stdout + proc.stderr)
@@ -84,7 +87,9 @@ def one(kind: str, root: Path, args) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     if summary.get("status") != "finished":
         raise SystemExit(f"{kind}: the run did not finish: {summary}")
-    detected = next(e for e in evs if e["event"] == DETECTION[kind] and e["time"] >= t_drill)
+    detected = next((e for e in evs if e["event"] == DETECTION[kind] and e["time"] >= t_drill), None)
+    if detected is None:
+        raise SystemExit(f"{kind}: no {DETECTION[kind]} event after the drill; the run ended first? ({run})")
     resumed = next(e for e in evs if e["event"] == "resumed" and e["time"] >= detected["time"])
     before = [m["step"] for m in metrics(run) if m["restart"] == resumed["restart"] - 1]
     saves = [e["seconds"] for e in evs if e["event"] == "checkpoint_saved"]
