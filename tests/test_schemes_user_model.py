@@ -35,7 +35,7 @@ split_points: [blocks.2]
 JOB = ["train.steps=10", "train.global_batch=16", "train.micro_batch=4", "optim.warmup_steps=2", "train.log_every=10"]
 
 CASES = {
-    "fsdp": ["+scheme=fsdp"],
+    "fsdp": ["+scheme=fsdp", "scheme.cpu_offload=true"],
     "tp": ["+scheme=tp"],
     "pp": ["+scheme=pp"],
 }
