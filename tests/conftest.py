@@ -59,7 +59,6 @@ def lab():
     """The lab Slurm cluster with 3 nodes, up for the session and down at its end (if this
     session brought it up)."""
     import lab_support
-
     from dtk import lab as dtk_lab
 
     was_up = lab_support.unavailable_reason() is None and dtk_lab.status().up

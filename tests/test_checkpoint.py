@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dtk
 
+from conftest import dtk
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import doomed

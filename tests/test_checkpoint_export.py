@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import dtk
 
+from conftest import dtk
 from dtk.data.order import GlobalOrder
 from dtk.data.synthetic import SyntheticTokens
 from dtk.models.build import PARALLEL_KEYS

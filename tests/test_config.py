@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import dtk
 
+from conftest import dtk
 from dtk.config import schema
 from dtk.config.compose import compose, expand_sweep
 from dtk.config.docs import field_docs, key_table

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import dtk
 
+from conftest import dtk
 from dtk.data.hdf5 import Hdf5Tokens, split
 from dtk.data.loader import StepBatches, build_splits
 from dtk.data.order import GlobalOrder, rank_share

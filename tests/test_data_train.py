@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, dtk
 
+from conftest import REPO, dtk
 from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

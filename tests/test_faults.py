@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import dtk, losses, only_run_dir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

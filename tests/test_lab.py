@@ -13,13 +13,13 @@ import time
 import traceback
 
 import pytest
-from conftest import dtk
-from lab_support import ensure_lab, lab_down, unavailable_reason
 
+from conftest import dtk
 from dtk import lab
 from dtk.errors import run_cli
 from dtk.lab import daemons, files
 from dtk.lab.__main__ import main as lab_main
+from lab_support import ensure_lab, lab_down, unavailable_reason
 
 NOBODY = 65534
 

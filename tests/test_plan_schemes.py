@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO, dtk
 
+from conftest import REPO, dtk
 from dtk.config.compose import compose
 from dtk.errors import UserError
 from dtk.plan.plan import make_plan

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, dtk
 
+from conftest import REPO, dtk
 from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

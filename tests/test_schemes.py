@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import dtk, losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

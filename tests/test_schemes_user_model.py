@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import dtk, losses
 from test_schemes import assert_parameters_close, final_parameters
+
+from conftest import dtk, losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

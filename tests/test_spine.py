@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, dtk, losses, only_run_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
