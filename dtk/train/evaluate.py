@@ -12,6 +12,7 @@ file of its own so that metrics.jsonl stays one record per training step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ class Evaluator:
         dp_group: dist.ProcessGroup | None,
         device: torch.device,
         log: Path | None,
+        stop_requested: Callable[[], bool] | None = None,
     ) -> None:
         self.model = model
         self.dataset = dataset
@@ -61,18 +63,24 @@ class Evaluator:
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.device = device
         self.log = log  # rank 0 only
+        # Collective, checked before every validation batch: a long evaluation must not
+        # outlast the lead time of a time-limit or preemption signal.
+        self.stop_requested = stop_requested
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.total_steps)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Collective over the data-parallel group: the mean validation loss per token."""
+    def evaluate(self) -> float | None:
+        """Collective over the data-parallel group: the mean validation loss per token, or
+        None when a stop was agreed on part-way (the step's end then saves and stops)."""
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
         try:
             for start in range(0, self.num_samples, self.global_batch):
+                if self.stop_requested is not None and self.stop_requested():
+                    return None
                 ids = rank_share(np.arange(start, start + self.global_batch), self.dp_rank, self.dp_size)
                 rows = torch.from_numpy(self.dataset.get(ids))
                 for i in range(0, len(rows), self.micro_batch):
@@ -94,6 +102,8 @@ class Evaluator:
             return None
         t0 = time.perf_counter()
         val_loss = self.evaluate()
+        if val_loss is None:
+            return None
         seconds = time.perf_counter() - t0
         if self.log is not None:
             append_jsonl(

@@ -128,6 +128,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
         pp_group=mesh.group(Axis.PP) if plan.degrees.pp > 1 else None,
         metrics=metrics,
     )
+    stop = StopFlag().install()
     evaluator = Evaluator(
         model=model.parts[0],  # the plan rejects eval_every with a pipeline
         dataset=val_dataset,
@@ -141,9 +142,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
         dp_group=dp_group,
         device=device,
         log=run.path / EVAL_LOG if rank0 else None,
+        stop_requested=lambda: stop.agreed(device) != 0,
     )
 
-    stop = StopFlag().install()
     heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None)
     heartbeat.beat()
 

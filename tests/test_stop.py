@@ -1,0 +1,34 @@
+"""A stop agreed on during evaluation ends the evaluation at the next validation batch."""
+
+from __future__ import annotations
+
+import torch
+
+from dtk.data.synthetic import SyntheticTokens
+from dtk.models.transformer import Transformer
+from dtk.train.evaluate import Evaluator
+
+
+def evaluator(stop_requested):
+    data = SyntheticTokens(num_samples=64, seq_len=16, vocab_size=32, seed=0, branching=2)
+    model = Transformer(vocab_size=32, dim=16, n_layers=1, n_heads=2, seq_len=16)
+    return Evaluator(model=model, dataset=data, every=1, total_steps=10, max_samples=0, global_batch=8,
+                     micro_batch=4, dp_rank=0, dp_size=1, dp_group=None, device=torch.device("cpu"), log=None,
+                     stop_requested=stop_requested)
+
+
+def test_evaluation_stops_at_the_batch_after_the_signal():
+    asked = []
+
+    def stop_after_three() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    assert evaluator(stop_after_three).on_step_end(1) is None
+    assert len(asked) == 4  # checked before every validation batch, and no further
+
+
+def test_evaluation_without_a_stop_covers_every_batch():
+    asked = []
+    loss = evaluator(lambda: asked.append(1) or False).evaluate()
+    assert loss is not None and loss > 0 and len(asked) == 64 // 8
