@@ -114,7 +114,9 @@ def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
 
 
 def test_time_limit_saves_before_each_limit_and_finishes_over_allocations(lab, tmp_path):
-    job, run = submit(tmp_path, "cluster.time_min=1", "fault.signal_lead_floor_s=30", "train.steps=600")
+    # 2000 steps outlast one 1-minute allocation whatever the machine's speed (about 40 s
+    # of steps on an idle 2-core machine, several allocations when it is busy).
+    job, run = submit(tmp_path, "cluster.time_min=1", "fault.signal_lead_floor_s=40", "train.steps=2000")
     summary = finish(job, run, timeout=420)
     assert summary["status"] == "finished", summary
     preempted, requeued, resumed = named(run, "preempted"), named(run, "requeued"), named(run, "resumed")
@@ -123,8 +125,8 @@ def test_time_limit_saves_before_each_limit_and_finishes_over_allocations(lab, t
     # No step lost: every allocation resumes exactly where the previous one saved.
     assert [r["step"] for r in requeued] == [p["step"] for p in preempted] == [r["step"] for r in resumed]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(steps) == list(range(1, 601))
-    assert all(e["signal_lead_s"] == 30 for e in named(run, "submitted"))
+    assert sorted(steps) == list(range(1, 2001))
+    assert all(e["signal_lead_s"] == 40 for e in named(run, "submitted"))
 
 
 def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, reference):
