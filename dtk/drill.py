@@ -19,7 +19,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from dtk.errors import UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
 from dtk.rundir import RunDir
 
@@ -98,16 +98,13 @@ def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtk.drill", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m dtk.drill", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=DRILLS)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--rank", type=int, default=None, help="worker for crash/hang (default: the last rank)")
     parser.add_argument("--hold", type=int, default=30, help="seconds the preempting job holds the nodes")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0) and 2
+    args = parser.parse_args(argv)
     if not (args.run_dir / "plan.json").is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     print(drill(args.kind, RunDir(args.run_dir), rank=args.rank, hold_s=args.hold))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -10,6 +11,19 @@ from typing import NoReturn
 class UserError(ValueError):
     """A mistake in what the user asked for. The message is one line that names the key,
     the value, and what would work."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes read like every other dtk error: one `error:` line
+    (no usage block), exit 2 through run_cli. Subparsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        command = " ".join(self.prog.split()[:3])  # "python -m dtk.lab", also from "... dtk.lab up"
+        raise UserError(f"{message} (see {command} --help)")
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", ArgumentParser)
+        return super().add_subparsers(**kwargs)
 
 
 def fail(message: str) -> NoReturn:

@@ -129,8 +129,10 @@ def test_time_limit_saves_before_each_limit_and_finishes_over_allocations(lab, t
     assert all(e["signal_lead_s"] == 40 for e in named(run, "submitted"))
 
 
-def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, reference):
-    job, run = submit(tmp_path, "spare_nodes=1")
+def node_fail_drill(tmp_path: Path, *extra: str) -> tuple[Path, dict, str]:
+    """Submit, set a node of the run DOWN once it trains, wait for the end; the node is
+    resumed afterwards whatever happened."""
+    job, run = submit(tmp_path, *extra)
     wait_for(lambda: step_reached(run, 60), 120, "step 60")
     victim = named(run, "started")[0]["nodes"][-1]
     try:
@@ -140,6 +142,11 @@ def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, refe
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
     assert summary["status"] == "finished", summary
     assert not named(run, "requeued")
+    return run, summary, victim
+
+
+def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, reference):
+    run, _, victim = node_fail_drill(tmp_path, "spare_nodes=1")
     (failed,) = named(run, "node_failed")
     assert failed["nodes"] == [victim]
     excluded = [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
@@ -151,18 +158,10 @@ def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, refe
 
 
 def test_node_failure_without_spare_continues_on_one_node(lab, tmp_path, reference):
-    job, run = submit(tmp_path)
-    wait_for(lambda: step_reached(run, 60), 120, "step 60")
-    victim = named(run, "started")[0]["nodes"][-1]
-    try:
-        drill("node-fail", run)
-        summary = finish(job, run)
-    finally:
-        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
-    assert summary["status"] == "finished", summary
-    assert not named(run, "requeued")
+    run, _, victim = node_fail_drill(tmp_path)
     started = named(run, "started")
     assert started[-1]["nodes"] == [started[0]["nodes"][0]] and started[-1]["world_size"] == 1
+    assert victim in [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["world_size"] == 1
     assert math.isclose(losses(run)[STEPS], reference[STEPS], rel_tol=1e-5)

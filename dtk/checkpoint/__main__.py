@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dtk.errors import UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, run_cli
 
 EPILOG = """examples:
   python -m dtk.checkpoint list runs/transformer-1a2b3c4d5e
@@ -21,19 +21,14 @@ recorded size and CRC-32. Training resumes from the newest verified one.
 """
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line and exit 2, like every dtk command
-        raise UserError(f"{message} (python -m dtk.checkpoint --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = ArgumentParser(
         prog="python -m dtk.checkpoint",
         description="Inspect and export the checkpoints of a run directory.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="steps, sizes, and whether each checkpoint verifies")
     ls.add_argument("run_dir", metavar="RUN_DIR", type=Path)
     ls.add_argument("--no-checksums", action="store_true", help="check sizes only (reads no checkpoint data)")

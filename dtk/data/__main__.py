@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dtk.errors import UserError, run_cli
+from dtk.errors import ArgumentParser, run_cli
 
 EPILOG = """examples:
   python -m dtk.data prepare --input corpus.txt --out data/corpus      byte-level tokens
@@ -16,19 +16,14 @@ EPILOG = """examples:
 """
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line and exit 2, like every dtk command
-        raise UserError(f"{message} (python -m dtk.data --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = ArgumentParser(
         prog="python -m dtk.data",
         description="Build and inspect token datasets: HDF5 shards plus a manifest whose version is a content hash.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="build a dataset folder from .npy token arrays or plain text; prints the version")
     prep.add_argument("--input", required=True, type=Path, help="a .npy file, a text file, or a folder of either kind")
     prep.add_argument("--out", required=True, type=Path, help="the dataset folder to create")

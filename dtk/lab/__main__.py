@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from dtk.errors import fail, run_cli
+from dtk.errors import ArgumentParser, run_cli
 from dtk.lab import cluster
 from dtk.lab.daemons import DaemonError
 
 
-class _Parser(argparse.ArgumentParser):
-    # Usage mistakes read like every other dtk error: one `error:` line, exit 2.
-    def error(self, message: str):
-        fail(f"{message} (see python -m dtk.lab --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m dtk.lab",
+    parser = ArgumentParser(prog="python -m dtk.lab",
                      description="A real Slurm cluster on this machine: one slurmctld and one "
                                  "slurmd per node, partitions debug (default) and high. "
                                  f"State lives in $DTK_LAB_DIR (default {cluster.DEFAULT_DIR}).")
