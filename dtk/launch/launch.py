@@ -52,8 +52,8 @@ def check_run_dir(plan: Plan, run: RunDir) -> None:
 
 
 def prepare_run_dir(plan: Plan) -> RunDir:
+    """Write the config and plan; `launch` has already refused a directory of another run."""
     run = RunDir(Path(plan.run_dir))
-    check_run_dir(plan, run)
     run.path.mkdir(parents=True, exist_ok=True)
     run.config_yaml.write_text(to_yaml(plan.config))
     write_json_atomic(run.plan_json, json.loads(plan.to_json()))
