@@ -8,7 +8,7 @@ from dtk.config.compose import compose
 from dtk.driver.exclusions import add_exclusions, read_exclusions
 from dtk.driver.logs import failure_cause
 from dtk.driver.resize import fit_plan
-from dtk.launch.slurm import SubmitInputs, sbatch_text, signal_lead
+from dtk.launch.sbatch import SubmitInputs, sbatch_text, signal_lead
 from dtk.launch.slurmctl import parse_time_min
 from dtk.plan.plan import make_plan
 from dtk.rundir import RunDir

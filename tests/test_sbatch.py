@@ -16,7 +16,7 @@ from conftest import dtk
 from dtk.config.compose import compose
 from dtk.errors import UserError
 from dtk.launch import slurmctl
-from dtk.launch.slurm import parse_extra, sbatch_text, submit_command, submitit_folder
+from dtk.launch.sbatch import parse_extra, sbatch_text, submit_command, submitit_folder
 from dtk.plan.plan import make_plan
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -68,7 +68,7 @@ def test_executor_submits_the_same_command_the_dry_run_shows():
 
     if shutil.which("srun") is None:
         pytest.skip("submitit's Slurm executor needs srun on PATH")
-    from dtk.launch.slurm import make_executor
+    from dtk.launch.sbatch import make_executor
 
     plan = make_plan(compose(["cluster=lab", "nodes=2", f"run.root={ROOT}", "run.name=golden"]))
     executor = make_executor(plan)

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any
 
-from dtk.checkpoint import dcp as ckpt
+from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
 from dtk.errors import UserError

@@ -124,7 +124,7 @@ def check_checksums(folder: Path, manifest: dict[str, Any], names: list[str]) ->
 
 def verify(folder: Path, *, checksums: bool = True) -> dict[str, Any]:
     """The manifest of a checkpoint whose files all match it; raises Rejected otherwise.
-    One process reads every file; workers share the reading (see dtk.checkpoint.dcp)."""
+    One process reads every file; workers share the reading (see dtk.checkpoint.sharded)."""
     manifest = read_manifest(folder)
     problems = check_sizes(folder, manifest)
     if not problems and checksums:

@@ -26,7 +26,7 @@ def worker_command(plan: Plan) -> str:
 def describe_launch(plan: Plan) -> str:
     """What a dry run prints: the sbatch script on Slurm, the worker commands locally."""
     if plan.cluster_kind == "slurm":
-        from dtk.launch.slurm import describe_submission
+        from dtk.launch.sbatch import describe_submission
 
         return describe_submission(plan, submit_inputs(plan, RunDir(Path(plan.run_dir))))
     lines = [plan.describe(), "", f"would start {plan.world_size} worker process(es) on this machine:"]
@@ -70,7 +70,7 @@ def submit_inputs(plan: Plan, run: RunDir):
     import statistics
 
     from dtk.driver.exclusions import read_exclusions
-    from dtk.launch.slurm import SubmitInputs, signal_lead
+    from dtk.launch.sbatch import SubmitInputs, signal_lead
 
     saves = [e["seconds"] for e in run.events_list() if e.get("event") == "checkpoint_saved" and "seconds" in e]
     steps = [r["step_time_s"] for r in run.latest_metrics().values() if "step_time_s" in r]
@@ -124,8 +124,8 @@ def _launch_local(plan: Plan) -> int:
 def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
-    from dtk.driver.slurm import drive
-    from dtk.launch.slurm import make_executor, submitit_folder
+    from dtk.driver.supervisor import drive
+    from dtk.launch.sbatch import make_executor, submitit_folder
 
     created = not run.path.exists()
     inputs = submit_inputs(plan, run)

@@ -4,7 +4,7 @@ The sbatch text is a pure function of the plan (`sbatch_text`), checked against 
 files; the executor used for the real submission renders its script with that same
 function, so a dry run prints exactly what would be submitted.
 
-The batch script runs one process, the driver (`dtk.driver.slurm.drive`), on the first node
+The batch script runs one process, the driver (`dtk.driver.supervisor.drive`), on the first node
 of the allocation (submitit's `use_srun=False`); the driver starts the worker step with srun
 and supervises it. submitit still expects one result per task, so nobody waits on
 `job.results()`: job state comes from squeue/scontrol and the run directory.
