@@ -148,6 +148,53 @@ def test_prepare_cli_prints_the_version_and_errors_are_one_line(text_file, tmp_p
     assert dtk("dtk.data", "verify", str(tmp_path / "d")).returncode == 0
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> bytes), to prove nothing changed."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def prepare_cli(text_file: Path, out: Path, *extra: str):
+    return dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(out), "--seq-len", "32", *extra)
+
+
+def test_force_never_replaces_a_folder_of_the_users_files(text_file, tmp_path):
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "thesis.tex").write_text("three years of work\n")
+    (mine / "notes" / "a.txt").write_text("a\n")
+    (mine / "manifest.json").write_text('{"not": "a dataset"}\n')  # a manifest.json of something else
+    before = snapshot(mine)
+    proc = prepare_cli(text_file, mine, "--force")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: --out") and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "no dtk dataset manifest.json" in proc.stderr
+    assert snapshot(mine) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "mine"]  # no half-built folder beside it
+
+
+def test_force_replaces_a_dataset_but_not_a_dataset_holding_other_files(text_file, tmp_path):
+    data = tmp_path / "d"
+    first = prepare_cli(text_file, data, "--samples-per-shard", "100")
+    assert first.returncode == 0, first.stderr
+    (data / "README.txt").write_text("my notes about this corpus\n")
+    before = snapshot(data)
+    refused = prepare_cli(text_file, data, "--force")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --out"), refused.stderr
+    assert "README.txt" in refused.stderr
+    assert snapshot(data) == before
+    (data / "README.txt").unlink()
+    link = tmp_path / "link"
+    link.symlink_to(data)
+    replaced = prepare_cli(text_file, link, "--force")  # a link: the dataset is replaced where it lives
+    assert replaced.returncode == 0, replaced.stderr
+    assert link.is_symlink() and len(json.loads((data / "manifest.json").read_text())["shards"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "d", "link"]
+    a_file = tmp_path / "corpus.txt"
+    as_file = prepare_cli(text_file, a_file, "--force")
+    assert as_file.returncode == 2 and "is not a folder" in as_file.stderr
+    assert a_file.read_bytes() == text_file.read_bytes()
+
+
 def test_a_damaged_dataset_is_refused(text_file, tmp_path):
     prepare(text_file, tmp_path / "d", seq_len=32, samples_per_shard=100)
     shard = tmp_path / "d" / "shard_00001.h5"

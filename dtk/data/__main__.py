@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seq-len", type=int, default=None,
                       help="tokens per sample (each stores one more, the last target); default 64, or a 2-D .npy's row length - 1")
     prep.add_argument("--samples-per-shard", type=int, default=16384, help="samples per HDF5 shard (default 16384)")
-    prep.add_argument("--force", action="store_true", help="replace --out if it exists")
+    prep.add_argument("--force", action="store_true", help="replace --out if it is a dataset folder made by this command (never a folder of other files)")
     info = sub.add_parser("info", help="print a dataset's manifest summary")
     info.add_argument("path", type=Path)
     verify = sub.add_parser("verify", help="check every shard's size and checksum against the manifest")

@@ -110,6 +110,48 @@ def write_shard(path: Path, rows: np.ndarray) -> None:
         os.fsync(fh.fileno())
 
 
+def dataset_files(folder: Path) -> set[str] | None:
+    """The names of the files a dataset folder made by `prepare` consists of (its manifest
+    and the shards it lists), or None when `folder` holds no dtk dataset manifest."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in shards):
+        return None
+    return {MANIFEST, *(s["file"] for s in shards)}
+
+
+def check_out(dst: Path, *, force: bool) -> Path:
+    """The folder to write: `dst` when it is new or empty; with `force`, a dataset folder
+    that `prepare` made and that holds nothing else. Anything else in it is the user's,
+    and a user's folder is never renamed or deleted. A link is followed, so the dataset
+    is replaced where it lives."""
+    if dst.is_symlink():
+        dst = dst.resolve()
+    if not dst.exists():
+        return dst
+    if not dst.is_dir():
+        raise UserError(f"--out {dst}: exists and is not a folder; choose a new folder")
+    present = {p.name for p in dst.iterdir()}
+    if not present:
+        return dst
+    ours = dataset_files(dst)
+    if ours is None:
+        raise UserError(f"--out {dst}: holds files and no dtk dataset {MANIFEST}; --force replaces only a dataset"
+                        " folder made by dtk.data prepare; choose a new folder")
+    others = sorted(present - ours)
+    if others:
+        raise UserError(f"--out {dst}: holds {others[0]!r}, which is not part of the dataset; --force replaces only"
+                        " a folder of dataset files; move it out or choose a new folder")
+    if not force:
+        raise UserError(f"--out {dst}: holds a dataset already; choose a new folder, or pass --force to replace it")
+    return dst
+
+
 def prepare(input_path: str | Path, out: str | Path, *, seq_len: int | None = None,
             samples_per_shard: int = 16384, force: bool = False) -> dict[str, Any]:
     """Write the dataset folder `out` and return its manifest. The folder appears whole or
@@ -117,8 +159,7 @@ def prepare(input_path: str | Path, out: str | Path, *, seq_len: int | None = No
     src, dst = Path(input_path).expanduser(), Path(out).expanduser()
     if samples_per_shard < 1:
         raise UserError(f"--samples-per-shard {samples_per_shard}: expected a positive integer")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise UserError(f"--out {dst}: exists and is not empty; choose a new folder, or pass --force to replace it")
+    dst = check_out(dst, force=force)
     rows, tokenizer, vocab = read_tokens(input_files(src), seq_len)
     dtype = smallest_dtype(vocab)
     rows = rows.astype(dtype, copy=False)
