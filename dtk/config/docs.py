@@ -1,13 +1,39 @@
-"""Field doc strings of the schemas, read from the source (Python keeps no attribute doc strings)."""
+"""Every configuration key with its type, default and doc string, read from the schemas.
+
+Python keeps no attribute doc strings, so they are read from the source. Which schema a
+config group uses comes from the ConfigStore registrations (`schema.register`), so a new
+field or a new registered schema shows up here, in `python -m dtk.plan --help` and in
+docs/reference.md (`python -m dtk.config.reference`) without anyone listing it.
+"""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
-from dtk.config import schema
+
+@dataclass(frozen=True)
+class Key:
+    key: str
+    """Dotted key as typed on the command line (`data.path`)."""
+    type: str
+    default: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class Section:
+    """The keys of one schema: the root's own, a nested section, or one option of a group."""
+
+    prefix: str
+    """`""` for the top level, else the section's dotted name (`data`)."""
+    option: str | None
+    """For a config group, the option that selects this schema (`hdf5` for `data=hdf5`)."""
+    doc: str
+    keys: tuple[Key, ...]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -27,44 +53,96 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-# Sections whose schema is chosen by a config group; the built-in option documents them.
-GROUP_SCHEMAS: dict[str, type] = {
-    "cluster": schema.ClusterConfig,
-    "model": schema.TransformerConfig,
-    "data": schema.SyntheticDataConfig,
-    "scheme": schema.SchemeConfig,
-}
+def group_schemas() -> dict[str, dict[str, type]]:
+    """{group: {option: schema class}} from the ConfigStore, options sorted by name, for
+    the groups that are keys of the root config (Hydra registers its own `hydra` group).
+    An option is the registered name without its `_schema` suffix."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from dtk.config.schema import Config, register
+
+    register()
+    root_keys = {f.name for f in dataclasses.fields(Config)}
+    groups: dict[str, dict[str, type]] = {}
+    for group, entries in ConfigStore.instance().repo.items():
+        if group not in root_keys or not isinstance(entries, dict):
+            continue
+        for filename, node in entries.items():
+            cls = OmegaConf.get_type(node.node)
+            if cls is not None and dataclasses.is_dataclass(cls):
+                option = filename.removesuffix(".yaml").removesuffix("_schema")
+                groups.setdefault(group, {})[option] = cls
+    return {g: dict(sorted(options.items())) for g, options in groups.items()}
 
 
-def key_table() -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every key of the root config."""
-    rows: list[tuple[str, str, str]] = []
+def sections() -> list[Section]:
+    """The root config's keys, then each nested section and group option, in field order."""
+    from dtk.config.schema import Config
 
-    def walk(cls: type, prefix: str) -> None:
+    groups = group_schemas()
+    out: list[Section] = []
+
+    def walk(cls: type, prefix: str, option: str | None, doc: str) -> None:
         docs = field_docs(cls)
+        keys: list[Key] = []
+        nested: list[tuple[str, str | None, type, str]] = []
         for f in dataclasses.fields(cls):
-            name = f"{prefix}{f.name}"
-            sub = GROUP_SCHEMAS.get(name) if not prefix else None
-            nested = sub or (f.default_factory if dataclasses.is_dataclass(f.default_factory) else None)
-            if nested is not None and dataclasses.is_dataclass(nested):
-                walk(nested, f"{name}.")
-                continue
-            rows.append((name, _default(f), docs.get(f.name, "")))
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            options = groups.get(name, {}) if not prefix else {}
+            factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if options:
+                shown = options if len(options) > 1 else {None: next(iter(options.values()))}
+                nested += [(name, opt, sub, docs.get(f.name, "")) for opt, sub in shown.items()]
+            elif factory is not None and dataclasses.is_dataclass(factory):
+                nested.append((name, None, factory, docs.get(f.name, "")))
+            else:
+                keys.append(Key(name, type_name(f.type), default(f), docs.get(f.name, "")))
+        out.append(Section(prefix, option, doc, tuple(keys)))
+        for name, opt, sub, sub_doc in nested:
+            class_doc = " ".join((sub.__doc__ or "").split()) if "__doc__" in vars(sub) else ""
+            if class_doc.startswith(f"{sub.__name__}("):  # the dataclass-generated signature
+                class_doc = ""
+            walk(sub, name, opt, " ".join(part for part in (sub_doc, class_doc) if part))
 
-    walk(schema.Config, "")
-    return rows
+    walk(Config, "", None, "")
+    return out
 
 
-def _default(f: dataclasses.Field) -> str:
+def type_name(annotation: Any) -> str:
+    """The annotation as written (`int | None`): a string under `from __future__ import
+    annotations`, else the type's name."""
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
+        if f.default == "???":  # omegaconf.MISSING: the key must be given
+            return "required"
         return repr(f.default) if isinstance(f.default, str) else str(f.default)
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         value: Any = f.default_factory()  # type: ignore[misc]
         return str(value)
-    return "???"
+    return "required"
+
+
+def key_table() -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every key of every section."""
+    return [(k.key, k.default, k.doc) for s in sections() for k in s.keys]
 
 
 def render_keys() -> str:
-    rows = key_table()
-    width = max(len(k) for k, _, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {d:<10}  {doc}" for k, d, doc in rows)
+    """The key list `python -m dtk.plan --help` prints: one line per key, a heading line
+    before the keys of each option of a group with several."""
+    found = sections()
+    width = max(len(k.key) for s in found for k in s.keys)
+    lines: list[str] = []
+    for s in found:
+        if s.option is not None and s.keys:
+            lines.append(f"  [{s.prefix}={s.option}]")
+        lines += [f"  {k.key:<{width}}  {k.default:<10}  {k.doc}" for k in s.keys]
+    return "\n".join(lines)
