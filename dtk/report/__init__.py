@@ -1,0 +1,13 @@
+"""The report of a run: where its time went, how it compares, and pictures of both.
+
+Reads only the run directory (metrics.jsonl, events.jsonl, summary.json, system.jsonl,
+plan.json), so it runs on a login node or a laptop without torch. Plots need matplotlib,
+imported only when plots are drawn.
+
+    runs.py     one run directory read into plain records
+    goodput.py  job-lifetime accounting of wall time across restarts (also used by workers)
+    numbers.py  the summary figures of one run
+    compare.py  repeatability verdict between runs, comparison against a baseline
+    plots.py    PNG figures
+    text.py     the printed report
+"""

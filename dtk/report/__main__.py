@@ -1,0 +1,93 @@
+"""python -m dtk.report RUN_DIR [RUN_DIR ...] [--json] [--baseline RUN_DIR] [--out DIR]
+
+No torch: a report of finished or running runs is read on the login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
+from dtk.report.numbers import run_numbers
+from dtk.report.runs import load_run
+from dtk.report.text import baseline_block, run_block
+
+EPILOG = """examples:
+  python -m dtk.report runs/transformer-1a2b3c4d5e
+  python -m dtk.report runs/a runs/b                      # loss curves overlaid, repeatability verdict
+  python -m dtk.report runs/new --baseline runs/old       # better/worse than a recorded baseline
+  python -m dtk.report runs/a --json --no-plots
+
+Per run: final loss, steps/s, samples/s and tokens/s, idle share and its parts (data, comm,
+checkpoint, straggler), goodput over the job's lifetime, MFU where the device's peak is
+known, restarts, checkpoints, stragglers, host and GPU load. Plots (PNG) go to
+RUN_DIR/report/ (loss.png, phases.png, ranks.png, goodput.png), or to --out.
+Given several runs, each is compared with the first: identical (bit-for-bit equal losses),
+within the tolerance (with the largest difference), or diverged (from which step).
+docs/report.md explains every figure.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m dtk.report",
+        description="Where a run's time went, how runs compare, as numbers and PNG plots.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", metavar="RUN_DIR", nargs="+", type=Path, help="run directories; the first is the reference")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--baseline", metavar="RUN_DIR", type=Path, help="a recorded run to compare speed and utilisation with")
+    p.add_argument("--out", metavar="DIR", type=Path, help="write the plots here instead of RUN_DIR/report/")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help=f"relative loss difference still counted as repeatable (default {DEFAULT_TOLERANCE:g})")
+    p.add_argument("--no-plots", action="store_true", help="numbers only; no PNG files, no matplotlib needed")
+    return p
+
+
+def report(args: argparse.Namespace) -> dict:
+    if args.tolerance < 0:
+        raise UserError(f"--tolerance={args.tolerance}: expected 0 or more (e.g. 1e-3)")
+    runs = [load_run(p) for p in args.runs]
+    numbers = [run_numbers(r) for r in runs]
+    out: dict = {"runs": numbers}
+    if len(runs) > 1:
+        out["repeatability"] = [
+            {"reference": runs[0].name, "run": r.name, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
+            for r in runs[1:]
+        ]
+    if args.baseline is not None:
+        base = run_numbers(load_run(args.baseline))
+        out["baseline"] = {"run_dir": base["run_dir"],
+                           "comparisons": [{"run": n["name"], "rows": against_baseline(n, base)} for n in numbers]}
+    if not args.no_plots:
+        from dtk.report.plots import write_plots
+
+        out["plots"] = [str(p) for p in write_plots(runs, numbers, args.out)]
+    return out
+
+
+def render(out: dict) -> str:
+    blocks = ["\n".join(run_block(n)) for n in out["runs"]]
+    for v in out.get("repeatability", []):
+        blocks.append(f"repeatability of {v['run']} against {v['reference']}: {describe_verdict(v)}")
+    if "baseline" in out:
+        for c in out["baseline"]["comparisons"]:
+            blocks.append("\n".join(baseline_block(f"{out['baseline']['run_dir']} (run {c['run']})", c["rows"])))
+    if out.get("plots"):
+        blocks.append("plots\n" + "\n".join(f"  {p}" for p in out["plots"]))
+    return "\n\n".join(blocks)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    out = report(args)
+    print(json.dumps(out, indent=2, default=str) if args.json else render(out))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,96 @@
+"""The report on real local runs: repeatability verdicts, PNG files, and the goodput of a run
+whose workers were killed and that the same command resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dtk, losses, only_run_dir
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+JOB = ["train.steps=12", "checkpoint.every=6", "train.log_every=6", "train.global_batch=32"]
+
+
+def _run(root: Path, *overrides: str) -> Path:
+    proc = dtk("dtk.submit", *JOB, *overrides, f"run.root={root}", cwd=root.parent)
+    assert proc.returncode == 0, proc.stderr
+    return only_run_dir(root)
+
+
+def _png_curves(path: Path) -> int:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.load()
+        return int(img.text["Description"].split(":")[0].removeprefix("curves="))
+
+
+def test_identical_runs_say_identical_and_another_lr_diverged(tmp_path):
+    a = _run(tmp_path / "a")
+    b = _run(tmp_path / "b")
+    c = _run(tmp_path / "c", "optim.lr=1e-3")
+    proc = dtk("dtk.report", str(a), str(b), str(c), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    same, other = out["repeatability"]
+    assert same["verdict"] == "identical" and same["common_steps"] == 12
+    assert other["verdict"] == "diverged"
+    # Step 1 runs before any update, so both learning rates give the same loss there; the
+    # first step after a different-sized update is where they part.
+    first_diff = min(s for s in losses(a) if losses(a)[s] != losses(c)[s])
+    assert other["diverged_at_step"] >= first_diff >= 2
+    assert _png_curves(a / "report" / "loss.png") == 3
+    for name in ("phases.png", "goodput.png"):
+        assert _png_curves(a / "report" / name) >= 1
+    summary = json.loads((a / "summary.json").read_text())
+    assert 0 < summary["goodput"]["goodput"] < 1
+    ready = [json.loads(line) for line in (a / "events.jsonl").read_text().splitlines() if '"ready"' in line]
+    assert ready and ready[0]["import_s"] > 0 and ready[0]["process_group_s"] >= 0
+
+
+def test_killed_and_resumed_run_shows_redone_work_and_restart_time(tmp_path):
+    root = tmp_path / "runs"
+    job = ["train.steps=40", "checkpoint.every=10", "train.log_every=10", "train.global_batch=32", f"run.root={root}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    driver = subprocess.Popen([sys.executable, "-m", "dtk.submit", *job], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    run = None
+    while time.monotonic() < deadline:
+        assert driver.poll() is None, "the job ended before it could be killed"
+        runs = [p for p in root.iterdir() if p.is_dir()] if root.exists() else []
+        if runs and (runs[0] / "metrics.jsonl").exists() and losses(runs[0]) and max(losses(runs[0])) >= 15:
+            run = runs[0]
+            break
+        time.sleep(0.05)
+    assert run is not None, "step 15 not reached"
+    for pid in (run / "logs" / "start_00" / "pids").read_text().split():
+        os.kill(int(pid), signal.SIGKILL)
+    driver.communicate(timeout=60)
+    assert driver.returncode == 1
+
+    proc = dtk("dtk.submit", *job, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = dtk("dtk.report", str(run), "--json", "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    g = json.loads(proc.stdout)["runs"][0]["goodput"]
+    assert g["restarts"] == 1 and g["redone_steps"] >= 5  # steps 11..15 at least, done twice
+    assert g["parts"]["redone_s"] > 0 and g["parts"]["checkpoint_load_s"] > 0
+    second = g["starts"][1]
+    assert second["startup_s"] > 0 and second["checkpoint_load_s"] > 0
+    assert g["restart_s"] >= second["startup_s"] + second["checkpoint_load_s"]
+    assert sum(g["parts"].values()) == pytest.approx(g["wall_s"], rel=1e-3)
+    # The worker's own account in summary.json says the same.
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["goodput"]["redone_steps"] == g["redone_steps"]
+    text = dtk("dtk.report", str(run), "--no-plots").stdout
+    assert f"restarts     1: {g['restart_s']:.1f} s restarting, {g['redone_steps']} step(s) redone" in text
