@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ class MetricsLog:
     def step(self, step: int, result: Any) -> None:
         record: dict[str, Any] = {
             "step": step,
+            "time": round(time.time(), 3),
             "loss": result.loss,
             "lr": result.lr,
             "grad_norm": round(result.grad_norm, 6),

@@ -25,10 +25,12 @@ from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
 from dtk.plan.degrees import default_scheme
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir, write_json_atomic
+from dtk.report.goodput import account as goodput_account
+from dtk.rundir import RunDir, read_jsonl, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
+from dtk.train.startup import StartupClock
 from dtk.train.trainer import Trainer, cross_entropy, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
@@ -44,12 +46,13 @@ def set_threads(requested: int, local_world_size: int) -> None:
     torch.set_num_threads(threads)
 
 
-def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
+def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     cfg = plan.config
     device = pick_device(cfg["dist"]["device"], env)
     if device.type == "cpu":
         set_threads(cfg["train"]["threads"], env.local_world_size)
     init_process_group(env, backend=cfg["dist"]["backend"], device=device, timeout_s=cfg["dist"]["timeout_s"])
+    clock.lap("process_group")
     rank0 = env.rank == 0
     restart = int(os.environ.get("DTK_RESTART", "0"))
     seed = cfg["train"]["seed"]
@@ -73,6 +76,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
     optimizers = [build_optimizer(part.parameters(), cfg["optim"], shard_group=shard_group) for part in model.parts]
     scheduler = SchedulerGroup([build_scheduler(state_optimizer(o), cfg["optim"], plan.steps) for o in optimizers])
     dataset, val_dataset = build_splits(cfg["data"], cfg["model"])
+    clock.lap("model")
 
     checkpoints = CheckpointManager(
         run,
@@ -169,6 +173,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
                 run.event("preempted", step=step, signal=signal.Signals(signum).name, restart=restart)
             raise StopRequested(step, signum)
 
+    if rank0:
+        run.event("ready", step=start_step, restart=restart, **clock.ready_event())
     last = trainer.fit(start_step=start_step, total_steps=plan.steps, on_step_end=on_step_end)
     checkpoints.close()
     batches.close()
@@ -187,6 +193,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
             "config_hash": plan.config_hash,
             "data_version": dataset.version,
             "peak_memory_gib": peak_memory_gib(device),  # rank 0's GPU; None on the CPU
+            "goodput": goodput_account(run.events_list(), list(read_jsonl(run.metrics)), end=time.time()),
         }
         write_json_atomic(run.summary, summary)
         run.event("finished", step=plan.steps, final_loss=summary["final_loss"])
@@ -194,6 +201,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    clock = StartupClock()
+    clock.lap("import")
     if len(argv) != 1:
         print("usage: python -m dtk.worker RUN_DIR", file=sys.stderr)
         return 2
@@ -207,7 +216,7 @@ def main(argv: list[str]) -> int:
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
-        train(plan, env, run)
+        train(plan, env, run, clock)
     except StopRequested as stop:
         print(f"worker {env.rank}: {stop}; checkpoint committed", flush=True)
         return EXIT_STOPPED
