@@ -167,3 +167,24 @@ def test_axis_groups_match_the_device_mesh_grid():
     for k, axis in enumerate(MESH_ORDER):
         expected = sorted(tuple(g.tolist()) for g in grid.movedim(k, -1).reshape(-1, degrees[axis]))
         assert sorted(axis_groups(degrees, axis)) == expected
+
+
+def test_command_line_show_record_choose(tmp_path):
+    from conftest import dtk
+
+    shown = dtk("dtk.topology", "show")
+    assert shown.returncode == 0 and "interface   lo" in shown.stdout and "MASTER_ADDR=" in shown.stdout
+    assert dtk("dtk.topology", "record", str(tmp_path / "me")).returncode == 0
+    assert (tmp_path / "me" / "fs" / "sys" / "class" / "net").is_dir()
+    chosen = dtk("dtk.topology", "choose", *(str(FIXTURES / "ib" / n) for n in ("gpu-a01", "gpu-a02")))
+    assert chosen.returncode == 0, chosen.stderr
+    assert "gpu-a02: NCCL_IB_HCA==mlx5_0:1,mlx5_2:1,mlx5_3:1" in chosen.stdout
+    missing = dtk("dtk.topology", "choose", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no recorded machine at")
+
+
+def test_topology_imports_no_torch():
+    from conftest import dtk
+
+    proc = dtk("-c", "import sys, dtk.topology, dtk.topology.nccl; assert 'torch' not in sys.modules")
+    assert proc.returncode == 0, proc.stderr
