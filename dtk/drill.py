@@ -19,6 +19,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from dtk import audit
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
 from dtk.rundir import RunDir
@@ -107,7 +108,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not (args.run_dir / "plan.json").is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
-    print(drill(args.kind, RunDir(args.run_dir), rank=args.rank, hold_s=args.hold))
+    run = RunDir(args.run_dir)
+    audit.check_writable(audit.run_root_of(run.path))
+    said = drill(args.kind, run, rank=args.rank, hold_s=args.hold)
+    job = next((str(e["job_id"]) for e in reversed(run.events_list()) if e.get("event") == "started"), None)
+    audit.record_run(run.path, "drill", job_ids=[job] if job else [], kind=args.kind, said=said)
+    print(said)
     return 0
 
 

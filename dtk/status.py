@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
 from dtk.errors import UserError, run_cli
 from dtk.rundir import RunDir
@@ -14,9 +15,11 @@ from dtk.rundir import RunDir
 USAGE = """usage: python -m dtk.status RUN_DIR [--json]
 
 State (pending, running, finished, failed, stopped), step / total, loss, last complete
-checkpoint, restarts and every start with its job id and nodes. Slurm jobs are asked
-with squeue/scontrol; the rest comes from the run directory."""
+checkpoint, restarts and every start with its job id and nodes, and the newest entries of
+the run root's audit log (who submitted, stopped, drilled, exported or deleted what, when).
+Slurm jobs are asked with squeue/scontrol; the rest comes from the run directory."""
 
+AUDIT_LINES = 10  # the newest audit entries `render` shows; --json has them all
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 
 
@@ -83,6 +86,7 @@ def collect(run: RunDir) -> dict[str, Any]:
         ],
         "error": summary.get("error") if summary and state == "failed" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
+        "audit": audit.read(audit.run_root_of(run.path), run=plan.get("run_name", run.path.name)),
     }
 
 
@@ -103,6 +107,11 @@ def render(info: dict[str, Any]) -> str:
     for s in info["starts"]:
         nodes = ",".join(s.get("nodes") or [])
         lines.append(f"start {s.get('restart')}      job {s.get('job_id')} on {nodes} (world {s.get('world_size')})")
+    shown = info["audit"][-AUDIT_LINES:]
+    if shown:
+        more = len(info["audit"]) - len(shown)
+        lines.append(f"audit        {audit.AUDIT_FILE} in the run root" + (f" ({more} earlier not shown)" if more else ""))
+        lines += [f"  {audit.describe(entry)}" for entry in shown]
     return "\n".join(lines)
 
 

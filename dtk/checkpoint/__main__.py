@@ -15,9 +15,11 @@ EPILOG = """examples:
   python -m dtk.checkpoint list runs/transformer-1a2b3c4d5e
   python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --out model.pt
   python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --step 200 --out model_200.pt
+  python -m dtk.checkpoint delete runs/transformer-1a2b3c4d5e --step 100
 
 A checkpoint is verified when its manifest.json exists and every file it lists has the
-recorded size and CRC-32. Training resumes from the newest verified one.
+recorded size and CRC-32. Training resumes from the newest verified one, which `delete`
+refuses without --force. Exports and deletions are recorded in the run root's audit.jsonl.
 """
 
 
@@ -37,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("run_dir", metavar="RUN_DIR", type=Path)
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
     ex.add_argument("--out", required=True, type=Path, help="the file to write; FILE.json gets where it came from")
+    rm = sub.add_parser("delete", help="delete one checkpoint folder (recorded in the audit log)")
+    rm.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    rm.add_argument("--step", type=int, required=True, help="the checkpoint's step")
+    rm.add_argument("--force", action="store_true",
+                    help="also delete the newest verified checkpoint (the one a resume would start from)")
     return p
 
 
@@ -79,9 +86,18 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "list":
         return list_command(args.run_dir, checksums=not args.no_checksums, as_json=args.json)
+    from dtk import audit
+
+    audit.check_writable(audit.run_root_of(args.run_dir))
+    if args.command == "delete":
+        from dtk.checkpoint.delete import delete_checkpoint
+
+        print(delete_checkpoint(args.run_dir, step=args.step, force=args.force))
+        return 0
     from dtk.checkpoint.export import export
 
     info = export(args.run_dir, out=args.out, step=args.step)
+    audit.record_run(args.run_dir, "export", step=info["step"], out=str(Path(args.out).resolve()))
     print(f"{args.out}: step {info['step']}, {info['tensors']} tensors, {info['parameters']} parameters ({human(info['bytes'])})")
     return 0
 

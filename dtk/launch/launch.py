@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtk import audit
 from dtk.config.compose import to_yaml
 from dtk.errors import UserError
 from dtk.launch.progress import Progress
@@ -92,6 +94,7 @@ def launch(plan: Plan) -> Launched:
     """Launch the plan on its cluster."""
     run = RunDir(Path(plan.run_dir))
     check_run_dir(plan, run)
+    audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":
         from dtk.launch import slurmctl
 
@@ -110,6 +113,8 @@ def launch(plan: Plan) -> Launched:
 def _launch_local(plan: Plan) -> int:
     run = prepare_run_dir(plan)
     run.event("submitted", cluster="local", world_size=plan.world_size, scheme=plan.scheme)
+    audit.record(run.path.parent, "submit", run=plan.run_name, config_hash=plan.config_hash,
+                 job_ids=[f"local-{os.getpid()}"], cluster="local")
     from dtk.driver.local import LocalDriver
 
     progress = Progress(run.metrics, total=plan.steps, every=plan.config["train"]["log_every"])
@@ -142,6 +147,8 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
         raise UserError(f"sbatch refused the job: {detail}") from None
     run.event("submitted", cluster="slurm", job_id=job.job_id, world_size=plan.world_size, scheme=plan.scheme,
               signal_lead_s=inputs.signal_lead_s, exclude=list(inputs.exclude))
+    audit.record(run.path.parent, "submit", run=plan.run_name, config_hash=plan.config_hash,
+                 job_ids=[job.job_id], cluster="slurm")
     log = submitit_folder(plan) / job.job_id / f"{job.job_id}_0_log.out"
     print(f"submitted job {job.job_id}\n  run dir  {run.path}\n  log      {log}\n"
           f"  status   python -m dtk.status {run.path}", flush=True)

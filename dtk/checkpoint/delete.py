@@ -1,0 +1,45 @@
+"""Deleting one checkpoint by hand (`python -m dtk.checkpoint delete`). No torch.
+
+The folder is first renamed out of the `step_NNNNNNNN` pattern, in one atomic step, so a
+resume or a listing never sees a half-deleted checkpoint, then removed. The newest verified
+checkpoint, the one a resume starts from, is kept unless the caller insists.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from dtk import audit
+from dtk.checkpoint.manifest import list_checkpoints
+from dtk.errors import UserError
+from dtk.rundir import RunDir
+
+
+def delete_checkpoint(run_dir: Path, *, step: int, force: bool = False) -> str:
+    """Delete the checkpoint of `step`, record who did it; returns what was done."""
+    run = RunDir(Path(run_dir))
+    if not run.path.is_dir():
+        raise UserError(f"RUN_DIR {run_dir}: no such run directory")
+    found = {c.step: c for c in list_checkpoints(run, checksums=False)}
+    if step not in found:
+        have = ", ".join(str(s) for s in sorted(found)) or "none"
+        raise UserError(f"--step {step}: no checkpoint of that step in {run.checkpoints} (steps: {have})")
+    verified = [s for s, c in sorted(found.items()) if c.verified]
+    if verified and step == verified[-1] and not force:
+        earlier = f"step {verified[-2]}" if len(verified) > 1 else "the start"
+        raise UserError(f"--step {step} is the newest verified checkpoint, the one a resume starts from; deleting it"
+                        f" sends the next resume back to {earlier}. Add --force to delete it anyway")
+    folder = found[step].path
+    # Every folder that loses an entry must be writable, or rmtree would stop half-way.
+    blocked = [d for d in [run.checkpoints, folder, *(p for p in folder.rglob("*") if p.is_dir())]
+               if not os.access(d, os.W_OK | os.X_OK)]
+    if blocked:
+        raise UserError(f"cannot delete {folder} as user {audit.current_user()['name']}: {blocked[0]} is not"
+                        " writable for you; deleting checkpoints takes the maintainer role (see docs/access.md)")
+    doomed = folder.with_name(f".deleting-{folder.name}-{os.getpid()}")
+    folder.rename(doomed)
+    shutil.rmtree(doomed)
+    audit.record_run(run.path, "delete_checkpoint", step=step, forced=force)
+    return f"deleted checkpoint step {step} ({folder})"
