@@ -8,6 +8,12 @@ tests/test_lab.py does) restores it afterwards with the same two functions.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
 
 from dtk import lab
 
@@ -24,16 +30,48 @@ def unavailable_reason() -> str | None:
 
 def ensure_lab(nodes: int = 3) -> lab.LabStatus:
     """The lab up with `nodes` idle nodes: a no-op when it already is, a restart when it
-    runs another node count. Never installs packages from a test."""
+    runs another node count. Never installs packages from a test. A restart ends any job
+    left on the lab (forced): tests use the lab only while they hold its lock
+    (/tmp/dtk-lab.lock), so such a job is a leftover of an earlier test."""
     # Imported here, not at the top: conftest imports this module.
     from conftest import require
 
     reason = unavailable_reason()
     require(reason is None, f"the Slurm lab cannot run here: {reason}")
-    return lab.up(nodes, install=False, log=lambda _line: None)
+    return lab.up(nodes, install=False, force=True, log=lambda _line: None)
 
 
 def lab_down() -> None:
     """Stop the lab if it is up; nothing to do on a machine that cannot run it."""
     if unavailable_reason() is None and lab.status().record is not None:
-        lab.down(log=lambda _line: None)
+        lab.down(force=True, log=lambda _line: None)
+
+
+def named_process(folder: Path, name: str, *, stdout=None, script: str | None = None) -> subprocess.Popen:
+    """A real process named `name` (say `slurmstepd`): a link to sleep 300, or a shell
+    script, in `folder`/bin. The kernel names a process after the file it executes."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / name
+    if script is None:
+        path.symlink_to(shutil.which("sleep"))
+        argv = [str(path), "300"]
+    else:
+        path.write_text("#!/bin/sh\n" + script)
+        path.chmod(0o755)
+        argv = [str(path)]
+    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL)
+    for _ in range(200):  # until exec has renamed it
+        if psutil.Process(proc.pid).name() == name:
+            return proc
+        time.sleep(0.01)
+    raise AssertionError(f"{name} did not start")
+
+
+def end_process_tree(proc: subprocess.Popen) -> None:
+    """Kill a process a test started, and its children, if still running."""
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+    proc.wait()

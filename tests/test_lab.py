@@ -7,6 +7,7 @@ the rendered files and the CLI's error path anywhere.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -17,9 +18,9 @@ import pytest
 from conftest import dtk
 from dtk import lab
 from dtk.errors import run_cli
-from dtk.lab import daemons, files
+from dtk.lab import daemons, files, ownership
 from dtk.lab.__main__ import main as lab_main
-from lab_support import ensure_lab, lab_down, unavailable_reason
+from lab_support import end_process_tree, ensure_lab, lab_down, named_process, unavailable_reason
 
 NOBODY = 65534
 
@@ -218,6 +219,63 @@ def test_down_leaves_no_lab_daemon(lab_up):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("lab is down")
     assert not [d.label for d in started if daemons.is_alive(d)]
-    assert daemons.leftover_slurm_processes(timeout_s=0) == []
+    left = ownership.census(lab.status().layout, None)
+    assert not left.ours and not left.steps
     assert run_lab("status").returncode == 1
     ensure_lab(3)  # back up, so that the order of these tests does not matter
+
+
+def submit_sleeper(tmp_path, run_dir: str) -> str:
+    """A batch job that holds node1 (the script exports DTK_RUN_DIR, as dtk's do)."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/sh\nexport DTK_RUN_DIR={shlex.quote(run_dir)}\nsleep 300\n")
+    job = subprocess.run(["sbatch", "--parsable", "-N1", "-w", "node1", "-o", "/dev/null", "--job-name=dtk-demo",
+                          str(script)], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    deadline = time.monotonic() + 30
+    while "JobState=RUNNING" not in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                                                   text=True).stdout:
+        assert time.monotonic() < deadline, f"job {job} did not start"
+        time.sleep(0.2)
+    return job
+
+
+@pytest.mark.slurm
+@pytest.mark.slow  # restarts the shared lab: not for the quick tier
+def test_status_names_who_started_it_and_whose_jobs_run_and_down_refuses_them(lab_up, tmp_path):
+    job = submit_sleeper(tmp_path, "/srv/runs/a b")
+    try:
+        shown = run_lab("status")
+        assert shown.returncode == 0, shown.stderr
+        assert "started by root on " in shown.stdout
+        (line,) = [ln for ln in shown.stdout.splitlines() if ln.split()[:1] == [job]]
+        assert line.split()[1:4] == ["root", "RUNNING", "node1"] and line.endswith("dtk-demo  (run /srv/runs/a b)")
+        refused = run_lab("down")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.startswith(f"error: stopping the lab would end 1 job(s) on the lab: {job} "
+                                         "(root, RUNNING, run /srv/runs/a b)") and "--force" in refused.stderr
+        restart = run_lab("up", "--nodes", "2", "--no-install")
+        assert restart.returncode == 2 and "restarting the lab from 3 to 2 nodes would end 1 job" in restart.stderr
+        assert lab.status().up and "JobState=RUNNING" in subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow  # restarts the shared lab: not for the quick tier
+def test_down_force_ends_the_labs_jobs_and_no_other_process(lab_up, tmp_path):
+    submit_sleeper(tmp_path, str(tmp_path / "run"))
+    layout = lab.status().layout
+    steps = ownership.census(layout, lab.status().record).steps
+    names = sorted(p.name() for p in steps)
+    assert names.count("slurmstepd") >= 1 and "sleep" in names, names  # found by the log it holds, not by name
+    namesake = named_process(tmp_path, "slurmstepd")
+    try:
+        result = run_lab("down", "--force")
+        assert result.returncode == 0, result.stderr
+        assert f"killed {len(steps)} job processes" in result.stdout
+        assert not [p.pid for p in steps if daemons.running(p)]
+        assert namesake.poll() is None, "down stopped a slurmstepd that is not the lab's"
+    finally:
+        end_process_tree(namesake)
+        ensure_lab(3)

@@ -1,12 +1,14 @@
-"""python -m dtk.lab up [--nodes N] [--no-install] | status | down"""
+"""python -m dtk.lab up [--nodes N] [--no-install] [--force] | status | down [--force]"""
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from dtk.errors import ArgumentParser, run_cli
 from dtk.lab import cluster
 from dtk.lab.daemons import DaemonError
+from dtk.lab.programs import LabError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,8 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail instead of installing slurm-wlm and munge with apt-get")
     start.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                        help="how long to wait for every node to be idle (default 60)")
-    commands.add_parser("status", help="show sinfo and the lab's daemons; exit 0 when up, 1 if not")
-    commands.add_parser("down", help="stop every daemon the lab started (root)")
+    start.add_argument("--force", action="store_true",
+                       help="restart with another node count even though jobs are on the lab (they end)")
+    commands.add_parser("status", help="who started the lab, its jobs (whose, which run), sinfo and its daemons; "
+                                       "exit 0 when up, 1 if not")
+    stop = commands.add_parser("down", help="stop every process the lab started (root); refused while jobs "
+                                            "are on the lab")
+    stop.add_argument("--force", action="store_true", help="stop it even though jobs are on the lab (they end)")
     return parser
 
 
@@ -34,7 +41,20 @@ def describe(status: cluster.LabStatus) -> str:
         return f"lab: down (no lab running from {status.layout.root})"
     dead = [label for label, alive in status.alive.items() if not alive]
     state = "up" if status.up else "degraded, dead: " + ", ".join(dead)
-    lines = [f"lab: {state}; {status.num_nodes} nodes; state in {status.layout.root}", "daemons:"]
+    record = status.record
+    lines = [f"lab: {state}; {status.num_nodes} nodes; state in {status.layout.root}"]
+    if record.started_by:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started_at))
+        lines.append(f"started by {record.started_by} on {record.host} at {since}")
+    if status.jobs is None:
+        lines.append("jobs: unknown (the controller does not answer)")
+    elif not status.jobs:
+        lines.append("jobs: none")
+    else:
+        lines.append(f"jobs: {len(status.jobs)}")
+        lines.append(f"  {'JOBID':<8} {'USER':<10} {'STATE':<11} {'NODES':<12} NAME  (run RUN_DIR)")
+        lines += [f"  {job.line()}" for job in status.jobs]
+    lines.append("daemons:")
     for daemon in status.record.daemons:
         lines.append(f"  {daemon.label:<14} pid {daemon.pid:<8} "
                      + ("alive" if status.alive[daemon.label] else "dead"))
@@ -51,13 +71,13 @@ def main(argv: list[str]) -> int:
         return 0 if status.up else 1
     try:
         if args.command == "up":
-            cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout)
+            cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force)
         else:
-            cluster.down()
+            cluster.down(force=args.force)
     except (DaemonError, OSError) as exc:
         # Files under /etc or the lab folder, or a daemon that would not stop: the
         # message names the path or the pid, which is what the user needs.
-        raise cluster.LabError(str(exc)) from None
+        raise LabError(str(exc)) from None
     return 0
 
 

@@ -2,64 +2,40 @@
 
 One munged, one slurmctld and one `slurmd -N nodeK` per node, all on 127.0.0.1, each
 slurmd on its own port. Everything the lab owns lives in one directory (`lab_dir()`):
-the rendered slurm.conf, the record of the daemons it started, their logs, spools, pid
-files and the controller's state. The same config goes to /etc/slurm/slurm.conf so that
-sbatch, squeue, sinfo, scontrol and srun work for every user without setup.
+the rendered slurm.conf, the record of the daemons it started (and who started them),
+their logs, spools, pid files and the controller's state. The same config goes to
+/etc/slurm/slurm.conf so that sbatch, squeue, sinfo, scontrol and srun work for every
+user without setup.
+
+A machine with a Slurm of its own is left alone: `up` looks first (ownership.py) and
+refuses before it installs, writes or stops anything. `up` and `down` stop only the lab's
+own processes.
 
 `up` always starts a fresh cluster (no jobs, no node history) except when the lab is
 already up with the same node count, which it leaves alone, or when only some slurmd
-died, which it restarts. A different node count means down, then up: jobs are lost.
+died, which it restarts. A different node count means down, then up. The lab is shared,
+so `down` (and an `up` that restarts) refuses while jobs are on it unless forced.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import pwd
-import shutil
-import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtk.errors import UserError
-from dtk.lab import daemons, files
+from dtk.lab import daemons, files, ownership
 from dtk.lab.daemons import Daemon, DaemonError
-from dtk.lab.files import LabLayout
+from dtk.lab.files import LabLayout, SystemFiles
+from dtk.lab.jobs import LabJob, lab_jobs
+from dtk.lab.programs import LabError, Log, ensure_installed, find_program, require_root, slurm
+from dtk.lab.record import LabRecord, read_record, write_record
+from dtk.lab.start import start_all, start_slurmd, wait_for_nodes
 
 DEFAULT_DIR = Path("/var/lib/dtk-lab")
 MAX_NODES = 64
-PACKAGES = ("slurm-wlm", "munge")
-PROGRAMS = ("munged", "munge", "slurmctld", "slurmd", "sinfo", "srun", "sbatch", "squeue", "scontrol")
-# munged's socket stays at its compiled-in default so that Slurm and the munge tools find
-# it without an AuthInfo setting.
-MUNGE_RUN_DIR = Path("/run/munge")
-
-Log = Callable[[str], None]
-
-
-class LabError(UserError):
-    """Something on this machine stops the lab; the message says what to do about it."""
-
-
-@dataclass(frozen=True)
-class LabRecord:
-    """What `up` started, as written to the lab directory for `status` and `down`."""
-
-    num_nodes: int
-    daemons: tuple[Daemon, ...] = ()
-
-    def to_json(self) -> str:
-        return json.dumps({"num_nodes": self.num_nodes,
-                           "daemons": [d.to_json() for d in self.daemons]}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> LabRecord:
-        data = json.loads(text)
-        return cls(int(data["num_nodes"]), tuple(Daemon.from_json(d) for d in data["daemons"]))
 
 
 @dataclass(frozen=True)
@@ -70,6 +46,8 @@ class LabStatus:
     record: LabRecord | None
     alive: dict[str, bool] = field(default_factory=dict)
     sinfo: str = ""
+    jobs: tuple[LabJob, ...] | None = None
+    """Jobs not yet ended; None when the controller does not answer."""
 
     @property
     def up(self) -> bool:
@@ -85,242 +63,148 @@ def lab_dir() -> Path:
     return Path(os.environ.get("DTK_LAB_DIR") or DEFAULT_DIR)
 
 
-def find_program(name: str) -> str | None:
-    # A user's PATH often lacks /usr/sbin, where Debian puts the daemons.
-    return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
-
-
-def missing_programs() -> list[str]:
-    return [name for name in PROGRAMS if find_program(name) is None]
-
-
 def status(*, root: Path | None = None) -> LabStatus:
-    """Read the record and look at the processes; needs no privileges."""
+    """Read the record and look at the processes and the queue; needs no privileges."""
     layout = LabLayout(root or lab_dir())
-    record = _read_record(layout)
+    record = read_record(layout)
     if record is None:
         return LabStatus(layout, None)
     alive = {d.label: daemons.is_alive(d) for d in record.daemons}
-    sinfo = ""
+    sinfo, jobs = "", None
     if alive.get("slurmctld") and find_program("sinfo"):
-        result = _slurm(["sinfo"])
+        system = files.system_files()
+        result = slurm(["sinfo"], system)
         sinfo = result.stdout or result.stderr
-    return LabStatus(layout, record, alive, sinfo)
+        found = lab_jobs(lambda argv: slurm(argv, system))
+        jobs = tuple(found) if found is not None else None
+    return LabStatus(layout, record, alive, sinfo, jobs)
 
 
-def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None,
-       timeout_s: float = 60.0, log: Log = print) -> LabStatus:
+def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, timeout_s: float = 60.0,
+       force: bool = False, log: Log = print) -> LabStatus:
     """Bring the lab up with `num_nodes` idle nodes; see the module doc for what it keeps."""
     if not 1 <= num_nodes <= MAX_NODES:
         raise LabError(f"--nodes={num_nodes} is out of range: the lab runs 1 to {MAX_NODES} nodes")
-    _require_root("up")
-    layout = LabLayout(root or lab_dir())
+    require_root("up")
+    layout, system = LabLayout(root or lab_dir()), files.system_files()
+    # Before anything is written, installed or stopped.
+    signs = ownership.foreign_signs(layout, read_record(layout), system)
+    if signs:
+        raise LabError(ownership.refusal(signs))
     _prepare_dir(layout)
     with _locked(layout):
-        record = _read_record(layout)
+        record = read_record(layout)
+        strangers = ownership.census(layout, record).foreign  # again: another `up` may have run meanwhile
+        if strangers:
+            raise LabError(ownership.refusal(["processes that the lab did not start are running: "
+                                              + ", ".join(ownership.describe(p) for p in strangers)]))
         if record is not None:
             dead = [d for d in record.daemons if not daemons.is_alive(d)]
             if record.num_nodes == num_nodes and not dead:
                 log(f"lab is already up with {num_nodes} nodes ({layout.root})")
                 return status(root=layout.root)
             if record.num_nodes == num_nodes and all(d.program == "slurmd" for d in dead):
-                return _restart_nodes(layout, record, dead, timeout_s, log)
+                return _restart_nodes(layout, system, record, dead, timeout_s, log)
             why = (f"from {record.num_nodes} to {num_nodes} nodes" if record.num_nodes != num_nodes
                    else "because " + ", ".join(d.label for d in dead) + " died")
+            _refuse_busy(layout, system, record, force, f"restarting the lab {why}")
             log(f"restarting the lab {why}")
-            _stop_all(layout, record, log)
-        _ensure_installed(install, log)
-        started: list[Daemon] = []
+        _stop_all(layout, record or LabRecord(0), log)  # with no record: leftovers of a lab that lost it
+        started = _install(install, layout, log)
         try:
-            _start_all(layout, num_nodes, started, log)
-            _wait_for_nodes(layout, started, num_nodes, timeout_s, ready=lambda state: state == "idle")
+            start_all(layout, system, LabRecord.new(num_nodes), started, log)
+            wait_for_nodes(layout, system, started, num_nodes, timeout_s, ready=lambda state: state == "idle")
         except (LabError, DaemonError, OSError) as exc:
             # Leave nothing half-started: stop exactly what this call started.
             try:
                 _stop_all(layout, LabRecord(num_nodes, tuple(started)), lambda _: None)
-            except LabError as cleanup:
+            except (LabError, DaemonError) as cleanup:
                 raise LabError(f"{exc}; and while stopping what had started: {cleanup}") from None
             raise LabError(str(exc)) from None
         log(f"lab is up: {num_nodes} nodes, partitions debug (default) and high; "
-            f"config {files.SYSTEM_CONF}, state in {layout.root}")
+            f"config {system.slurm_conf}, state in {layout.root}")
         return status(root=layout.root)
 
 
-def down(*, root: Path | None = None, log: Log = print) -> None:
-    """Stop every daemon the lab started (and the job processes under them)."""
-    _require_root("down")
+def down(*, root: Path | None = None, force: bool = False, log: Log = print) -> None:
+    """Stop every process of the lab: its job steps, its daemons. Refused while jobs are
+    on the lab, unless `force`."""
+    require_root("down")
     layout = LabLayout(root or lab_dir())
     if not layout.marker.exists():
         log(f"lab is not up (no lab in {layout.root})")
         return
     with _locked(layout):
-        record = _read_record(layout)
-        if record is None:
+        record = read_record(layout)
+        census = ownership.census(layout, record)
+        if record is None and not (census.ours or census.steps):
             log(f"lab is not up ({layout.root})")
             return
-        _stop_all(layout, record, log)
+        _refuse_busy(layout, files.system_files(), record, force, "stopping the lab")
+        _stop_all(layout, record or LabRecord(0), log)
         log("lab is down")
 
 
-def _start_all(layout: LabLayout, num_nodes: int, started: list[Daemon], log: Log) -> None:
-    """Start munged (unless one already serves), slurmctld and the slurmds, recording each
-    daemon as soon as it runs so that a failure part-way can stop exactly those."""
-    if not files.is_ours(files.SYSTEM_CONF):
-        raise LabError(f"{files.SYSTEM_CONF} exists and was not written by dtk.lab; this machine "
-                       "has its own Slurm setup, which the lab will not overwrite")
-    strays = daemons.processes_named(("slurmctld", "slurmd"))
-    if strays:
-        raise LabError("Slurm daemons that this lab did not start are running (pids "
-                       + ", ".join(str(p.pid) for p in strays) + "); stop them first")
-    for folder in layout.fresh_dirs():
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-    for name in files.node_names(num_nodes):
-        (layout.spool_dir / name).mkdir()
-    conf = files.render_slurm_conf(layout, num_nodes)
-    layout.conf.write_text(conf)
-    files.write_system_conf(conf)
-    files.ensure_hosts(num_nodes)
-
-    def record(daemon: Daemon) -> None:
-        started.append(daemon)
-        _write_record(layout, LabRecord(num_nodes, tuple(started)))
-
-    if _munge_works():
-        log("using the munged already running on this machine")
-    else:
-        if files.ensure_munge_key():
-            log(f"created a munge key at {files.MUNGE_KEY}")
-        record(_start_munged(layout))
-    record(daemons.start("slurmctld", [_program("slurmctld"), "-f", str(files.SYSTEM_CONF)],
-                         layout.pid_dir / "slurmctld.pid", output=_startup_log(layout),
-                         log=_log_file(layout, "slurmctld")))
-    for index in range(1, num_nodes + 1):
-        record(_start_slurmd(layout, files.node_name(index)))
+def _install(install: bool, layout: LabLayout, log: Log) -> list[Daemon]:
+    """Install Slurm and munge if missing. A munged that the package started is the lab's
+    from then on (returned, to be recorded): the lab caused it and `down` stops it."""
+    before = {p.pid for p in ownership.census(layout, None).foreign}
+    ensure_installed(install, log)
+    return [Daemon("munged", p.pid, p.create_time()) for p in ownership.census(layout, None).foreign
+            if p.pid not in before and p.info["name"] == "munged"]
 
 
-def _start_slurmd(layout: LabLayout, name: str) -> Daemon:
-    return daemons.start(f"slurmd {name}",
-                         [_program("slurmd"), "-f", str(files.SYSTEM_CONF), "-N", name],
-                         layout.pid_dir / f"slurmd-{name}.pid", output=_startup_log(layout),
-                         log=_log_file(layout, f"slurmd {name}"))
+def _refuse_busy(layout: LabLayout, system: SystemFiles, record: LabRecord | None, force: bool, doing: str) -> None:
+    """Refuse to end the jobs on a shared lab, unless forced."""
+    if force:
+        return
+    controller = record is not None and any(d.program == "slurmctld" and daemons.is_alive(d) for d in record.daemons)
+    jobs = lab_jobs(lambda argv: slurm(argv, system)) if controller else None
+    if jobs:
+        raise LabError(f"{doing} would end {len(jobs)} job(s) on the lab: " + ", ".join(j.short() for j in jobs)
+                       + "; wait for them, cancel them (scancel JOBID), or pass --force")
+    steps = ownership.census(layout, record).steps
+    if jobs is None and steps:
+        raise LabError(f"{doing} would kill {len(steps)} running job process(es) of the lab (pids "
+                       + ", ".join(str(p.pid) for p in steps[:8]) + "); pass --force to kill them")
 
 
-def _start_munged(layout: LabLayout) -> Daemon:
-    # munged refuses to run as root and checks that its files belong to its own user.
-    munge = pwd.getpwnam("munge")
-    for folder in (MUNGE_RUN_DIR, layout.munge_dir):
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chown(folder, munge.pw_uid, munge.pw_gid)
-    MUNGE_RUN_DIR.chmod(0o755)  # clients connect to the socket inside
-    layout.munge_dir.chmod(0o700)
-    pid_file = layout.munge_dir / "munged.pid"
-    argv = [_program("munged"), f"--pid-file={pid_file}",
-            f"--log-file={_log_file(layout, 'munged')}",
-            f"--seed-file={layout.munge_dir / 'munged.seed'}"]
-    return daemons.start("munged", argv, pid_file, output=_startup_log(layout),
-                         log=_log_file(layout, "munged"), user="munge")
-
-
-def _restart_nodes(layout: LabLayout, record: LabRecord, dead: list[Daemon], timeout_s: float,
-                   log: Log) -> LabStatus:
+def _restart_nodes(layout: LabLayout, system: SystemFiles, record: LabRecord, dead: list[Daemon],
+                   timeout_s: float, log: Log) -> LabStatus:
     """Bring back slurmds that died (a node-failure drill, say) without touching jobs."""
     log("restarting " + ", ".join(d.label for d in dead))
-    fresh = {d.label: _start_slurmd(layout, d.label.split()[1]) for d in dead}
-    new_record = LabRecord(record.num_nodes, tuple(fresh.get(d.label, d) for d in record.daemons))
-    _write_record(layout, new_record)
+    fresh = {d.label: start_slurmd(layout, system, d.label.split()[1]) for d in dead}
+    new_record = replace(record, daemons=tuple(fresh.get(d.label, d) for d in record.daemons))
+    write_record(layout, new_record)
     # A node that went DOWN comes back by itself (ReturnToService=2) once its slurmd
     # registers; it may be busy or drained, but it must answer ("*": not responding).
-    _wait_for_nodes(layout, list(new_record.daemons), record.num_nodes, timeout_s,
-                    ready=lambda state: not state.endswith("*") and not state.startswith("down"))
+    wait_for_nodes(layout, system, list(new_record.daemons), record.num_nodes, timeout_s,
+                   ready=lambda state: not state.endswith("*") and not state.startswith("down"))
     return status(root=layout.root)
 
 
 def _stop_all(layout: LabLayout, record: LabRecord, log: Log) -> None:
-    for line in daemons.kill_job_steps():
-        log(line)
+    """Stop the lab's processes, and only those (ownership.py says which they are)."""
+    census = ownership.census(layout, record)
+    if census.steps:
+        # A slurmstepd outlives its slurmd: stopping the daemons alone would leave jobs running.
+        daemons.kill(census.steps)
+        log(f"killed {len(census.steps)} job processes (the lab's slurmstepd and their tasks)")
     # Nodes first, controller next, munged last: each still has what it talks to.
     for line in daemons.stop(list(reversed(record.daemons))):
         log(line)
+    # What is left: helpers such as slurmctld's slurmscriptd, which are exiting with their
+    # daemon anyway, and lab daemons missing from the record (a record lost in a crash).
+    rest = list(ownership.census(layout, record).ours)
+    if rest:
+        log("stopping the lab's other processes: " + ", ".join(ownership.describe(p) for p in rest))
+        daemons.terminate(rest, grace_s=5.0)
+    after = ownership.census(layout, record)
     leftover = [f"{d.label} (pid {d.pid})" for d in record.daemons if daemons.is_alive(d)]
-    leftover += daemons.leftover_slurm_processes()
+    leftover += [ownership.describe(p) for p in (*after.steps, *after.ours)]
     if leftover:
         raise LabError("still running after stopping the lab: " + ", ".join(leftover))
     layout.record.unlink(missing_ok=True)
-
-
-def _wait_for_nodes(layout: LabLayout, watched: list[Daemon], num_nodes: int, timeout_s: float,
-                    ready: Callable[[str], bool]) -> None:
-    """Wait until sinfo shows every node in a `ready` state, failing fast if a daemon dies."""
-    wanted = set(files.node_names(num_nodes))
-    deadline = time.monotonic() + timeout_s
-    states: dict[str, str] = {}
-    while time.monotonic() < deadline:
-        for d in watched:
-            if not daemons.is_alive(d):
-                raise LabError(f"{d.label} exited while the lab came up: "
-                               + daemons.tail(_log_file(layout, d.label)))
-        states = _node_states()
-        if wanted <= states.keys() and all(ready(states[n]) for n in wanted):
-            return
-        time.sleep(0.2)
-    shown = ", ".join(f"{n}={states.get(n, 'missing')}" for n in files.node_names(num_nodes))
-    raise LabError(f"lab nodes not ready after {timeout_s:.0f} s ({shown}); logs in {layout.log_dir}")
-
-
-def _node_states() -> dict[str, str]:
-    """Node name → long state ("idle", "down*", ...) as sinfo reports it; empty while the
-    controller does not answer yet."""
-    result = _slurm(["sinfo", "-h", "-N", "-o", "%N %T"])
-    if result.returncode != 0:
-        return {}
-    return dict(line.split(maxsplit=1) for line in result.stdout.splitlines() if " " in line)
-
-
-def _slurm(argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SLURM_CONF": str(files.SYSTEM_CONF)}
-    return subprocess.run([_program(argv[0]), *argv[1:]], capture_output=True, text=True,
-                          env=env, timeout=30, check=False)
-
-
-def _munge_works() -> bool:
-    return subprocess.run([_program("munge"), "-n"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, check=False).returncode == 0
-
-
-def _ensure_installed(install: bool, log: Log) -> None:
-    missing = missing_programs()
-    if not missing:
-        return
-    if not install:
-        raise LabError(f"{', '.join(missing)} not found and --no-install was given; "
-                       "install them with: apt-get install slurm-wlm munge")
-    if shutil.which("apt-get") is None:
-        raise LabError(f"{', '.join(missing)} not found and there is no apt-get; "
-                       "install Slurm and munge, then run this again")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install_cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
-    log(f"installing {' '.join(PACKAGES)} with apt-get")
-    if subprocess.run(install_cmd, env=env, check=False).returncode != 0:
-        # A fresh image has no package lists yet.
-        subprocess.run(["apt-get", "update"], env=env, check=False)
-        if subprocess.run(install_cmd, env=env, check=False).returncode != 0:
-            raise LabError("apt-get could not install slurm-wlm and munge; see its output above")
-    if missing_programs():
-        raise LabError(f"still missing after apt-get: {', '.join(missing_programs())}")
-
-
-def _program(name: str) -> str:
-    path = find_program(name)
-    if path is None:
-        raise LabError(f"{name} not found; install slurm-wlm and munge (python -m dtk.lab up does it as root)")
-    return path
-
-
-def _require_root(command: str) -> None:
-    if os.geteuid() != 0:
-        raise LabError(f"`python -m dtk.lab {command}` must run as root: it starts and stops "
-                       f"munged and the Slurm daemons (try: sudo python -m dtk.lab {command})")
 
 
 def _prepare_dir(layout: LabLayout) -> None:
@@ -339,31 +223,3 @@ def _locked(layout: LabLayout) -> Iterator[None]:
     with layout.lock.open("w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
-
-
-def _read_record(layout: LabLayout) -> LabRecord | None:
-    try:
-        return LabRecord.from_json(layout.record.read_text())
-    except FileNotFoundError:
-        return None
-
-
-def _write_record(layout: LabLayout, record: LabRecord) -> None:
-    tmp = layout.record.with_suffix(".tmp")
-    tmp.write_text(record.to_json())
-    tmp.replace(layout.record)
-
-
-def _log_file(layout: LabLayout, label: str) -> Path:
-    """Where the daemon `label` ("slurmd node2") writes its own log: the paths that
-    slurm.conf and munged's flags name."""
-    program, _, node = label.partition(" ")
-    if program == "munged":
-        return layout.munge_dir / "munged.log"
-    if program == "slurmd":
-        return layout.log_dir / f"slurmd-{node}.log"
-    return layout.log_dir / "slurmctld.log"
-
-
-def _startup_log(layout: LabLayout) -> Path:
-    return layout.log_dir / "startup.log"

@@ -2,8 +2,9 @@
 
 Every daemon is started in its own background mode (it forks and writes a pid file), so
 it is never a child of the Python process that started it: `up` can run inside pytest or
-a short CLI call, and the daemons outlive it without waiting on it to reap them. A daemon is remembered by
-pid *and* start time, so `down` never signals an unrelated process that reused a pid.
+a short CLI call, and the daemons outlive it without waiting on it to reap them. A daemon
+is remembered by pid *and* start time, so `down` never signals an unrelated process that
+reused a pid; which other processes belong to the lab is decided in ownership.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
-
-# Names of the processes that belong to a Slurm cluster on this machine; used to find
-# daemons the lab did not start and to check that `down` left none behind.
-SLURM_DAEMONS = ("slurmctld", "slurmscriptd", "slurmd", "slurmstepd")
 
 
 class DaemonError(RuntimeError):
@@ -106,16 +103,7 @@ def stop(daemons: list[Daemon], *, grace_s: float = 10.0) -> list[str]:
     """SIGTERM the daemons that still run, SIGKILL those that outlive `grace_s`.
     Returns one report line per daemon."""
     running = {d: p for d in daemons if (p := find_process(d)) is not None}
-    for proc in running.values():
-        _signal(proc, signal.SIGTERM)
-    alive = _wait_gone(list(running.values()), grace_s)
-    for proc in alive:
-        _signal(proc, signal.SIGKILL)
-    survivors = _wait_gone(alive, 5.0)
-    if survivors:
-        raise DaemonError("these lab daemons survived SIGKILL: "
-                          + ", ".join(str(p.pid) for p in survivors))
-    killed = {p.pid for p in alive}
+    killed = terminate(list(running.values()), grace_s=grace_s)
     lines = []
     for d in daemons:
         if d not in running:
@@ -127,20 +115,39 @@ def stop(daemons: list[Daemon], *, grace_s: float = 10.0) -> list[str]:
     return lines
 
 
-def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+def terminate(procs: list[psutil.Process], *, grace_s: float = 10.0) -> set[int]:
+    """SIGTERM `procs`, SIGKILL those alive after `grace_s`; the pids that needed SIGKILL."""
+    for proc in procs:
+        _signal(proc, signal.SIGTERM)
+    alive = wait_gone(procs, grace_s)
+    kill(alive)
+    return {p.pid for p in alive}
+
+
+def kill(procs: list[psutil.Process] | tuple[psutil.Process, ...]) -> None:
+    """SIGKILL `procs` and wait until they are gone."""
+    for proc in procs:
+        _signal(proc, signal.SIGKILL)
+    survivors = wait_gone(list(procs), 5.0)
+    if survivors:
+        raise DaemonError("these lab processes survived SIGKILL: " + ", ".join(str(p.pid) for p in survivors))
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
     """Wait until each process exited; return those still running at the timeout.
 
     Not psutil.wait_procs: these are not our children, and it waits until init reaps
     them, which some inits (this machine's) do late. A zombie counts as gone."""
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [p for p in procs if _running(p)]
+        alive = [p for p in procs if running(p)]
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.02)
 
 
-def _running(proc: psutil.Process) -> bool:
+def running(proc: psutil.Process) -> bool:
+    """True while `proc` (the very process, not a later one with its pid) runs."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -152,39 +159,6 @@ def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
         proc.send_signal(sig)
     except psutil.NoSuchProcess:
         pass
-
-
-def kill_job_steps() -> list[str]:
-    """SIGKILL every slurmstepd and the job processes under it.
-
-    A slurmstepd outlives its slurmd, so stopping the daemons alone would leave running
-    jobs behind. Only called while this lab owns the machine's Slurm config, so every
-    slurmstepd here belongs to the lab."""
-    victims = []
-    for proc in processes_named(("slurmstepd",)):
-        try:
-            victims += [proc, *proc.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for proc in victims:
-        _signal(proc, signal.SIGKILL)
-    _wait_gone(victims, 5.0)
-    return [f"killed {len(victims)} job processes (slurmstepd and their tasks)"] if victims else []
-
-
-def leftover_slurm_processes(timeout_s: float = 5.0) -> list[str]:
-    """Slurm processes ("slurmd (pid 12)") still running once every daemon was told to
-    stop. slurmctld's helper slurmscriptd exits shortly after slurmctld, hence the wait."""
-    return [f"{p.info['name']} (pid {p.pid})"
-            for p in _wait_gone(processes_named(SLURM_DAEMONS), timeout_s)]
-
-
-def processes_named(names: tuple[str, ...]) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] in names and _running(proc):
-            found.append(proc)
-    return found
 
 
 def tail(path: Path, num_lines: int = 3) -> str:

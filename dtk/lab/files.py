@@ -7,15 +7,13 @@ is never reconfigured behind its owner's back.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import string
 from dataclasses import dataclass
 from pathlib import Path
 
-SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
-HOSTS_FILE = Path("/etc/hosts")
-MUNGE_KEY = Path("/etc/munge/munge.key")
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm_templates" / "slurm.conf.tmpl"
 
 # The first line of every file dtk.lab writes under /etc; its presence is what makes the
@@ -27,6 +25,37 @@ FIRST_NODE_PORT = 17001
 CPUS_PER_NODE = 2
 REAL_MEMORY_MB = 2048
 GRACE_TIME_S = 15
+
+
+@dataclass(frozen=True)
+class SystemFiles:
+    """The machine's files that the lab reads or writes, outside its own directory."""
+
+    etc: Path = Path("/etc")
+
+    @property
+    def slurm_conf(self) -> Path:
+        """Where every Slurm command looks for its config when SLURM_CONF is unset."""
+        return self.etc / "slurm" / "slurm.conf"
+
+    @property
+    def hosts(self) -> Path:
+        return self.etc / "hosts"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.etc / "munge" / "munge.key"
+
+    @property
+    def resolv_conf(self) -> Path:
+        """The name servers a configless Slurm client would ask for its controller."""
+        return self.etc / "resolv.conf"
+
+
+def system_files() -> SystemFiles:
+    """/etc, or $DTK_LAB_ETC: a stand-in folder for dtk's own tests, which check what `up`
+    does on a machine with a foreign Slurm without touching this machine's /etc."""
+    return SystemFiles(Path(os.environ.get("DTK_LAB_ETC") or "/etc"))
 
 
 @dataclass(frozen=True)
@@ -123,7 +152,7 @@ def is_ours(path: Path) -> bool:
         return True
 
 
-def write_system_conf(text: str, path: Path = SYSTEM_CONF) -> None:
+def write_system_conf(text: str, path: Path) -> None:
     """Install the config where every Slurm command looks by default. The caller has
     checked `is_ours(path)`; the rename makes a reader see the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,16 +172,39 @@ def hosts_with_lab_line(text: str, num_nodes: int) -> str:
     return "\n".join(kept) + "\n"
 
 
-def ensure_hosts(num_nodes: int, path: Path = HOSTS_FILE) -> None:
+def ensure_hosts(num_nodes: int, path: Path) -> None:
     old = path.read_text()
     new = hosts_with_lab_line(old, num_nodes)
     if new != old:
-        # Written in place, not renamed over: /etc/hosts is often a bind mount in containers.
-        with path.open("w") as f:
-            f.write(new)
+        replace_text(path, new)
 
 
-def ensure_munge_key(path: Path = MUNGE_KEY) -> bool:
+def replace_text(path: Path, text: str) -> None:
+    """Replace a system file so that a reader sees the old text or the new, never half:
+    a new file beside it, renamed over it, with the old one's mode and owner. Where the
+    file is a mount point (/etc/hosts is often a bind mount in a container) a rename
+    cannot replace it; then it is rewritten in place, in one write."""
+    info = path.stat()
+    tmp = path.with_name(f".{path.name}.dtk-tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, info.st_mode & 0o7777)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chown(tmp, info.st_uid, info.st_gid)
+        os.replace(tmp, path)
+        return
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES, errno.EROFS):
+            raise
+    with path.open("r+") as f:
+        f.write(text)
+        f.truncate()
+
+
+def ensure_munge_key(path: Path) -> bool:
     """Create munge's shared secret if the machine has none; True when one was created.
     munged refuses a key that is readable by anyone but its owner, user munge."""
     if path.exists():
