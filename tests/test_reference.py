@@ -73,3 +73,33 @@ def test_plan_help_lists_the_keys_of_every_data_option():
 def test_check_flag_agrees_with_the_file():
     proc = dtk("dtk.config.reference", "--check")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_inherited_fields_and_enum_values_are_documented():
+    import enum
+    from dataclasses import dataclass
+
+    class Colour(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    @dataclass
+    class Base:
+        shared: int = 1
+        """A key every subclass has."""
+
+    @dataclass
+    class Child(Base):
+        colour: Colour = Colour.red
+        """The colour."""
+        maybe: Colour | None = None
+        """Perhaps a colour."""
+
+    assert docs.field_docs(Child) == {"shared": "A key every subclass has.", "colour": "The colour.",
+                                      "maybe": "Perhaps a colour."}
+    fields = {f.name: f for f in dataclasses.fields(Child)}
+    hints = {"colour": Colour, "maybe": Colour | None}
+    assert docs.type_name("Colour", hints["colour"]) == "Colour (red, blue)"
+    assert docs.type_name("Colour | None", hints["maybe"]) == "Colour | None (red, blue)"
+    assert docs.type_name("dict[str, Colour]", dict[str, Colour]) == "dict[str, Colour]"
+    assert docs.default(fields["colour"]) == "'red'"

@@ -11,7 +11,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import textwrap
+import types
+import typing
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 
@@ -37,8 +41,16 @@ class Section:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """{field name: the string literal right under it} for one dataclass."""
-    tree = ast.parse(inspect.getsource(cls))
+    """{field name: the string literal right under it} for one dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, after in zip(body, body[1:], strict=False):
@@ -85,6 +97,10 @@ def sections() -> list[Section]:
 
     def walk(cls: type, prefix: str, option: str | None, doc: str) -> None:
         docs = field_docs(cls)
+        try:
+            hints = typing.get_type_hints(cls)
+        except (NameError, TypeError):  # an annotation that names something not importable here
+            hints = {}
         keys: list[Key] = []
         nested: list[tuple[str, str | None, type, str]] = []
         for f in dataclasses.fields(cls):
@@ -97,7 +113,7 @@ def sections() -> list[Section]:
             elif factory is not None and dataclasses.is_dataclass(factory):
                 nested.append((name, None, factory, docs.get(f.name, "")))
             else:
-                keys.append(Key(name, type_name(f.type), default(f), docs.get(f.name, "")))
+                keys.append(Key(name, type_name(f.type, hints.get(f.name)), default(f), docs.get(f.name, "")))
         out.append(Section(prefix, option, doc, tuple(keys)))
         for name, opt, sub, sub_doc in nested:
             class_doc = " ".join((sub.__doc__ or "").split()) if "__doc__" in vars(sub) else ""
@@ -109,21 +125,29 @@ def sections() -> list[Section]:
     return out
 
 
-def type_name(annotation: Any) -> str:
+def type_name(annotation: Any, hint: Any = None) -> str:
     """The annotation as written (`int | None`): a string under `from __future__ import
-    annotations`, else the type's name."""
+    annotations`, else the type's name; an Enum's allowed values follow in parentheses."""
     if isinstance(annotation, str):
-        return annotation
-    if isinstance(annotation, type):
-        return annotation.__name__
-    return str(annotation).replace("typing.", "")
+        text = annotation
+    elif isinstance(annotation, type):
+        text = annotation.__name__
+    else:
+        text = str(annotation).replace("typing.", "")
+    unions = (typing.Union, types.UnionType) if hasattr(types, "UnionType") else (typing.Union,)
+    candidates = typing.get_args(hint) if typing.get_origin(hint) in unions else (hint,)
+    enums = [c for c in candidates if isinstance(c, type) and issubclass(c, Enum)]
+    if enums:
+        text += " (" + ", ".join(str(m.value) for m in enums[0]) + ")"
+    return text
 
 
 def default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
-        if f.default == "???":  # omegaconf.MISSING: the key must be given
+        value = f.default.value if isinstance(f.default, Enum) else f.default
+        if value == "???":  # omegaconf.MISSING: the key must be given
             return "required"
-        return repr(f.default) if isinstance(f.default, str) else str(f.default)
+        return repr(value) if isinstance(value, str) else str(value)
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         value: Any = f.default_factory()  # type: ignore[misc]
         return str(value)
