@@ -10,11 +10,7 @@ from typing import Any
 
 from dtk.report.goodput import account
 from dtk.report.runs import RunData
-
-PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint", "straggler")
-"""Per-step phases in metrics.jsonl, in the order a step runs through them."""
-IDLE_PHASES = ("data", "comm", "checkpoint", "straggler")
-"""The phases in which the accelerator waits: their sum over the step time is idle_share."""
+from dtk.train.phase_names import IDLE_PHASES, PHASES
 
 
 def _median(values: list[float]) -> float | None:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
-from dtk.report.numbers import PHASES
 from dtk.report.runs import RunData
+from dtk.train.phase_names import PHASES
 
 GOODPUT_COLOURS = {
     "queue": "#999999", "startup": "#e6a23c", "checkpoint_load": "#b88230", "redone": "#d9534f",

@@ -9,8 +9,7 @@ from typing import Any
 
 from dtk.errors import UserError
 from dtk.rundir import RunDir, read_jsonl
-
-SYSTEM_LOG = "system.jsonl"
+from dtk.train.system import SYSTEM_LOG
 
 
 @dataclass
