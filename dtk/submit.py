@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dtk.config.compose import compose, expand_sweep
+from dtk.config.compose import compose, expand_sweep, pop_config_dirs, search_path
 from dtk.errors import run_cli
 from dtk.plan.plan import Plan, make_plan
 
-USAGE = """usage: python -m dtk.submit [-m|--multirun] [KEY=VALUE ...] [+scheme=NAME]
+USAGE = """usage: python -m dtk.submit [-m|--multirun] [--config-dir DIR] [KEY=VALUE ...] [+scheme=NAME]
 
 Compose the job's configuration from conf/ and the overrides, check it, and launch it
-(default: cluster=local, 2 worker processes on this machine).
+(default: cluster=local, 2 worker processes on this machine). Config groups and Python
+modules of your own project folder (python -m dtk.init DIR) come first: from the current
+folder when it has a conf/, from --config-dir DIR, or from DTK_CONFIG_PATH=DIR1:DIR2.
 
   python -m dtk.submit                                   train the default job here
   python -m dtk.submit +scheme=ddp tasks_per_node=4      4 workers, DDP
@@ -21,12 +23,14 @@ config). python -m dtk.plan --help lists every key with its meaning.
 """
 
 
-def plan_points(overrides: list[str], multirun: bool) -> list[tuple[list[str], Plan]]:
+def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[tuple[list[str], Plan]]:
     """Compose and plan every point first, so one bad point stops the sweep before any launch."""
     from dtk.data.hdf5 import check_config
 
+    search = search_path(config_dirs or [])
+    search.activate()
     points = expand_sweep(overrides) if multirun else [overrides]
-    planned = [(point, make_plan(compose(point))) for point in points]
+    planned = [(point, make_plan(compose(point, search=search), import_path=search.modules)) for point in points]
     for _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.
@@ -38,9 +42,10 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    config_dirs, argv = pop_config_dirs(argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
-    planned = plan_points(overrides, multirun)
+    planned = plan_points(overrides, multirun, config_dirs)
 
     from dtk.launch.launch import Launched, describe_launch, launch
 

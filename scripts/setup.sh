@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up dtk in ./.venv: torch, dtk and its dependencies (and, with --dev, the test tools
-# and the Slurm packages the lab cluster needs). Safe to run again; fast when done before.
+# Set up dtk in ./.venv: torch, dtk and its dependencies (and, with --dev, the test tools,
+# the Hugging Face extra and the Slurm packages the lab cluster needs). Safe to run again; fast when done before.
 #
 #   bash scripts/setup.sh          # to train
 #   bash scripts/setup.sh --dev    # to run the tests too
@@ -31,7 +31,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first and pinned: a bare range would pull a multi-GB CUDA build on a CPU machine.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "$TORCH"
 if [ "$dev" = 1 ]; then
-  pip install -e ".[dev]"
+  pip install -e ".[dev,hf]"   # the tests of Hugging Face models need the hf extra
   if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     apt_install slurm-wlm munge || echo "setup: Slurm not installed; lab tests will be skipped (or fail under CI=true)" >&2
   fi

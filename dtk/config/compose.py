@@ -6,31 +6,129 @@ Everything after composition works on a plain, resolved ``dict``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
 import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
+from dtk.resources import conf_dir
 
 CONFIG_NAME = "config"
+CONFIG_PATH_ENV = "DTK_CONFIG_PATH"
+CONFIG_DIR_FLAG = "--config-dir"
 
 
 def config_dir() -> Path:
-    """The `conf/` folder: `$DTK_CONFIG_DIR`, else the one beside the `dtk` package."""
+    """dtk's own config groups: `$DTK_CONFIG_DIR` (a replacement for all of them), else the
+    package's `conf/`."""
     env = os.environ.get("DTK_CONFIG_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+    path = Path(env) if env else conf_dir()
     if not (path / f"{CONFIG_NAME}.yaml").is_file():
         raise UserError(f"no {CONFIG_NAME}.yaml in config folder {path}; set DTK_CONFIG_DIR to dtk's conf/ folder")
     return path
 
 
-def compose(overrides: list[str]) -> dict[str, Any]:
-    """Compose and resolve the configuration; user mistakes raise UserError with one line."""
+@dataclass(frozen=True)
+class SearchPath:
+    """Where a job's config groups and code come from: the user's project folders, searched
+    before dtk's own `conf/` (the first folder holding `GROUP/NAME.yaml` wins), and the same
+    folders put on the import path of the submitting process and of every worker."""
+
+    config: tuple[Path, ...] = ()
+    """The user's config folders (each holds group folders: cluster/, model/, data/, task/ ...)."""
+    modules: tuple[Path, ...] = ()
+    """Project folders whose Python modules a config may name (`_target_: mymodel.build`)."""
+
+    def activate(self) -> None:
+        """Put the project folders first on this process's import path."""
+        for folder in reversed(self.modules):
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+
+
+def pop_config_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split `--config-dir DIR` / `--config-dir=DIR` (repeatable) off a command line."""
+    dirs, rest = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg == CONFIG_DIR_FLAG:
+            value = next(args, None)
+            if value is None or value.startswith("-"):
+                raise UserError(f"{CONFIG_DIR_FLAG} needs a folder: {CONFIG_DIR_FLAG} DIR (a project folder made by python -m dtk.init)")
+            dirs.append(value)
+        elif arg.startswith(f"{CONFIG_DIR_FLAG}="):
+            dirs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return dirs, rest
+
+
+def _project(path: Path, source: str) -> tuple[Path, Path]:
+    """(config folder, module folder) of a project folder or of its conf/ folder."""
+    path = path.expanduser().resolve()
+    if not path.is_dir():
+        raise UserError(f"{source}: no such folder {path}; give a project folder (python -m dtk.init DIR makes one)")
+    if (path / "conf").is_dir():
+        return path / "conf", path
+    if path.name == "conf":
+        return path, path.parent
+    return path, path
+
+
+def search_path(config_dirs: list[str] | tuple[str, ...] = (), *, cwd: str | Path | None = None) -> SearchPath:
+    """The user's folders, first match first: each `--config-dir`, then each entry of
+    `$DTK_CONFIG_PATH` (separated by `:`), then the current folder when it has a `conf/` of
+    its own (a project folder made by `python -m dtk.init`)."""
+    found: list[tuple[Path, Path]] = [_project(Path(d), f"{CONFIG_DIR_FLAG} {d}") for d in config_dirs]
+    for entry in filter(None, os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep)):
+        found.append(_project(Path(entry), f"{CONFIG_PATH_ENV}={entry}"))
+    here = Path(cwd or Path.cwd()).resolve()
+    own = conf_dir().resolve()
+    if (here / "conf").is_dir() and (here / "conf").resolve() != own:
+        found.append((here / "conf", here))
+    config, modules = [], []
+    for conf, module in found:
+        if conf.resolve() != own and conf not in config:
+            config.append(conf)
+        if module not in modules:
+            modules.append(module)
+    return SearchPath(config=tuple(config), modules=tuple(modules))
+
+
+@contextlib.contextmanager
+def _hydra(search: SearchPath) -> Iterator[None]:
+    """Hydra initialised with the user's config folders before dtk's own. (Hydra's public
+    `initialize_config_dir` takes one folder, and `hydra.searchpath` entries come after it,
+    so a user's model/transformer.yaml could never replace dtk's.)"""
+    from hydra import version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    version.setbase(None)
+    csp = create_config_search_path(search_path_dir=str(config_dir()))
+    for folder in reversed(search.config):
+        csp.prepend(provider="dtk-user", path=f"file://{folder}")
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    Hydra.create_main_hydra2(task_name="dtk", config_search_path=csp)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose(overrides: list[str], *, search: SearchPath | None = None) -> dict[str, Any]:
+    """Compose and resolve the configuration; user mistakes raise UserError with one line.
+    `search` defaults to `search_path()`: the environment's and the current folder's."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -39,7 +137,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
 
     register()
     try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        with _hydra(search if search is not None else search_path()):
             cfg = hydra_compose(CONFIG_NAME, overrides=list(overrides))
         _reject_unknown_keys(cfg)
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

@@ -28,7 +28,7 @@ def fit_plan(plan: Plan, usable_nodes: int, *, allow_shrink: bool) -> Plan | Non
     for micro in range(plan.micro_batch, 0, -1):
         cfg["train"]["micro_batch"] = micro
         try:
-            shrunk = make_plan(cfg)
+            shrunk = make_plan(cfg, import_path=plan.import_path)
         except UserError:
             continue
         assert shrunk.config_hash == plan.config_hash and shrunk.run_dir == plan.run_dir

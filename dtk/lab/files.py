@@ -14,7 +14,9 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "slurm_templates" / "slurm.conf.tmpl"
+from dtk.resources import templates_dir
+
+TEMPLATE = templates_dir() / "slurm.conf.tmpl"
 
 # The first line of every file dtk.lab writes under /etc; its presence is what makes the
 # file ours to overwrite.

@@ -21,8 +21,9 @@ from typing import Any
 
 from dtk.errors import UserError
 from dtk.plan.plan import Plan
+from dtk.resources import templates_dir
 
-SETUP_DIR = Path(__file__).resolve().parents[2] / "slurm_templates" / "setup"
+SETUP_DIR = templates_dir() / "setup"
 # Seconds added to the measured save + step time when choosing the signal lead: slack for
 # the signal's delivery and the agreement at the next step boundary.
 SIGNAL_MARGIN_S = 30

@@ -41,6 +41,8 @@ class Plan:
     grad_accum: int
     steps: int
     spare_nodes: int = 0
+    import_path: tuple[str, ...] = ()
+    """The user's project folders: workers put them first on their import path (see SearchPath)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -49,6 +51,7 @@ class Plan:
     def from_json(text: str) -> Plan:
         raw = json.loads(text)
         raw["degrees"] = Degrees(**raw["degrees"])
+        raw["import_path"] = tuple(raw.get("import_path", ()))
         return Plan(**raw)
 
     def describe(self) -> str:
@@ -86,7 +89,7 @@ def _model_name(model: dict[str, Any]) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name.lower()) or "model"
 
 
-def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
+def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None, import_path: tuple[str, ...] = ()) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic."""
     cluster = cfg["cluster"]
     nodes, tpn = cfg["nodes"], cfg["tasks_per_node"]
@@ -178,6 +181,7 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None) -> Plan:
         micro_batch=micro,
         grad_accum=global_batch // per_step,
         steps=train["steps"],
+        import_path=tuple(str(p) for p in import_path),
     )
 
 

@@ -209,6 +209,7 @@ def main(argv: list[str]) -> int:
     run = RunDir(Path(argv[0]))
     # A driver that relaunches on fewer nodes hands the workers an adjusted plan.
     plan = Plan.from_json(Path(os.environ.get("DTK_PLAN") or run.plan_json).read_text())
+    sys.path[:0] = [p for p in plan.import_path if p not in sys.path]  # the user's project folders
     env = read_env()
     # Where this rank runs, for drills and for people: logs/start_NN/rank_R.pid = "host pid".
     restart = int(os.environ.get("DTK_RESTART", "0"))
