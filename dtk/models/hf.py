@@ -1,0 +1,184 @@
+"""Hugging Face causal language models (Llama, Qwen2, Mistral and their kin) by config alone.
+
+    model=hf model.config=DIR       a local config.json: the architecture, random weights
+    model=hf model.init_from=DIR    config.json and safetensors weights (one file, or shards
+                                    with model.safetensors.index.json)
+
+The model is transformers' own class (`AutoModelForCausalLM.from_config`), built on the
+meta device like every dtk model, with transformers' parameter names, so a checkpoint
+exports to a folder `from_pretrained` loads. Three things make it a dtk model:
+
+- its forward returns the logits tensor (a forward hook takes `.logits` from the output),
+  so next-token training, evaluation and tensor parallelism treat it like the built-in
+  transformer;
+- `reset_parameter(name, full, generator)` fills one full tensor at a time: from the
+  safetensors file that holds it (memory-mapped, so no rank ever reads the whole model),
+  or, for random weights, with transformers' own `_init_weights` applied to a copy of the
+  owning module whose tensors are CPU tensors, under a seed drawn from (train.seed, name);
+  every scheme starts from the same values;
+- `dtk_wrap_classes` and `dtk_tp_plan` say how to parallelize it, read from the model: its
+  decoder-layer class (`_no_split_modules`) and its tensor-parallel plan (`_tp_plan`, or the
+  config's `base_model_tp_plan`), in dtk's style names. The yaml's `wrap_classes` and
+  `tp_plan`, when given, replace them.
+
+Pipeline parallelism is not offered: transformers' forward does not skip the modules a
+stage does not hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtk.errors import UserError
+
+# transformers' tensor-parallel style names -> dtk's (dtk.parallel.tp). Others have no
+# equivalent here; a model using them needs model.tp_plan in its yaml.
+HF_TP_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "embedding_rowwise": "rowwise",
+    "colwise_rep": "colwise_output",
+    "colwise_gather_output": "colwise_output",
+}
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def hf_config(*, config: str | None, init_from: str | None, overrides: dict[str, Any] | None = None):
+    """transformers' config from a local folder (no network): `config`, else `init_from`."""
+    from transformers import AutoConfig
+
+    folder = config or init_from
+    key = "model.config" if config else "model.init_from"
+    if not folder:
+        raise UserError("model=hf needs model.config=DIR (a config.json) or model.init_from=DIR (config.json + safetensors)")
+    if not (Path(folder).expanduser() / "config.json").is_file():
+        raise UserError(f"{key}={folder}: no config.json in that folder; give a local folder holding a model's config.json")
+    cfg = AutoConfig.from_pretrained(str(Path(folder).expanduser()), local_files_only=True, **(overrides or {}))
+    cfg.use_cache = False  # training: no key/value cache
+    return cfg
+
+
+class SafetensorsWeights:
+    """The tensors of a folder of safetensors files, read one at a time by name."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder).expanduser()
+        index = self.folder / SAFETENSORS_INDEX
+        if index.is_file():
+            self.files = {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.folder / SAFETENSORS).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.folder / SAFETENSORS), framework="pt") as f:
+                self.files = {name: self.folder / SAFETENSORS for name in f.keys()}  # noqa: SIM118 (not a dict)
+        else:
+            raise UserError(
+                f"model.init_from={folder}: no {SAFETENSORS} or {SAFETENSORS_INDEX} in that folder;"
+                " give a folder saved by save_pretrained (or python -m dtk.checkpoint export --format hf)"
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+
+def _shell(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of `module` without children whose own parameters and buffers are `tensors`."""
+    shell = copy.copy(module)
+    shell._modules = {}
+    # A parameter that is None (a Linear without bias) stays None: _init_weights asks for it.
+    shell._parameters = {k: None if v is None else nn.Parameter(tensors[k], requires_grad=False) for k, v in module._parameters.items()}
+    shell._buffers = {k: None if v is None else tensors[k] for k, v in module._buffers.items()}
+    return shell
+
+
+def _hf_init(model: nn.Module, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+    """transformers' own initialisation of the tensor `name`, into the CPU tensor `full`."""
+    from transformers import initialization
+
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    own = {**owner._parameters, **owner._buffers}
+    tensors = {k: (full if k == leaf else torch.empty(v.shape, dtype=v.dtype)) for k, v in own.items() if v is not None}
+    shell = _shell(owner, tensors)
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), initialization.guard_torch_init_functions():
+        torch.manual_seed(generator.initial_seed())
+        model._init_weights(shell)
+
+
+def _reset_parameter(model: nn.Module, weights: SafetensorsWeights | None, name: str, full: torch.Tensor,
+                     generator: torch.Generator) -> None:
+    """dtk's per-tensor initialisation hook (see dtk.models.build.materialize)."""
+    if weights is not None and name in weights:
+        value = weights.get(name)
+        if tuple(value.shape) != tuple(full.shape):
+            raise UserError(
+                f"model.init_from={weights.folder}: {name} has shape {tuple(value.shape)} there, the model"
+                f" built from its config.json has {tuple(full.shape)}"
+            )
+        full.copy_(value)
+        return
+    is_buffer = any(n == name for n, _ in model.named_buffers())
+    if weights is not None and not is_buffer:
+        raise UserError(f"model.init_from={weights.folder}: no tensor {name} in its safetensors files")
+    _hf_init(model, name, full, generator)
+
+
+def parallel_defaults(model: nn.Module) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(wrap classes, tensor-parallel plan in dtk's styles) read from a transformers model."""
+    wrap = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        base = getattr(model.config, "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "model")
+        plan = {f"{prefix}.{k}": v for k, v in base.items()}
+        if base and isinstance(getattr(model, "lm_head", None), nn.Linear):
+            plan["lm_head"] = "colwise_output"
+    converted = {}
+    for pattern, style in plan.items():
+        converted[pattern] = HF_TP_STYLES.get(style, f"unsupported:{style}")
+    return wrap, converted
+
+
+def _logits(_module: nn.Module, _args: Any, output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def build(
+    *,
+    config: str | None = None,
+    init_from: str | None = None,
+    seq_len: int,
+    attn_implementation: str = "sdpa",
+    config_overrides: dict[str, Any] | None = None,
+) -> nn.Module:
+    """The factory of conf/model/hf.yaml: a transformers causal LM under the current device
+    (meta when dtk builds it for a job). `seq_len` is the data's sample length."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(config=config, init_from=init_from, overrides=config_overrides)
+    if seq_len > getattr(cfg, "max_position_embeddings", seq_len):
+        raise UserError(
+            f"model.seq_len={seq_len} is longer than the model's max_position_embeddings={cfg.max_position_embeddings};"
+            f" use model.seq_len <= {cfg.max_position_embeddings}"
+        )
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=torch.float32)
+    weights = SafetensorsWeights(init_from) if init_from else None
+    model.reset_parameter = functools.partial(_reset_parameter, model, weights)
+    model.dtk_wrap_classes, model.dtk_tp_plan = parallel_defaults(model)
+    model.dtk_tied_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+    model.register_forward_hook(_logits)
+    return model
