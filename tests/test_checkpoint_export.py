@@ -3,13 +3,14 @@ built-in model on one process and gives the loss the distributed model logged.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import dtk
+from conftest import dtk, require
 from dtk.data.order import GlobalOrder
 from dtk.data.synthetic import SyntheticTokens
 from dtk.models.build import PARALLEL_KEYS
@@ -49,3 +50,17 @@ def test_exported_file_loads_into_the_plain_model_and_gives_the_distributed_loss
     logged = run.latest_metrics()[6]["loss"]  # step 6 trains on batch 5 with the weights of step 5
     print(f"plain model {loss!r} vs distributed {logged!r}: relative difference {abs(loss - logged) / logged:.3g}")
     assert abs(loss - logged) <= LOSS_RTOL * logged
+
+    # The same tensors as a safetensors file; a Hugging Face folder is refused for this model.
+    require(importlib.util.find_spec("safetensors") is not None, "safetensors is not installed (pip install '.[hf]')")
+    from safetensors.torch import load_file
+
+    st = tmp_path / "export" / "model.safetensors"
+    proc = dtk("dtk.checkpoint", "export", str(run.path), "--step", "5", "--format", "safetensors", "--out", str(st))
+    assert proc.returncode == 0, proc.stderr
+    plain = torch.load(out, weights_only=True)
+    loaded = load_file(str(st))
+    assert loaded.keys() == plain.keys() and all(torch.equal(loaded[k], plain[k]) for k in plain)
+    proc = dtk("dtk.checkpoint", "export", str(run.path), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --format hf: the run's model is")
+    assert not (tmp_path / "hf").exists()

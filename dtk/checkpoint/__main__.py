@@ -15,6 +15,8 @@ EPILOG = """examples:
   python -m dtk.checkpoint list runs/transformer-1a2b3c4d5e
   python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --out model.pt
   python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --step 200 --out model_200.pt
+  python -m dtk.checkpoint export runs/transformer-1a2b3c4d5e --format safetensors --out model.safetensors
+  python -m dtk.checkpoint export runs/hf-1a2b3c4d5e --format hf --out my-llama   # from_pretrained("my-llama")
   python -m dtk.checkpoint delete runs/transformer-1a2b3c4d5e --step 100
 
 A checkpoint is verified when its manifest.json exists and every file it lists has the
@@ -35,10 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("run_dir", metavar="RUN_DIR", type=Path)
     ls.add_argument("--no-checksums", action="store_true", help="check sizes only (reads no checkpoint data)")
     ls.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
-    ex = sub.add_parser("export", help="one consolidated model file (torch.save'd state dict) from a checkpoint")
+    ex = sub.add_parser("export", help="one consolidated model (a state dict file, or a Hugging Face folder) from a checkpoint")
     ex.add_argument("run_dir", metavar="RUN_DIR", type=Path)
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
-    ex.add_argument("--out", required=True, type=Path, help="the file to write; FILE.json gets where it came from")
+    ex.add_argument("--out", required=True, type=Path,
+                    help="the file (or, with --format hf, the folder) to write; OUT.json gets where it came from")
+    ex.add_argument("--format", dest="fmt", default="torch", choices=["torch", "safetensors", "hf"],
+                    help="torch: torch.save'd state dict (default); safetensors: the same as safetensors;"
+                         " hf: a folder AutoModelForCausalLM.from_pretrained loads (runs of model=hf)")
     rm = sub.add_parser("delete", help="delete one checkpoint folder (recorded in the audit log)")
     rm.add_argument("run_dir", metavar="RUN_DIR", type=Path)
     rm.add_argument("--step", type=int, required=True, help="the checkpoint's step")
@@ -96,7 +102,7 @@ def main(argv: list[str]) -> int:
         return 0
     from dtk.checkpoint.export import export
 
-    info = export(args.run_dir, out=args.out, step=args.step)
+    info = export(args.run_dir, out=args.out, step=args.step, fmt=args.fmt)
     audit.record_run(args.run_dir, "export", step=info["step"], out=str(Path(args.out).resolve()))
     print(f"{args.out}: step {info['step']}, {info['tensors']} tensors, {info['parameters']} parameters ({human(info['bytes'])})")
     return 0

@@ -1,12 +1,14 @@
-"""One consolidated file from a sharded checkpoint, for inference or another framework.
+"""One consolidated model from a sharded checkpoint, for inference or another framework.
 
-The file is a plain `torch.save`d state dict of the model — the parameter names of the
-unwrapped model, full tensors, no optimizer — so
+The default file is a plain `torch.save`d state dict of the model — the parameter names of
+the unwrapped model, full tensors, no optimizer — so
 
     model.load_state_dict(torch.load(FILE))
 
-works on one process without dtk's parallel wrappers. A JSON sidecar `FILE.json` says
-where it came from (run, step, model config, data version, checkpoint manifest).
+works on one process without dtk's parallel wrappers; `--format safetensors` writes the
+same tensors as a safetensors file, `--format hf` a folder transformers loads (see
+dtk.checkpoint.formats). A JSON sidecar `OUT.json` says where it came from (run, step,
+model config, data version, checkpoint manifest).
 
 It needs no process group and no model code: the tensors' shapes and dtypes come from
 DCP's own metadata, and DCP assembles each one from however many shards it was saved in.
@@ -15,7 +17,6 @@ DCP's own metadata, and DCP assembles each one from however many shards it was s
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dtk.checkpoint.formats import FORMATS, size_of, write_file, write_hf
 from dtk.checkpoint.manifest import Rejected, verify
 from dtk.errors import UserError
 from dtk.rundir import RunDir, write_json_atomic
@@ -71,20 +73,23 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def export(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> dict[str, Any]:
+def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt: str = "torch") -> dict[str, Any]:
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     run = RunDir(Path(run_dir))
     if not run.path.is_dir():
         raise UserError(f"RUN_DIR {run.path}: no such run directory")
+    model_cfg = None
+    if run.plan_json.is_file():
+        model_cfg = json.loads(run.plan_json.read_text())["config"].get("model")
     step, path, manifest = choose(run, step)
     tensors = load_model_state(path)
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    torch.save(tensors, tmp)
-    os.replace(tmp, out)
-    model_cfg = None
-    if run.plan_json.is_file():
-        model_cfg = json.loads(run.plan_json.read_text())["config"].get("model")
+    if fmt == "hf":
+        write_hf(tensors, out, model_cfg=model_cfg)
+    else:
+        write_file(tensors, out, fmt=fmt)
     info = {
         "run": str(run.path),
         "step": step,
@@ -94,7 +99,8 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> 
         "config_hash": manifest.get("config_hash"),
         "parameters": sum(t.numel() for t in tensors.values()),
         "tensors": len(tensors),
-        "bytes": out.stat().st_size,
+        "format": fmt,
+        "bytes": size_of(out),
     }
     write_json_atomic(out.with_name(out.name + ".json"), info)
     return info
