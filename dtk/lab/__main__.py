@@ -6,7 +6,8 @@ import argparse
 import time
 
 from dtk.errors import ArgumentParser, run_cli
-from dtk.lab import cluster
+from dtk.lab import access as lab_access
+from dtk.lab import cluster, files
 from dtk.lab.daemons import DaemonError
 from dtk.lab.programs import LabError
 
@@ -27,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long to wait for every node to be idle (default 60)")
     start.add_argument("--force", action="store_true",
                        help="restart with another node count even though jobs are on the lab (they end)")
+    start.add_argument("--access", metavar="FILE", default=None,
+                       help="an access policy (conf/access/NAME.yaml, or its NAME): partitions admit its submitter "
+                            "group only (AllowGroups), and its account only, with accounting, when it names one; "
+                            "without --access the partitions admit every user")
     commands.add_parser("status", help="who started the lab, its jobs (whose, which run), sinfo and its daemons; "
                                        "exit 0 when up, 1 if not")
     stop = commands.add_parser("down", help="stop every process the lab started (root); refused while jobs "
@@ -54,6 +59,7 @@ def describe(status: cluster.LabStatus) -> str:
         lines.append(f"jobs: {len(status.jobs)}")
         lines.append(f"  {'JOBID':<8} {'USER':<10} {'STATE':<11} {'NODES':<12} NAME  (run RUN_DIR)")
         lines += [f"  {job.line()}" for job in status.jobs]
+    lines.append(lab_access.describe(status.layout))
     lines.append("daemons:")
     for daemon in status.record.daemons:
         lines.append(f"  {daemon.label:<14} pid {daemon.pid:<8} "
@@ -71,7 +77,9 @@ def main(argv: list[str]) -> int:
         return 0 if status.up else 1
     try:
         if args.command == "up":
-            cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force)
+            status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force)
+            lab_access.apply(args.access, layout=status.layout, system=files.system_files(),
+                             install=not args.no_install, timeout_s=args.timeout, log=print)
         else:
             cluster.down(force=args.force)
     except (DaemonError, OSError) as exc:

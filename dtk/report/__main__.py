@@ -9,11 +9,14 @@ import argparse
 import json
 from pathlib import Path
 
+from dtk import audit
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
 from dtk.report.numbers import run_numbers
 from dtk.report.runs import load_run
 from dtk.report.text import baseline_block, run_block
+
+AUDIT_LINES = 10  # the newest entries of each run's audit log shown in the text report
 
 EPILOG = """examples:
   python -m dtk.report runs/transformer-1a2b3c4d5e
@@ -23,7 +26,8 @@ EPILOG = """examples:
 
 Per run: final loss, steps/s, samples/s and tokens/s, idle share and its parts (data, comm,
 checkpoint, straggler), goodput over the job's lifetime, MFU where the device's peak is
-known, restarts, checkpoints, stragglers, host and GPU load. Plots (PNG) go to
+known, restarts, checkpoints, stragglers, host and GPU load, and who submitted, drilled,
+exported or deleted what (the run root's audit.jsonl). Plots (PNG) go to
 RUN_DIR/report/ (loss.png, phases.png, ranks.png, goodput.png), or to --out.
 Given several runs, each is compared with the first: identical (bit-for-bit equal losses),
 within the tolerance (with the largest difference), or diverged (from which step).
@@ -54,6 +58,8 @@ def report(args: argparse.Namespace) -> dict:
     runs = [load_run(p) for p in args.runs]
     numbers = [run_numbers(r) for r in runs]
     out: dict = {"runs": numbers}
+    out["audit"] = [{"run": r.name, "entries": audit.read(audit.run_root_of(r.path), run=r.plan.get("run_name", r.name))}
+                    for r in runs]
     if len(runs) > 1:
         out["repeatability"] = [
             {"reference": runs[0].name, "run": r.name, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
@@ -77,6 +83,10 @@ def render(out: dict) -> str:
     if "baseline" in out:
         for c in out["baseline"]["comparisons"]:
             blocks.append("\n".join(baseline_block(f"{out['baseline']['run_dir']} (run {c['run']})", c["rows"])))
+    for a in out.get("audit", []):
+        if a["entries"]:
+            blocks.append(f"audit of {a['run']} (who did what; all of it in --json)\n"
+                          + "\n".join(f"  {audit.describe(e)}" for e in a["entries"][-AUDIT_LINES:]))
     if out.get("plots"):
         blocks.append("plots\n" + "\n".join(f"  {p}" for p in out["plots"]))
     return "\n\n".join(blocks)

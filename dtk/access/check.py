@@ -1,0 +1,60 @@
+"""The checks dtk makes before it acts under an access policy. Each refusal is one error
+line that names the group (or key) and how to get it; the systems that own the resource
+(Slurm's partitions, the run root's groups and modes) refuse anyway when dtk is bypassed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dtk.access import layout
+from dtk.access.policy import User, enforced, load_policy, require_role
+from dtk.config.access import AccessConfig
+from dtk.errors import UserError
+
+SLURM_KEYS = ("partition", "account", "qos")
+
+
+def check_submit(policy: AccessConfig, *, run_dir: Path, cluster_kind: str, partition: str | None,
+                 account: str | None, qos: str | None, user: User | None = None) -> None:
+    """Before anything is written or sbatch is called: the role, the Slurm keys the role
+    fixes, the run root, the run directory's owner."""
+    user = user or User.current()
+    run_root = run_dir.parent
+    recorded = layout.recorded_policy(run_root)
+    if recorded is not None and recorded != policy.name:
+        raise UserError(f"access={policy.name}: run.root={run_root} is governed by access policy {recorded}"
+                        f" ({run_root.parent / layout.POLICY_FILE}); submit with access={recorded}")
+    if not enforced(policy):
+        return
+    require_role(user, policy, "submitter", doing="submit training")
+    require_role(user, policy, "viewer", doing="submit training (every role holder is a viewer too)")
+    if cluster_kind == "slurm":
+        given = {"partition": partition, "account": account, "qos": qos}
+        for key in SLURM_KEYS:
+            wanted = getattr(policy.submitter, key)
+            if wanted is not None and given[key] != wanted:
+                raise UserError(f"cluster.{key}={given[key]}: access policy {policy.name} has submitters use"
+                                f" {key} {wanted}; set cluster.{key}={wanted}")
+    layout.check_run_root(run_root, policy)
+    layout.check_run_dir(run_dir, user.uid, user.name)
+
+
+def policy_of_run(run_dir: Path) -> AccessConfig | None:
+    """The policy the run root's team folder was prepared with; None where there is none."""
+    path = Path(run_dir).resolve().parent.parent / layout.POLICY_FILE
+    return load_policy(str(path)) if path.is_file() else None
+
+
+def check_action(run_dir: Path, role: str, *, doing: str) -> None:
+    """For commands on an existing run (drill, stop, checkpoint delete): the role first."""
+    policy = policy_of_run(run_dir)
+    if policy is not None and enforced(policy):
+        require_role(User.current(), policy, role, doing=doing)
+
+
+def apply_umask(policy: AccessConfig) -> None:
+    """Group-writable files from here on, for this process and what it starts: sbatch
+    passes the umask to the job (SLURM_UMASK), the local driver to its workers."""
+    if enforced(policy):
+        os.umask(layout.UMASK)
