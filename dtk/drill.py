@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 from dtk import audit
+from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
 from dtk.rundir import RunDir
@@ -109,6 +110,7 @@ def main(argv: list[str]) -> int:
     if not (args.run_dir / "plan.json").is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
+    check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
     audit.check_writable(audit.run_root_of(run.path))
     said = drill(args.kind, run, rank=args.rank, hold_s=args.hold)
     job = next((str(e["job_id"]) for e in reversed(run.events_list()) if e.get("event") == "started"), None)

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from dtk.access import layout
-from dtk.access.policy import ROLE_MAY, ROLES, enforced, group_members, load_policy
+from dtk.access.policy import ROLE_MAY, ROLES, enforced, group_members, load_policy, policy_file
 from dtk.config.access import AccessConfig
 from dtk.errors import ArgumentParser, UserError, run_cli
 
@@ -56,12 +56,7 @@ def main(argv: list[str]) -> int:
         return 0
     if not enforced(policy):
         raise UserError(f"--policy {args.policy}: the open policy names no group; there is nothing to prepare")
-    source = Path(args.policy) if Path(args.policy).is_file() else None
-    if source is None:
-        from dtk.config.compose import config_dir
-
-        source = config_dir() / "access" / f"{args.policy}.yaml"
-    for line in layout.prepare(args.team.resolve(), policy, source.read_text()):
+    for line in layout.prepare(args.team.resolve(), policy, policy_file(args.policy).read_text()):
         print(line)
     print(f"run root: run.root={args.team.resolve() / layout.RUNS} access={policy.name}")
     return 0

@@ -24,21 +24,28 @@ ROLE_MAY = {
 }
 
 
+def policy_file(name_or_path: str) -> Path:
+    """A YAML file, or access/NAME.yaml in the user's config folders (first) or dtk's conf/."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    from dtk.config.compose import config_dir, search_path
+
+    folders = [*search_path().config, config_dir()]
+    for folder in folders:
+        if (folder / "access" / f"{name_or_path}.yaml").is_file():
+            return folder / "access" / f"{name_or_path}.yaml"
+    known = sorted({p.stem for folder in folders for p in (folder / "access").glob("*.yaml")})
+    raise UserError(f"access policy {name_or_path}: no such file, and no access/{name_or_path}.yaml in"
+                    f" {', '.join(str(f) for f in folders)} (policies: {', '.join(known) or 'none'})")
+
+
 def load_policy(name_or_path: str) -> AccessConfig:
-    """A policy from a YAML file, or by name from the config folder's access/ group."""
+    """A policy from a YAML file, or by name from the config folders' access/ group."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    path = Path(name_or_path)
-    if not path.is_file():
-        from dtk.config.compose import config_dir
-
-        by_name = config_dir() / "access" / f"{name_or_path}.yaml"
-        if not by_name.is_file():
-            known = sorted(p.stem for p in (config_dir() / "access").glob("*.yaml"))
-            raise UserError(f"access policy {name_or_path}: no such file, and no {by_name}"
-                            f" (policies: {', '.join(known) or 'none'})")
-        path = by_name
+    path = policy_file(name_or_path)
     try:
         raw = OmegaConf.load(path)
         if "defaults" in raw:

@@ -93,7 +93,12 @@ def main(argv: list[str]) -> int:
     if args.command == "list":
         return list_command(args.run_dir, checksums=not args.no_checksums, as_json=args.json)
     from dtk import audit
+    from dtk.access.check import check_action
 
+    if args.command == "delete":
+        check_action(args.run_dir, "maintainer", doing="delete checkpoints")
+    else:
+        check_action(args.run_dir, "viewer", doing="export a checkpoint")
     audit.check_writable(audit.run_root_of(args.run_dir))
     if args.command == "delete":
         from dtk.checkpoint.delete import delete_checkpoint

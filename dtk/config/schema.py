@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from dtk.config.access import AccessConfig
+
 
 @dataclass
 class ClusterConfig:
@@ -266,6 +268,8 @@ class Config:
     """Run directory."""
     submit: SubmitConfig = field(default_factory=SubmitConfig)
     """Submission behaviour."""
+    access: AccessConfig = field(default_factory=AccessConfig)
+    """Who may submit, read and maintain runs (group `access`, `access=NAME`; docs/access.md). The default, `open`, checks nothing."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for user code; ignored by dtk."""
 
@@ -283,3 +287,4 @@ def register() -> None:
     cs.store(group="optim", name="optim_schema", node=OptimConfig)
     cs.store(group="checkpoint", name="checkpoint_schema", node=CheckpointConfig)
     cs.store(group="scheme", name="scheme_schema", node=SchemeConfig)
+    cs.store(group="access", name="access_schema", node=AccessConfig)

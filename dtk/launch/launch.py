@@ -53,11 +53,34 @@ def check_run_dir(plan: Plan, run: RunDir) -> None:
         )
 
 
+def check_access(plan: Plan) -> None:
+    """The access policy's checks (the submitter's role, the Slurm keys it fixes, the run
+    root), then the umask that makes the run's files group-writable (docs/access.md)."""
+    from dtk.access.check import apply_umask, check_submit
+
+    policy = access_policy(plan.config["access"])
+    c = plan.config["cluster"]
+    check_submit(policy, run_dir=Path(plan.run_dir), cluster_kind=plan.cluster_kind, partition=c["partition"],
+                 account=c["account"], qos=c["qos"])
+    apply_umask(policy)
+
+
+def access_policy(section):
+    from omegaconf import OmegaConf
+
+    from dtk.config.access import AccessConfig
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AccessConfig), section))
+
+
 def prepare_run_dir(plan: Plan) -> RunDir:
-    """Write the config and plan; `launch` has already refused a directory of another run."""
+    """Write the config and plan; `launch` has already refused a directory of another run.
+    The resolved config is read-only: a change to what a run computes is a new run."""
+    from dtk.access.layout import write_readonly
+
     run = RunDir(Path(plan.run_dir))
     run.path.mkdir(parents=True, exist_ok=True)
-    run.config_yaml.write_text(to_yaml(plan.config))
+    write_readonly(run.config_yaml, to_yaml(plan.config))
     write_json_atomic(run.plan_json, json.loads(plan.to_json()))
     return run
 
@@ -93,6 +116,7 @@ class Launched:
 def launch(plan: Plan) -> Launched:
     """Launch the plan on its cluster."""
     run = RunDir(Path(plan.run_dir))
+    check_access(plan)  # first: an outsider may not even look into the run root
     check_run_dir(plan, run)
     audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":
