@@ -37,6 +37,8 @@ def check_golden(name: str, text: str) -> None:
 CASES = {
     "fsdp_16_nodes.sbatch": ["+scheme=fsdp", "nodes=16", "cluster=slurm"],
     "lab_2_nodes.sbatch": ["cluster=lab", "nodes=2", "tasks_per_node=1"],
+    # A job that waits for two others to complete successfully (submit.after -> --dependency=afterok).
+    "after_jobs.sbatch": ["cluster=lab", "nodes=1", "tasks_per_node=1", "submit.after=4711:4712"],
     "site_options.sbatch": [
         "cluster=slurm", "nodes=2", "cluster.partition=gpu", "cluster.account=proj-1", "cluster.qos=high",
         "cluster.constraint='a100&ib'", "cluster.mem_gb=480", "cluster.time_min=1440",
@@ -75,6 +77,17 @@ def test_executor_submits_the_same_command_the_dry_run_shows():
     command = executor._submitit_command_str
     assert command == submit_command(submitit_folder(plan) / "%j")
     assert executor._make_submission_file_text(command, "uid") == sbatch_text(plan)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["cluster=lab", "submit.after=soon"], "submit.after=soon: expected a Slurm job id, or several joined by ':'"),
+    (["submit.after=4711"], "submit.after=4711: only a Slurm job can wait for another (cluster.kind=local)"),
+])
+def test_a_bad_dependency_is_refused_before_anything_is_written(tmp_path, overrides, needle):
+    proc = dtk("dtk.submit", *overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {needle}")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
 
 
 def test_extra_flags_parse():

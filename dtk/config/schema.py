@@ -236,6 +236,8 @@ class SubmitConfig:
     """Print what would be launched and exit without creating anything."""
     wait: bool | None = None
     """Follow a Slurm job until it ends. None: no on Slurm; the local cluster always follows its workers."""
+    after: str | None = None
+    """Start only once this Slurm job (or these, joined by ':') completed successfully: sbatch --dependency=afterok:JOB. Slurm only."""
 
 
 @dataclass

@@ -65,6 +65,15 @@ def check_access(plan: Plan) -> None:
     apply_umask(policy)
 
 
+def check_dependencies(after: str | None, job_state) -> None:
+    """Slurm counts a dependency on a job it does not know as met, and would start the job
+    at once: refuse that here."""
+    for job in (after or "").split(":"):
+        if job and job_state(job) is None:
+            raise UserError(f"submit.after={after}: Slurm knows no job {job} (neither queued nor recently ended);"
+                            " a dependency on it would be met at once. Check the id with squeue")
+
+
 def access_policy(section):
     from omegaconf import OmegaConf
 
@@ -124,6 +133,7 @@ def launch(plan: Plan) -> Launched:
 
         c = plan.config["cluster"]
         slurmctl.check_fits(slurmctl.partitions(), partition=c["partition"], nodes=plan.nodes, time_min=c["time_min"])
+        check_dependencies(plan.config["submit"]["after"], slurmctl.job_state)
     if already_finished(plan, run):
         summary = run.read_summary() or {}
         print(f"run {run.path} already finished: step {summary.get('final_step')}, loss {summary.get('final_loss')}")

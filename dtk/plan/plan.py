@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,21 @@ def _model_name(model: dict[str, Any]) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name.lower()) or "model"
 
 
+AFTER_RE = re.compile(r"^\d+(_\d+)?(:\d+(_\d+)?)*$")
+
+
+def check_after(after: str | None, cluster_kind: str) -> None:
+    """`submit.after` names Slurm job ids, and only a Slurm job can wait for them."""
+    if after is None:
+        return
+    if not AFTER_RE.match(str(after)):
+        raise UserError(f"submit.after={after}: expected a Slurm job id, or several joined by ':' (submit.after=4711"
+                        " or submit.after=4711:4712)")
+    if cluster_kind != "slurm":
+        raise UserError(f"submit.after={after}: only a Slurm job can wait for another (cluster.kind={cluster_kind});"
+                        " use cluster=slurm or a site's cluster file")
+
+
 def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None, import_path: tuple[str, ...] = ()) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic."""
     cluster = cfg["cluster"]
@@ -111,6 +127,7 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None, import_path
             raise UserError(f"fault.{key}={fault[key]}: expected a positive number of seconds")
     if cluster["kind"] not in CLUSTER_KINDS:
         raise UserError(f"cluster.kind={cluster['kind']}: expected one of {', '.join(CLUSTER_KINDS)}")
+    check_after(cfg["submit"]["after"], cluster["kind"])
     if cluster["kind"] == "local" and nodes != 1:
         raise UserError(
             f"nodes={nodes}: the local cluster is this one machine, so nodes must be 1 "
