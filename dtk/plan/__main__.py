@@ -1,6 +1,8 @@
-"""python -m dtk.plan [overrides] [--json]: the plan of a job, without launching it."""
+"""python -m dtk.plan [overrides] [--json]: the plan of a job and its memory budget, without launching it."""
 
 from __future__ import annotations
+
+import json
 
 from dtk.config.compose import compose, pop_config_dirs, search_path
 from dtk.errors import run_cli
@@ -9,7 +11,13 @@ from dtk.plan.plan import make_plan
 USAGE = """usage: python -m dtk.plan [--config-dir DIR] [KEY=VALUE ...] [+scheme=NAME] [--json]
 
 Compose and check the configuration exactly as dtk.submit would, and print the plan:
-world size, parallel degrees, batch arithmetic, run directory. Nothing is created.
+world size, parallel degrees, batch arithmetic, run directory; and the memory budget:
+bytes per device of parameters, gradients, optimizer state, activations, buffers and
+margin under the job's scheme and every other scheme at the same node count, whether it
+fits, the smallest device and node counts that fit, traffic per mesh axis, and the
+recommended scheme. Nothing is created. docs/planning.md explains the numbers.
+
+  python -m dtk.plan +scheme=fsdp cluster=slurm nodes=4 cluster.accelerator=h100-80gb
 
 Groups (choose with GROUP=NAME): cluster, model, data, optim, checkpoint, task; scheme
 is added with +scheme=NAME (without one, a multi-worker job is DDP). A project folder's
@@ -29,8 +37,17 @@ def main(argv: list[str]) -> int:
     as_json = "--json" in argv
     search = search_path(config_dirs)
     search.activate()
-    plan = make_plan(compose([a for a in argv if a != "--json"], search=search), import_path=search.modules)
-    print(plan.to_json() if as_json else plan.describe())
+    cfg = compose([a for a in argv if a != "--json"], search=search)
+    plan = make_plan(cfg, import_path=search.modules)
+
+    from dtk.plan.inputs import context
+    from dtk.plan.report import memory_plan
+
+    budget = memory_plan(context(cfg, plan, config_dirs=search.config), plan)
+    if as_json:
+        print(json.dumps({"plan": json.loads(plan.to_json()), **budget.to_json()}, indent=2, default=str))
+    else:
+        print(plan.describe() + "\n\n" + budget.describe())
     return 0
 
 

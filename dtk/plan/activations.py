@@ -1,0 +1,161 @@
+"""Activation memory of the built-in transformer (and of models with its shape), per rank.
+
+Counted from what autograd really keeps, op by op, for one micro-batch of b samples of
+s tokens, width h, feed-forward width f, n_h heads, vocabulary V, activations of a bytes
+(4 in fp32, 2 in bf16). Per block:
+
+    checkpointing  kept for backward                                       elements
+    none           2 norms: input, x*rstd, output (CPU; the fused CUDA      10 bsh + 4 bsf
+                   kernel keeps input and output: 2 each), q k v and the    (CUDA: 8 bsh + 4 bsf)
+                   attention output (4 bsh), w1, w3, silu and product (4 bsf)  + 2 bs rstd + n_h b s lse (fp32)
+    selective      block input, matmul outputs q k v wo w2 (5 bsh), w1 w3   7 bsh + 2 bsf + lse
+                   (2 bsf), attention output (bsh); norms and silu recomputed
+    full           block input                                               bsh
+
+Outside the blocks: the final norm (3 bsh), log-softmax of the logits (bsV, fp32), the
+logits the training loop holds until backward ends (bsV in a bytes), token positions.
+Tensor parallelism divides the head and feed-forward parts by tp; sequence parallelism
+also the norms and residual stream, and adds the gathered block inputs.
+
+Pipelines keep several micro-batches in flight on a rank: GPipe all n of them, 1F1B
+min(n, pp - stage), interleaved 1F1B its warm-up plus one (per chunk of stages), as
+torch.distributed.pipelining schedules them. A non-first stage's input lives in a receive
+buffer allocated once (counted under buffers); a non-last stage keeps each in-flight
+output for its backward; the last stage keeps every micro-batch's logits to the end of
+the step (the schedule returns them).
+
+Backward adds a working set: the loss gradient (bsV, fp32, twice) and, with
+checkpointing, one block recomputed at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtk.plan.shape import ModelShape
+
+LOSS_BYTES = 4  # log-softmax and the loss run in fp32 (dtk.train.trainer.cross_entropy)
+
+
+@dataclass(frozen=True)
+class Dims:
+    b: int
+    s: int
+    h: int
+    f: int
+    heads: int
+    vocab: int
+    a: int
+    """Bytes per activation element."""
+    tp: int = 1
+    sp: bool = False
+    fused_norm: bool = False
+    """CUDA's fused rms_norm keeps input and rstd only (CPU decomposes it and keeps x*rstd too)."""
+
+    @property
+    def bsh(self) -> int:
+        return self.b * self.s * self.h
+
+    @property
+    def bsf(self) -> int:
+        return self.b * self.s * self.f
+
+
+def block_bytes(d: Dims, ac: str) -> int:
+    """Bytes one block keeps for backward, for one micro-batch."""
+    t = d.tp
+    seq = t if d.sp else 1  # sequence-parallel regions hold 1/tp of the sequence
+    lse = 4 * d.b * (d.heads // t if d.heads else 0) * d.s
+    if ac == "full":
+        return d.a * d.bsh // seq
+    if ac == "selective":
+        # block input, q k v and attention output, the wo and w2 matmul outputs (partial sums
+        # of full size under tp), w1 and w3 outputs
+        kept = d.bsh // seq + 4 * d.bsh // t + 2 * d.bsh + 2 * d.bsf // t
+        if t > 1:  # collective outputs are kept too
+            kept += (2 * d.bsh // t + 2 * d.bsh) if d.sp else 2 * d.bsh
+        return d.a * kept + lse
+    norm = 2 if d.fused_norm else 3
+    kept = 2 * norm * d.bsh // seq + 4 * d.bsh // t + 4 * d.bsf // t
+    if d.sp:
+        kept += 2 * d.bsh  # the gathered inputs of attention and MLP
+    return d.a * kept + 4 * 2 * d.b * d.s // seq + lse
+
+
+def head_bytes(d: Dims) -> int:
+    """The final norm and the loss of one micro-batch (not the logits, see logits_bytes)."""
+    norm = 2 if d.fused_norm else 3
+    seq = d.tp if d.sp else 1
+    gathered = d.bsh if d.sp else 0  # the output head gathers its input from sequence shards
+    return d.a * (norm * d.bsh // seq + gathered) + 4 * d.b * d.s // seq + LOSS_BYTES * d.b * d.s * d.vocab
+
+
+def logits_bytes(d: Dims) -> int:
+    return d.a * d.b * d.s * d.vocab
+
+
+def embed_bytes(d: Dims) -> int:
+    """Token positions (int64) made in each forward."""
+    return 8 * d.s
+
+
+def backward_working_bytes(d: Dims, ac: str) -> int:
+    """The largest transient of backward: the loss gradient, or one block recomputed."""
+    loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab
+    recompute = 0
+    if ac != "none":
+        recompute = block_bytes(d, "none") - block_bytes(d, ac)
+    return max(loss, recompute)
+
+
+def in_flight(schedule: str, *, pp: int, pp_index: int, n_micro: int, virtual: int) -> int:
+    """Forward chunks a pipeline rank holds at its peak (one chunk = one stage x one micro-batch)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return n_micro
+    if schedule == "1f1b":
+        return min(n_micro, pp - pp_index)
+    rounds = max(1, n_micro // pp)
+    per_round = n_micro // rounds
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_index), n_micro * virtual)
+    return min(n_micro * virtual, warmup + 1)
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: int
+    """Kept for backward at the rank's peak, plus the logits the loop holds: what a step measures."""
+    working: int
+    """Backward's largest transient on top of it."""
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.working
+
+
+def rank_activations(
+    shape: ModelShape, d: Dims, ac: str, *, blocks_per_part: list[int], first: bool, last: bool,
+    schedule: str = "1f1b", pp: int = 1, pp_index: int = 0, n_micro: int = 1, virtual: int = 1,
+) -> Activations:
+    """Activations of one rank holding `blocks_per_part` blocks in each of its model parts."""
+    per_block = block_bytes(d, ac)
+    chunks = in_flight(schedule, pp=pp, pp_index=pp_index, n_micro=n_micro, virtual=virtual)
+    blocks = sum(blocks_per_part) / max(1, len(blocks_per_part))  # per chunk, on average
+    per_chunk = blocks * per_block
+    if pp > 1:
+        # A stage's input arrives in a receive buffer allocated once (buffers); a stage's
+        # output waits in the stage for its backward unless it is the model's output.
+        edge = d.a * d.bsh // (d.tp if d.sp else 1)
+        if not (first and virtual == 1):
+            per_chunk -= edge
+        if not (last and virtual == 1):
+            per_chunk += edge
+    saved = int(chunks * per_chunk)
+    ends = max(1, chunks // virtual)  # chunks of the first / last stage in flight
+    if first:
+        saved += ends * embed_bytes(d)
+    if last:
+        # A pipeline keeps every micro-batch's logits until the step ends; one micro-batch otherwise.
+        saved += ends * head_bytes(d) + (n_micro if pp > 1 else 1) * logits_bytes(d)
+    return Activations(saved=saved, working=backward_working_bytes(d, ac) if last else 0)

@@ -1,0 +1,129 @@
+"""Where the ranks sit and what travels between them: rank -> node placement, the groups
+of each mesh axis, and bytes per step per axis. Pure arithmetic, no torch.
+
+The mesh is `arange(world).view(dp_replicate, pp, dp_shard, tp)` (dtk.dist.mesh) and a
+rank's node is `rank // tasks_per_node` (Slurm's block distribution, and the local order).
+
+Bytes per step are what one rank sends on the axis, with ring algorithms (nccl-tests'
+convention): an all-reduce of B bytes over n ranks sends 2 (n-1)/n B, an all-gather or a
+reduce-scatter of a B-byte whole (n-1)/n B; a pipeline stage sends each micro-batch's
+activation forward and its gradient back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtk.plan.degrees import Degrees
+from dtk.plan.layout import coords, rank_layout, uses_fsdp, uses_zero1
+from dtk.plan.memory import Job, job_dims
+from dtk.plan.shape import ModelShape
+
+AXES = ("dp_replicate", "pp", "dp_shard", "tp")
+# Link speeds assumed to name the bottleneck (GB/s per device, one direction): NVLink 4
+# inside a node, one 400 Gb/s NIC per GPU across nodes. Only their ratio matters here.
+INTRA_NODE_GBPS = 450.0
+INTER_NODE_GBPS = 50.0
+
+
+def node_of(rank: int, tasks_per_node: int) -> int:
+    return rank // tasks_per_node
+
+
+def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
+    """The process groups of one mesh axis: ranks that differ only in that coordinate."""
+    sizes = {"dp_replicate": d.dp_replicate, "pp": d.pp, "dp_shard": d.dp_shard, "tp": d.tp}
+    stride = 1
+    for name in reversed(AXES):
+        if name == axis:
+            break
+        stride *= sizes[name]
+    size = sizes[axis]
+    groups = []
+    for rank in range(d.world):
+        if (rank // stride) % size == 0:
+            groups.append([rank + k * stride for k in range(size)])
+    return groups
+
+
+def crosses_nodes(d: Degrees, axis: str, tasks_per_node: int) -> bool:
+    """Whether some group of the axis spans more than one node."""
+    return any(
+        len({node_of(r, tasks_per_node) for r in group}) > 1 for group in axis_groups(d, axis)
+    )
+
+
+@dataclass(frozen=True)
+class AxisTraffic:
+    axis: str
+    size: int
+    bytes_per_step: int
+    what: str
+    crosses_nodes: bool
+
+    @property
+    def seconds_estimate(self) -> float:
+        """At the assumed link speed (INTRA_NODE_GBPS / INTER_NODE_GBPS): for ranking, not a promise."""
+        gbps = INTER_NODE_GBPS if self.crosses_nodes else INTRA_NODE_GBPS
+        return self.bytes_per_step / (gbps * 1e9)
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffic]:
+    """Bytes per step per axis for rank 0 (the first pipeline stage, the largest shard)."""
+    d, p, scheme = job.degrees, job.precision, job.scheme
+    layout = rank_layout(shape, scheme, d, 0, job.split_points)
+    unsharded = sum(h.unsharded_numel for h in layout.held)  # tensor-parallel local, this stage
+    dims = job_dims(shape, job)
+    out: list[AxisTraffic] = []
+
+    def add(axis: str, size: int, nbytes: float, what: str) -> None:
+        if size > 1:
+            out.append(AxisTraffic(axis, size, round(nbytes), what, crosses_nodes(d, axis, tasks_per_node)))
+
+    if uses_fsdp(scheme, d):
+        gathers = 2 if scheme["reshard_after_forward"] else 1  # forward, and again for backward
+        per_micro = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + p.reduce_bytes)
+        add("dp_shard", d.dp_shard, job.n_micro * per_micro,
+            f"FSDP all-gather x{gathers} + reduce-scatter per micro-batch ({job.n_micro})")
+        shard = unsharded / d.dp_shard
+        add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
+            "HSDP gradient all-reduce of the shards, once per step")
+    elif d.dp > 1:
+        grads = unsharded * p.grad_bytes
+        what = "DDP gradient all-reduce, once per step"
+        nbytes = 2 * _ring(d.dp) * grads
+        if uses_zero1(scheme, d):
+            nbytes += _ring(d.dp) * unsharded * p.param_bytes
+            what += " + ZeRO-1 parameter broadcast"
+        add("dp_replicate", d.dp, nbytes, what)
+    if dims is not None and d.tp > 1:
+        blocks = len({h.tensor.unit for h in layout.held if h.tensor.block})
+        forward_passes = 2 if scheme["activation_checkpoint"] != "none" else 1  # recompute repeats them
+        # two all-reduces (or all-gather + reduce-scatter pairs) of a bsh activation per block
+        # in each forward, two in backward
+        per_block = (2 * forward_passes + 2) * 2 * _ring(d.tp) * dims.bsh * dims.a
+        add("tp", d.tp, job.n_micro * blocks * per_block, "tensor-parallel collectives inside every block")
+    if dims is not None and d.pp > 1:
+        chunks = len(layout.stage_ids)
+        add("pp", d.pp, job.n_micro * chunks * 2 * dims.bsh * dims.a / (d.tp if dims.sp else 1),
+            "activations forward and gradients back, per micro-batch")
+    return out
+
+
+def bottleneck(axes: list[AxisTraffic]) -> AxisTraffic | None:
+    """The axis that takes longest at the assumed link speeds."""
+    return max(axes, key=lambda a: a.seconds_estimate, default=None)
+
+
+def placement(d: Degrees, tasks_per_node: int) -> list[dict]:
+    """Every rank with its node and mesh coordinates."""
+    rows = []
+    for rank in range(d.world):
+        c = coords(rank, d)
+        rows.append({"rank": rank, "node": node_of(rank, tasks_per_node), "dp_replicate": c.dp_replicate,
+                     "pp": c.pp, "dp_shard": c.dp_shard, "tp": c.tp})
+    return rows

@@ -1,0 +1,97 @@
+"""What the memory budget reads from a composed config: the model's shape, the device and
+its memory, the job's size and scheme. The one place of dtk.plan's budget that reads
+config keys.
+
+Device memory, first that applies:
+- `cluster.device_memory_gb` (decimal GB per device);
+- `cluster.accelerator`, a name in dtk.plan.accelerators;
+- on the CPU, the node's memory shared by its workers: `cluster.mem_gb` (GiB, the sbatch
+  --mem value), else this machine's memory (the local cluster, or a lab whose nodes are
+  this machine);
+- otherwise unknown: the budget is printed, nothing is judged to fit or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from dtk.config.compose import config_dir
+from dtk.plan.accelerators import lookup
+from dtk.plan.budget import Context
+from dtk.plan.degrees import default_scheme
+from dtk.plan.plan import Plan
+from dtk.plan.shape import ModelShape, builtin_shape, is_builtin, whatif_shape
+
+WHATIF_KEYS = ("params", "layers", "hidden", "seq_len", "heads", "vocab_size")
+
+
+def device_kind(cfg: dict[str, Any]) -> str:
+    """`cuda` or `cpu`, without touching torch: what the job asks for, else what the cluster declares."""
+    want = cfg["dist"]["device"]
+    if want in ("cuda", "cpu"):
+        return want
+    cluster = cfg["cluster"]
+    return "cuda" if (cluster["gpus_per_node"] or cluster.get("accelerator")) else "cpu"
+
+
+def device_capacity(cfg: dict[str, Any], device: str, tasks_per_node: int) -> tuple[int | None, str]:
+    """Bytes of memory one worker may use, and where the figure comes from."""
+    cluster = cfg["cluster"]
+    if cluster.get("device_memory_gb"):
+        return round(cluster["device_memory_gb"] * 1e9), f"cluster.device_memory_gb={cluster['device_memory_gb']}"
+    if cluster.get("accelerator"):
+        acc = lookup(cluster["accelerator"])
+        return round(acc.memory_gb * 1e9), f"cluster.accelerator={acc.name} ({acc.memory_gb:g} GB)"
+    if device == "cuda":
+        return None, "set cluster.accelerator or cluster.device_memory_gb to check that it fits"
+    if cluster.get("mem_gb"):
+        node = cluster["mem_gb"] * 2**30
+        return node // tasks_per_node, f"cluster.mem_gb={cluster['mem_gb']} GiB per node / {tasks_per_node} workers"
+    import psutil
+
+    node = psutil.virtual_memory().total
+    return node // tasks_per_node, f"this machine's memory ({node / 1e9:.1f} GB) / {tasks_per_node} workers"
+
+
+def model_shape(cfg: dict[str, Any]) -> ModelShape:
+    plan_keys = cfg.get("plan") or {}
+    if any(plan_keys.get(k) is not None for k in WHATIF_KEYS):
+        return whatif_shape(plan_keys)
+    if is_builtin(cfg["model"]):
+        return builtin_shape(cfg["model"])
+    from dtk.plan.count_model import count_user_model
+
+    return count_user_model(cfg["model"])
+
+
+def context(cfg: dict[str, Any], plan: Plan, shape: ModelShape | None = None,
+            config_dirs: tuple[Path, ...] = ()) -> Context:
+    """The budget's inputs for a planned job; `config_dirs` are the user's config folders
+    (dtk.config.compose.SearchPath.config), searched before dtk's own for scheme files."""
+    from dtk.config.schema import SchemeConfig
+
+    shape = shape or model_shape(cfg)
+    device = device_kind(cfg)
+    capacity, source = device_capacity(cfg, device, plan.tasks_per_node)
+    whatif = not shape.exact
+    model = cfg["model"]
+    return Context(
+        shape=shape,
+        conf_dirs=(*(str(d) for d in config_dirs), str(config_dir())),
+        defaults=dataclasses.asdict(SchemeConfig()),
+        chosen=cfg.get("scheme") or default_scheme(),
+        nodes=plan.nodes,
+        tasks_per_node=plan.tasks_per_node,
+        local=plan.cluster_kind == "local",
+        global_batch=plan.global_batch,
+        micro_batch=cfg["train"]["micro_batch"],
+        device=device,
+        capacity=capacity,
+        capacity_source=source,
+        plan_keys=cfg.get("plan") or {},
+        async_checkpoint=cfg["checkpoint"]["async_save"],
+        model_checks=model if (is_builtin(model) and not whatif) else {},
+        split_points=tuple(model.get("split_points") or ()) if not whatif else (),
+    )

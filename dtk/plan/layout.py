@@ -1,0 +1,162 @@
+"""Which parameter elements each rank holds under a scheme: pure arithmetic, no torch.
+
+It follows what dtk.parallel does, step by step, so that the planned bytes are the bytes of
+the real tensors:
+
+1. pipeline: rank with pipeline index p holds stages p, p + pp, ... (dtk.parallel.pipeline),
+   the blocks divided evenly over pp x pp_virtual_stages stages, or at model.split_points;
+2. tensor parallel: a tensor with a `tp_dim` is split on it by torch.chunk over tp;
+3. FSDP: dim 0 of the (tensor-parallel local) tensor is split by torch.chunk over dp_shard
+   (fully_shard's Shard(0)); replicated over dp_replicate;
+4. ZeRO-1: whole tensors are owned by one data-parallel rank each, largest first to the
+   least loaded rank (dtk.parallel.zero.partition), per pipeline part.
+
+Ranks are numbered as dtk.dist.mesh lays them out:
+rank = ((dp_replicate_i * pp + pp_i) * dp_shard + dp_shard_i) * tp + tp_i.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dtk.plan.degrees import Degrees
+from dtk.plan.shape import ModelShape, ParamTensor
+
+
+@dataclass(frozen=True)
+class Coords:
+    dp_replicate: int
+    pp: int
+    dp_shard: int
+    tp: int
+
+
+def coords(rank: int, d: Degrees) -> Coords:
+    rank, tp = divmod(rank, d.tp)
+    rank, shard = divmod(rank, d.dp_shard)
+    rep, pp = divmod(rank, d.pp)
+    return Coords(rep, pp, shard, tp)
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece `index` when torch.chunk splits n into `parts` (the last ones may be short or empty)."""
+    size = math.ceil(n / parts) if n else 0
+    return max(0, min(size, n - index * size))
+
+
+def uses_fsdp(scheme: dict[str, Any], d: Degrees) -> bool:
+    """As dtk.parallel.parallelize decides: fully_shard when data-parallel or alone."""
+    return scheme["data_parallel"] == "fsdp" and (d.dp > 1 or d.world == 1)
+
+
+def uses_zero1(scheme: dict[str, Any], d: Degrees) -> bool:
+    return bool(scheme["shard_optimizer"]) and scheme["data_parallel"] == "ddp" and d.dp > 1
+
+
+def stage_units(units: tuple[tuple[str, bool], ...], split_points: tuple[str, ...], num_stages: int) -> list[list[str]]:
+    """Unit paths of each pipeline stage, as dtk.parallel.pipeline.stage_units cuts them."""
+    names = [name for name, _ in units]
+    if split_points:
+        starts = [names.index(p) for p in split_points]
+    else:
+        blocks = [i for i, (_, is_block) in enumerate(units) if is_block]
+        starts = [blocks[s * len(blocks) // num_stages] for s in range(1, num_stages)]
+    bounds = [0, *starts, len(names)]
+    return [names[bounds[s] : bounds[s + 1]] for s in range(num_stages)]
+
+
+def local_stage_ids(pp_index: int, pp: int, virtual: int) -> list[int]:
+    return [pp_index + k * pp for k in range(virtual)]
+
+
+@dataclass(frozen=True)
+class Held:
+    """One parameter tensor as a rank holds it."""
+
+    tensor: ParamTensor
+    numel: int
+    """Elements of this rank's piece (its local tensor)."""
+    unsharded_numel: int
+    """Elements after FSDP's all-gather (tensor-parallel local): what compute sees."""
+    grad_numel: int
+    """Elements of its gradient on this rank."""
+    part: int
+    """Index of the pipeline stage (model part) of this rank that holds it."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    held: tuple[Held, ...]
+    optimizer_numel: int
+    """Elements this rank's optimizer keeps state for (all held ones, or its ZeRO-1 share)."""
+    optimizer_tensors: int
+    """Tensors this rank's optimizer keeps state for (each has its own step counter)."""
+    stage_ids: tuple[int, ...]
+    num_stages: int
+
+
+def _tp_local(t: ParamTensor, tp: int, tp_index: int) -> tuple[int, ...]:
+    if tp == 1 or t.tp_dim is None:
+        return t.shape
+    shape = list(t.shape)
+    shape[t.tp_dim] = chunk(shape[t.tp_dim], tp, tp_index)
+    return tuple(shape)
+
+
+@functools.lru_cache(maxsize=64)
+def zero1_owner(numels: tuple[int, ...], num_ranks: int) -> tuple[int, ...]:
+    """dtk.parallel.zero.partition on numbers: largest first, to the least loaded rank
+    (ties: the lowest rank), with a heap of (load, rank) so that it stays fast on many ranks."""
+    heap = [(0, r) for r in range(num_ranks)]
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        load, rank = heapq.heappop(heap)
+        owner[i] = rank
+        heapq.heappush(heap, (load + numels[i], rank))
+    return tuple(owner)
+
+
+def rank_layout(shape: ModelShape, scheme: dict[str, Any], d: Degrees, rank: int,
+                split_points: tuple[str, ...] = ()) -> RankLayout:
+    c = coords(rank, d)
+    virtual = scheme["pp_virtual_stages"] if d.pp > 1 else 1
+    num_stages = d.pp * virtual
+    if d.pp > 1:
+        per_stage = stage_units(shape.units, split_points, num_stages)
+        ids = local_stage_ids(c.pp, d.pp, virtual)
+        unit_part = {u: k for k, sid in enumerate(ids) for u in per_stage[sid]}
+    else:
+        ids = [0]
+        unit_part = {u: 0 for u, _ in shape.units}
+    fsdp = uses_fsdp(scheme, d)
+    held: list[Held] = []
+    for t in shape.tensors:
+        if t.unit not in unit_part:
+            if t.unit:
+                continue  # another pipeline stage's
+            unit_part[t.unit] = 0  # a parameter of the root module itself: every stage keeps it
+        local = _tp_local(t, d.tp, c.tp)
+        full = math.prod(local)
+        numel = grad = full
+        if fsdp and local:
+            numel = grad = chunk(local[0], d.dp_shard, c.dp_shard) * math.prod(local[1:])
+        elif t.embedding and t.tp_dim is not None and d.tp > 1:
+            grad = t.numel  # the row-split embedding's gradient arrives whole on every rank
+        held.append(Held(t, numel, full, grad, unit_part[t.unit]))
+    opt_numel, opt_tensors = sum(h.numel for h in held), len(held)
+    if uses_zero1(scheme, d):
+        dp_index = c.dp_replicate * d.dp_shard + c.dp_shard
+        if shape.exact:
+            mine = []
+            for part in range(len(ids)):
+                in_part = [h for h in held if h.part == part]
+                owners = zero1_owner(tuple(h.numel for h in in_part), d.dp)
+                mine += [h for h, o in zip(in_part, owners, strict=True) if o == dp_index]
+            opt_numel, opt_tensors = sum(h.numel for h in mine), len(mine)
+        else:  # stand-in tensors: whole-tensor ownership would mean nothing, an even share
+            opt_numel = sum(chunk(h.numel, d.dp, dp_index) for h in held)
+    return RankLayout(tuple(held), opt_numel, opt_tensors, tuple(ids), num_stages)

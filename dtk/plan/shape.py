@@ -1,0 +1,187 @@
+"""The model as the memory planner sees it: its parameter tensors and its shape, no torch.
+
+Three sources give the same record:
+
+- the built-in transformer, from its config keys alone: every tensor with its exact
+  shape, the unit it belongs to (an FSDP / pipeline unit) and the dimension tensor
+  parallelism splits (from `model.tp_plan`, matched the way `dtk.parallel.tp` matches it);
+- a user's `_target_` model, counted on the meta device in a subprocess
+  (`dtk.plan.count_model`), which reports the same fields;
+- what-if keys (`plan.params`, `plan.layers`, `plan.hidden`, ...) for capacity planning
+  without a model: tensors are then stand-ins with the right totals (`exact=False`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from dtk.errors import UserError
+
+BUILTIN_TARGET = "dtk.models.transformer.build"
+
+# Tensor-parallel style -> dimension of a Linear weight it splits (None: whole on every rank).
+# An Embedding under `rowwise` is split by rows (dim 0), see dtk/parallel/tp.py.
+TP_WEIGHT_DIM = {"colwise": 0, "rowwise": 1, "colwise_output": 0}
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    """Pipeline unit that holds it (`tok_embeddings`, `layers.3`): see units.pipeline_units."""
+    block: bool
+    """The unit is a repeated block: an FSDP unit of its own and an activation-checkpoint unit."""
+    tp_dim: int | None = None
+    """Dimension tensor parallelism splits; None: whole on every tensor-parallel rank."""
+    matmul: bool = False
+    """Weight of a matmul: autocast keeps a low-precision copy of it through the step."""
+    embedding: bool = False
+    """Weight of an Embedding: split by rows under tensor parallelism, but its gradient comes
+    back whole (DTensor's embedding backward), unless FSDP reduce-scatters it."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    tensors: tuple[ParamTensor, ...]
+    units: tuple[tuple[str, bool], ...]
+    """Pipeline units in forward order, as (path, is_block)."""
+    source: str
+    """Where the numbers come from, for the report."""
+    exact: bool = True
+    """Tensors are the model's own; False for what-if stand-ins."""
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None
+    vocab: int | None = None
+    ffn_hidden: int | None = None
+
+    @property
+    def params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def has_activation_shape(self) -> bool:
+        """Enough to estimate activations: depth, width and sequence length."""
+        return bool(self.layers and self.hidden and self.seq_len)
+
+
+def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
+    """The built-in transformer's SwiGLU width (the same rule as dtk.models.transformer)."""
+    return ffn_hidden if ffn_hidden > 0 else 16 * math.ceil(8 * dim / 3 / 16)
+
+
+def is_builtin(model: dict[str, Any]) -> bool:
+    return model.get("_target_") == BUILTIN_TARGET
+
+
+def tp_dim_for(module_path: str, *, embedding: bool, tp_plan: dict[str, str]) -> int | None:
+    """Which weight dimension the first matching tp_plan pattern splits (as apply_tp applies them)."""
+    for pattern, style in tp_plan.items():
+        if fnmatchcase(module_path, pattern) and style in TP_WEIGHT_DIM:
+            return 0 if embedding else TP_WEIGHT_DIM[style]
+    return None
+
+
+def builtin_shape(model: dict[str, Any]) -> ModelShape:
+    """Every parameter of dtk.models.transformer.Transformer, in named_parameters order."""
+    vocab, dim, layers, heads, seq = (model[k] for k in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len"))
+    hidden = ffn_hidden_size(dim, model.get("ffn_hidden", 0))
+    tp_plan = dict(model.get("tp_plan") or {})
+    tensors: list[ParamTensor] = []
+
+    def add(module: str, shape: tuple[int, ...], unit: str, block: bool, *, embedding=False, matmul=False):
+        tensors.append(
+            ParamTensor(f"{module}.weight", shape, unit, block,
+                        tp_dim_for(module, embedding=embedding, tp_plan=tp_plan), matmul, embedding)
+        )
+
+    add("tok_embeddings", (vocab, dim), "tok_embeddings", False, embedding=True)
+    add("pos_embeddings", (seq, dim), "pos_embeddings", False, embedding=True)
+    for i in range(layers):
+        unit = f"layers.{i}"
+        add(f"{unit}.attn_norm", (dim,), unit, True)
+        for name in ("wq", "wk", "wv", "wo"):
+            add(f"{unit}.attn.{name}", (dim, dim), unit, True, matmul=True)
+        add(f"{unit}.mlp_norm", (dim,), unit, True)
+        add(f"{unit}.mlp.w1", (hidden, dim), unit, True, matmul=True)
+        add(f"{unit}.mlp.w3", (hidden, dim), unit, True, matmul=True)
+        add(f"{unit}.mlp.w2", (dim, hidden), unit, True, matmul=True)
+    add("norm", (dim,), "norm", False)
+    add("output", (vocab, dim), "output", False, matmul=True)
+    units = (
+        ("tok_embeddings", False),
+        ("pos_embeddings", False),
+        *((f"layers.{i}", True) for i in range(layers)),
+        ("norm", False),
+        ("output", False),
+    )
+    return ModelShape(
+        tensors=tuple(tensors), units=units, source="model (built-in transformer)", exact=True,
+        layers=layers, hidden=dim, heads=heads, seq_len=seq, vocab=vocab, ffn_hidden=hidden,
+    )
+
+
+def whatif_shape(plan: dict[str, Any]) -> ModelShape:
+    """Stand-in tensors for `plan.params` (and `plan.layers` / `plan.hidden` when given).
+
+    With a depth, the parameters are split into `layers` equal blocks, after setting aside
+    the embedding and output head (2 x vocab x hidden) when vocab and width are known; the
+    blocks are the FSDP, pipeline and tensor-parallel units. Without a depth, the model is one
+    unit: totals are right, but per-layer figures (gather buffers, tp, pp) are not available."""
+    params = plan.get("params")
+    layers, hidden = plan.get("layers"), plan.get("hidden")
+    seq, heads, vocab = plan.get("seq_len"), plan.get("heads"), plan.get("vocab_size")
+    for key, value in (("params", params), ("layers", layers), ("hidden", hidden), ("seq_len", seq),
+                       ("heads", heads), ("vocab_size", vocab)):
+        if value is not None and not value > 0:
+            raise UserError(f"plan.{key}={value}: expected a positive number")
+    if params is None:
+        if not (layers and hidden):
+            raise UserError("plan.* what-if keys need plan.params, or plan.layers and plan.hidden to estimate it")
+        # A SwiGLU transformer block: 4 h^2 attention + 3 h f feed-forward, f ~ 8/3 h.
+        params = layers * (4 * hidden * hidden + 3 * hidden * ffn_hidden_size(hidden, 0)) + 2 * (vocab or 0) * hidden
+    params = int(params)
+    ends = 2 * vocab * hidden if (vocab and hidden) else 0
+    if not layers:
+        tensors = (ParamTensor("model", (params,), "model", True, 0, True),)
+        units = (("model", True),)
+    else:
+        if ends >= params:
+            ends = 0
+        per_block = (params - ends) // layers
+        rest = params - ends - per_block * layers  # rounding, kept so the total is exact
+        tensors_l = [ParamTensor(f"layers.{i}", (per_block + (rest if i == 0 else 0),), f"layers.{i}", True, 0, True)
+                     for i in range(layers)]
+        units_l = [(f"layers.{i}", True) for i in range(layers)]
+        if ends:
+            tensors_l = [ParamTensor("embeddings", (ends // 2,), "embeddings", False, 0),
+                         *tensors_l, ParamTensor("output", (ends - ends // 2,), "output", False, 0, True)]
+            units_l = [("embeddings", False), *units_l, ("output", False)]
+        tensors, units = tuple(tensors_l), tuple(units_l)
+    return ModelShape(
+        tensors=tensors, units=units, source="what-if (plan.params)", exact=False,
+        layers=layers, hidden=hidden, heads=heads, seq_len=seq, vocab=vocab,
+        ffn_hidden=ffn_hidden_size(hidden, 0) if hidden else None,
+    )
+
+
+def shape_from_counted(record: dict[str, Any]) -> ModelShape:
+    """A ModelShape from the JSON that dtk.plan.count_model prints for a user model."""
+    tensors = tuple(
+        ParamTensor(t["name"], tuple(t["shape"]), t["unit"], t["block"], t["tp_dim"], t["matmul"], t["embedding"])
+        for t in record["tensors"]
+    )
+    return ModelShape(
+        tensors=tensors, units=tuple((u, b) for u, b in record["units"]), source=record["source"], exact=True,
+        layers=record.get("layers"), hidden=record.get("hidden"), heads=record.get("heads"),
+        seq_len=record.get("seq_len"), vocab=record.get("vocab"), ffn_hidden=record.get("ffn_hidden"),
+    )

@@ -1,0 +1,142 @@
+"""The schemes side by side: each of ddp, zero, zero2, fsdp, hsdp, tp, pp, hybrid as its
+file in conf/scheme/ defines it, at any node count, without composing the config again.
+
+A scheme file's degrees may follow the job's size (`dp_replicate: ${nodes}`), so a
+scheme is resolved per node count here: the file's values, with `${nodes}` and
+`${tasks_per_node}` filled in, over the schema's defaults. The job's own choices that are
+not about the scheme's layout (activation checkpointing, dtypes, compile) carry over, so
+that every row compares layouts of the same training job.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtk.errors import UserError
+from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
+
+SCHEME_KEYS = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
+# zero2 has no file of its own: FSDP that keeps gathered parameters from forward to backward.
+DERIVED = {"zero2": ("fsdp", {"reshard_after_forward": False})}
+CARRIED = ("activation_checkpoint", "param_dtype", "reduce_dtype", "compile")
+"""Scheme keys that describe the training job rather than the layout: kept from the job's scheme."""
+INTERPOLATIONS = ("${nodes}", "${tasks_per_node}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str
+    scheme: dict[str, Any]
+    degrees: Degrees
+    nodes: int
+    tasks_per_node: int
+    micro_batch: int
+    n_micro: int
+
+    @property
+    def overrides(self) -> list[str]:
+        """What to type to get this scheme (besides the node count)."""
+        base, extra = DERIVED.get(self.key, (self.key, {}))
+        return [f"+scheme={base}", *(f"scheme.{k}={str(v).lower()}" for k, v in extra.items())]
+
+
+@functools.lru_cache(maxsize=16)
+def scheme_file(conf_dirs: tuple[str, ...], name: str) -> dict[str, Any]:
+    """The raw values of scheme/NAME.yaml, from the first config folder that has it (the
+    user's folders come before dtk's own, as when composing); interpolations unresolved."""
+    import yaml
+
+    path = next((Path(d) / "scheme" / f"{name}.yaml" for d in conf_dirs
+                 if (Path(d) / "scheme" / f"{name}.yaml").is_file()), None)
+    if path is None:
+        raise UserError(f"+scheme={name}: no scheme/{name}.yaml in {', '.join(conf_dirs)}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    raw.pop("defaults", None)
+    return raw
+
+
+def _fill(value: Any, nodes: int, tasks_per_node: int, key: str) -> Any:
+    if not isinstance(value, str) or "${" not in value:
+        return value
+    if value == "${nodes}":
+        return nodes
+    if value == "${tasks_per_node}":
+        return tasks_per_node
+    raise UserError(f"scheme.{key}={value}: the planner resolves only {', '.join(INTERPOLATIONS)} in scheme files")
+
+
+def follows_size(conf_dirs: tuple[str, ...], name: str) -> dict[str, str]:
+    """Keys of a scheme file whose value is an interpolation of the job's size."""
+    try:
+        raw = scheme_file(conf_dirs, name)
+    except UserError:
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(v, str) and v in INTERPOLATIONS}
+
+
+def resolve_scheme(
+    defaults: dict[str, Any], raw: dict[str, Any], *, nodes: int, tasks_per_node: int,
+    carried: dict[str, Any], extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    scheme = dict(defaults)
+    scheme.update({k: v for k, v in carried.items() if k in CARRIED})
+    scheme.update({k: _fill(v, nodes, tasks_per_node, k) for k, v in raw.items()})
+    scheme.update(extra or {})
+    return scheme
+
+
+def make_variant(
+    key: str, scheme: dict[str, Any], *, nodes: int, tasks_per_node: int, global_batch: int,
+    micro_batch: int | None, model: dict[str, Any], blocks: int,
+) -> Variant:
+    """Degrees and batch split of `scheme` at a size; UserError (with the reason) when the
+    scheme cannot run there."""
+    world = nodes * tasks_per_node
+    degrees = resolve_degrees(scheme, world)
+    if global_batch % degrees.dp:
+        raise UserError(f"train.global_batch={global_batch} does not split over the data-parallel size {degrees.dp}")
+    micro = micro_batch_size(scheme, micro_batch=micro_batch, global_batch=global_batch, degrees=degrees)
+    if micro < 1 or global_batch % (micro * degrees.dp):
+        raise UserError(f"train.global_batch={global_batch} is not a multiple of micro batch {micro} x dp {degrees.dp}")
+    n_micro = global_batch // (micro * degrees.dp)
+    check_scheme(scheme, degrees, model, n_microbatches=n_micro)
+    stages = degrees.pp * scheme["pp_virtual_stages"]
+    if degrees.pp > 1 and stages > blocks:
+        raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split"
+                        " (a what-if model needs plan.layers)")
+    return Variant(key, scheme, degrees, nodes, tasks_per_node, micro, n_micro)
+
+
+def standard_scheme(
+    key: str, conf_dirs: tuple[str, ...], defaults: dict[str, Any], carried: dict[str, Any], *, nodes: int,
+    tasks_per_node: int,
+) -> dict[str, Any]:
+    """One of SCHEME_KEYS, from its file, at a size."""
+    base, extra = DERIVED.get(key, (key, {}))
+    raw = scheme_file(conf_dirs, base)
+    return resolve_scheme(defaults, raw, nodes=nodes, tasks_per_node=tasks_per_node, carried=carried, extra=extra)
+
+
+def chosen_at(
+    chosen: dict[str, Any], conf_dirs: tuple[str, ...], *, current_nodes: int, current_tpn: int, nodes: int, tasks_per_node: int,
+) -> dict[str, Any]:
+    """The job's own scheme at another size: keys that its file ties to `${nodes}` (or
+    `${tasks_per_node}`) follow, unless the command line set them to something else."""
+    scheme = dict(chosen)
+    for key, expr in follows_size(conf_dirs, chosen["name"]).items():
+        current = current_nodes if expr == "${nodes}" else current_tpn
+        if chosen.get(key) == current:
+            scheme[key] = nodes if expr == "${nodes}" else tasks_per_node
+    return scheme
+
+
+def scheme_key(scheme: dict[str, Any]) -> str:
+    """Which of SCHEME_KEYS a composed scheme is (its name; fsdp that keeps gathered
+    parameters is zero2)."""
+    name = scheme["name"]
+    if name == "fsdp" and not scheme["reshard_after_forward"]:
+        return "zero2"
+    return name
