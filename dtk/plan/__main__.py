@@ -15,9 +15,7 @@ world size, parallel degrees, batch arithmetic, run directory; and the memory bu
 bytes per device of parameters, gradients, optimizer state, activations, buffers and
 margin under the job's scheme and every other scheme at the same node count, whether it
 fits, the smallest device and node counts that fit, traffic per mesh axis, and the
-recommended scheme. Nothing is created. docs/planning.md explains the numbers.
-
-  python -m dtk.plan +scheme=fsdp cluster=slurm nodes=4 cluster.accelerator=h100-80gb
+recommended scheme. Nothing is created.
 
 Groups (choose with GROUP=NAME): cluster, model, data, optim, checkpoint, task; scheme
 is added with +scheme=NAME (without one, a multi-worker job is DDP). A project folder's
