@@ -1,8 +1,8 @@
 """Checkpoint save: how long training is blocked by an async save vs a synchronous one, and
 the write throughput of a save vs a raw sequential write (dd) on the same disk.
 
-One process trains a stack of Linear layers with AdamW (the state — parameters and two
-moments — is at least --state-mb) and saves through dtk's CheckpointManager, the code a
+One process trains a stack of Linear layers with AdamW (the state - parameters and two
+moments - is at least --state-mb) and saves through dtk's CheckpointManager, the code a
 worker runs:
 
   sync    `save()` returns once the checkpoint is written, checksummed and committed:
@@ -47,7 +47,7 @@ DIM = 2048
 
 
 def build(state_mb: int):
-    # AdamW keeps two moments per parameter: state = 3 × parameters × 4 bytes.
+    # AdamW keeps two moments per parameter: state = 3 x parameters x 4 bytes.
     layers = max(1, -(-state_mb * 1_000_000 // (3 * 4 * DIM * DIM)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(layers)])

@@ -30,7 +30,7 @@ STEPS=${STEPS:-40}
 AC=${AC:-none}
 SEQ=2048
 # dim 2048, 18 blocks, 16 heads, vocab 32000: 0.91B in the blocks + 0.13B embeddings/head.
-MODEL=(model.dim=2048 model.n_layers=18 model.n_heads=16 model.vocab_size=32000 model.seq_len=$SEQ)
+MODEL=(model.dim=2048 model.num_layers=18 model.num_heads=16 model.vocab_size=32000 model.seq_len=$SEQ)
 
 echo "gpu_check: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1); run root $ROOT"
 start=$(date +%s)
@@ -66,7 +66,7 @@ blocks = layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim)
 params = blocks + 2 * vocab * dim + seq * dim + dim
 matmul_params = blocks + vocab * dim  # the embeddings are lookups; the output head is a matmul
 # Per token: 6 FLOPs per matmul weight (forward 2, backward 4), and attention's
-# QK^T and AV: 12 · layers · dim · seq (full square, the usual convention).
+# QK^T and AV: 12 * layers * dim * seq (full square, the usual convention).
 flops_per_token = 6 * matmul_params + 12 * layers * dim * seq
 achieved = tokens_per_s * flops_per_token / 1e12
 

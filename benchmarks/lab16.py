@@ -3,7 +3,7 @@
 Brings the lab up with 16 nodes (restarting it if it runs another count), submits a tiny
 16-node job (one worker per node, world 16, all on this machine's cores) with
 submit.wait=true, and prints the wall time from submission to the finished summary,
-split into queue wait (submit → `started` event) and run (`started` → `finished`).
+split into queue wait (submit -> `started` event) and run (`started` -> `finished`).
 
     python benchmarks/lab16.py [--steps 5] [--repeats 1] [--keep-lab]
 """
@@ -57,14 +57,14 @@ def main() -> None:
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
                 results.append(once(args.steps, Path(tmp)))
-                print(f"submit → finished {results[-1][0]:.1f} s (queue {results[-1][1]:.1f} s,"
+                print(f"submit -> finished {results[-1][0]:.1f} s (queue {results[-1][1]:.1f} s,"
                       f" start-up + {args.steps} steps {results[-1][2]:.1f} s)", flush=True)
     finally:
         if not args.keep_lab:
             lab.down(log=lambda _line: None)
     med = [statistics.median(r[i] for r in results) for i in range(3)]
     print(f"lab up --nodes 16: {up_s:.1f} s; 16-node job, world 16, {args.steps} steps:"
-          f" submit → finished {med[0]:.1f} s (median of {len(results)}; queue {med[1]:.1f} s, run {med[2]:.1f} s)")
+          f" submit -> finished {med[0]:.1f} s (median of {len(results)}; queue {med[1]:.1f} s, run {med[2]:.1f} s)")
 
 
 if __name__ == "__main__":

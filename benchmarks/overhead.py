@@ -21,34 +21,33 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtk.config.compose import compose  # noqa: E402
 from dtk.data.loader import StepBatches, build_dataset  # noqa: E402
 from dtk.models.build import build_model  # noqa: E402
 from dtk.train.metrics import MetricsLog  # noqa: E402
 from dtk.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from dtk.train.trainer import Trainer  # noqa: E402
 
-OPTIM = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-         "warmup_steps": 5, "min_lr_ratio": 0.1, "grad_clip": 1.0}
-
 
 def setup(args):
-    model_cfg = {"_target_": "dtk.models.transformer.build", "vocab_size": 256, "dim": args.dim,
-                 "n_layers": args.layers, "n_heads": 8, "ffn_hidden": 0, "seq_len": args.seq_len, "norm_eps": 1e-5}
-    data_cfg = {"kind": "synthetic", "num_samples": 4096, "seed": 1, "branching": 4}
-    model = build_model(model_cfg, seed=0)
-    optimizer = build_optimizer(model.parameters(), OPTIM)
-    scheduler = build_scheduler(optimizer, OPTIM, 10_000)
-    batches = StepBatches(build_dataset(data_cfg, model_cfg), seed=0, global_batch=args.batch,
+    # The job's own configuration (the schema's defaults but for these keys), typed as a worker gets it.
+    cfg = compose([f"model.dim={args.dim}", f"model.num_layers={args.layers}", "model.num_heads=8",
+                   f"model.seq_len={args.seq_len}", "data.num_samples=4096", "data.seed=1", "optim.lr=1e-3",
+                   "optim.warmup_steps=5"])
+    model = build_model(cfg.model, device="cpu", seed=0)
+    optimizer = build_optimizer(model.parameters(), optim=cfg.optim)
+    scheduler = build_scheduler(optimizer, optim=cfg.optim, total_steps=10_000)
+    batches = StepBatches(build_dataset(cfg.data, model=cfg.model), seed=0, global_batch=args.batch,
                           micro_batch=args.micro, dp_rank=0, dp_size=1, device=torch.device("cpu"))
-    return model, optimizer, scheduler, batches
+    return model, optimizer, scheduler, batches, cfg.optim.grad_clip
 
 
 def time_dtk(args, steps: int, start: int, metrics_path: Path) -> list[float]:
-    model, optimizer, scheduler, batches = setup(args)
+    model, optimizer, scheduler, batches, grad_clip = setup(args)
     metrics = MetricsLog(metrics_path, world_size=1, restart=0, tokens_per_step=args.batch * args.seq_len,
                          total_steps=10**9, log_every=10**9)
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
-                      grad_clip=OPTIM["grad_clip"], dp_group=None, metrics=metrics)
+                      grad_clip=grad_clip, dp_group=None, metrics=metrics)
     times = []
     for step in range(start, start + steps):
         t0 = time.perf_counter()
@@ -60,7 +59,7 @@ def time_dtk(args, steps: int, start: int, metrics_path: Path) -> list[float]:
 
 
 def time_plain(args, steps: int, start: int) -> list[float]:
-    model, optimizer, scheduler, batches = setup(args)
+    model, optimizer, scheduler, batches, grad_clip = setup(args)
     data = [batches.get(step) for step in range(start, start + steps)]  # same batches, loaded up front
     batches.close()
     times = []
@@ -72,7 +71,7 @@ def time_plain(args, steps: int, start: int) -> list[float]:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             (loss / len(micro)).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

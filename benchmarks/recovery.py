@@ -4,13 +4,13 @@ For every drill, a 2-node job (3 for node-fail: one spare) is submitted, the fau
 injected with `python -m dtk.drill` once the job has trained a while, and the run must
 finish. Per drill it prints the median of:
 
-  detect_s    drill → the driver's detection event (crash, hang, node-fail) or the workers'
+  detect_s    drill -> the driver's detection event (crash, hang, node-fail) or the workers'
               agreed stop (preempt, timelimit)
-  recovery_s  detection → first completed step after the restart (the `resumed` event)
+  recovery_s  detection -> first completed step after the restart (the `resumed` event)
   lost        steps computed before the fault that had to be computed again
-              (last step logged before the fault − step resumed from)
+              (last step logged before the fault - step resumed from)
 
-next to the run's median step time and checkpoint save time. Targets: recovery ≤ 30 s
+next to the run's median step time and checkpoint save time. Targets: recovery <= 30 s
 after node failure, crash or hang; 0 steps lost on preempt and timelimit; at most one
 checkpoint interval lost otherwise.
 

@@ -36,7 +36,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODEL = ["model.dim=384", "model.n_layers=8", "model.n_heads=8", "model.vocab_size=8192", "model.seq_len=32"]
+MODEL = ["model.dim=384", "model.num_layers=8", "model.num_heads=8", "model.vocab_size=8192", "model.seq_len=32"]
 JOB = [
     "tasks_per_node=4",
     "train.global_batch=16",
@@ -48,31 +48,31 @@ JOB = [
     "data.num_samples=1024",
 ]
 
-# name → overrides; the degrees are on the 4 workers of JOB.
+# name -> overrides; the degrees are on the 4 workers of JOB.
 SCHEMES = {
     "ddp": ["+scheme=ddp"],
     "zero": ["+scheme=zero"],
     "fsdp (ZeRO-3)": ["+scheme=fsdp"],
     "fsdp (ZeRO-2)": ["+scheme=fsdp", "scheme.reshard_after_forward=false"],
-    "hsdp 2×2": ["+scheme=hsdp", "scheme.dp_replicate=2"],
+    "hsdp 2x2": ["+scheme=hsdp", "scheme.dp_replicate=2"],
     "tp 4": ["+scheme=tp"],
     "tp 4 + sp": ["+scheme=tp", "scheme.sequence_parallel=true"],
     "pp 4 1f1b": ["+scheme=pp"],
-    "pp 2 interleaved × dp 2": [
+    "pp 2 interleaved x dp 2": [
         "+scheme=pp", "scheme.pp=2", "scheme.dp_shard=2", "scheme.pp_schedule=interleaved_1f1b",
         "scheme.pp_virtual_stages=2",
     ],
-    "hybrid dp 2 × tp 2": ["+scheme=hybrid", "scheme.dp_shard=2", "scheme.tp=2"],
-    "hybrid pp 2 × dp 2": ["+scheme=hybrid", "scheme.pp=2", "scheme.dp_shard=2", "scheme.tp=1"],
+    "hybrid dp 2 x tp 2": ["+scheme=hybrid", "scheme.dp_shard=2", "scheme.tp=2"],
+    "hybrid pp 2 x dp 2": ["+scheme=hybrid", "scheme.pp=2", "scheme.dp_shard=2", "scheme.tp=1"],
     "fsdp + full AC": ["+scheme=fsdp", "scheme.activation_checkpoint=full"],
 }
 
 
-def model_state_mib(dim: int = 384, n_layers: int = 8, vocab: int = 8192, seq: int = 32) -> float:
+def model_state_mib(dim: int = 384, num_layers: int = 8, vocab: int = 8192, seq: int = 32) -> float:
     from dtk.models.transformer import ffn_hidden_size
 
     hidden = ffn_hidden_size(dim, 0)
-    params = 2 * vocab * dim + seq * dim + n_layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + dim
+    params = 2 * vocab * dim + seq * dim + num_layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + dim
     return params * 4 * 4 / 2**20  # fp32 parameters, gradients, two AdamW moments
 
 

@@ -1,4 +1,4 @@
-"""python -m dtk.submit [-m] [overrides...]: compose → validate → plan → launch."""
+"""python -m dtk.submit [-m] [overrides...]: compose -> validate -> plan -> launch."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     for _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.
-        check_config(plan.config["data"], plan.config["model"])
+        check_config(plan.config.data, plan.config.model)
     return planned
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     for point, plan in planned:
         if multirun:
             print(f"=== {' '.join(point) or '(defaults)'}", flush=True)
-        if plan.config["submit"]["dry_run"]:
+        if plan.config.submit.dry_run:
             print(describe_launch(plan))
             results.append(Launched(0))
         else:

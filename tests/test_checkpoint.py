@@ -15,6 +15,7 @@ from conftest import dtk
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import doomed
+from dtk.config.schema import CheckpointConfig
 from dtk.errors import UserError
 from dtk.rundir import RunDir
 
@@ -41,7 +42,7 @@ def train_step(model, optimizer, scheduler) -> None:
 def manager(run: RunDir, model, optimizer, scheduler, *, asynchronous=True, keep=10, data_version="v1", every=1):
     return CheckpointManager(
         run,
-        cfg={"every": every, "keep": keep, "resume": True, "async_save": asynchronous, "every_minutes": 0},
+        checkpoint=CheckpointConfig(every=every, keep=keep, async_save=asynchronous),
         parts=[(model, optimizer)],
         scheduler=scheduler,
         rank=0,
@@ -264,7 +265,7 @@ def test_minutes_interval_saves_when_the_time_has_come(tmp_path):
     model, optimizer, scheduler = make_parts()
     ckpt = CheckpointManager(
         run,
-        cfg={"every": 0, "keep": 5, "resume": True, "async_save": True, "every_minutes": 0.001},  # 60 ms
+        checkpoint=CheckpointConfig(every=0, keep=5, async_save=True, every_minutes=0.001),  # 60 ms
         parts=[(model, optimizer)], scheduler=scheduler, rank=0, world_size=1, global_batch=4, total_steps=100,
         identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"},
     )

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import dtk, require
+from dtk.config.convert import model_config
 from dtk.data.order import GlobalOrder
 from dtk.data.synthetic import SyntheticTokens
-from dtk.models.build import PARALLEL_KEYS
 from dtk.models.transformer import build
+from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -36,14 +37,13 @@ def test_exported_file_loads_into_the_plain_model_and_gives_the_distributed_loss
     info = json.loads(out.with_name("model.pt.json").read_text())
     assert info["step"] == 5
 
-    model = build(**{k: v for k, v in info["model"].items() if not k.startswith("_") and k not in PARALLEL_KEYS})
+    model = build(**model_config(info["model"]).kwargs)
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every name and shape matches
 
-    cfg = json.loads(run.plan_json.read_text())["config"]
-    data = SyntheticTokens(num_samples=cfg["data"]["num_samples"], seq_len=cfg["model"]["seq_len"],
-                           vocab_size=cfg["model"]["vocab_size"], seed=cfg["data"]["seed"],
-                           branching=cfg["data"]["branching"])
-    rows = torch.from_numpy(data.get(GlobalOrder(len(data), cfg["train"]["seed"]).global_batch(5, 32)))
+    cfg = Plan.from_json(run.plan_json.read_text()).config
+    data = SyntheticTokens(num_samples=cfg.data.num_samples, seq_len=cfg.model.seq_len,
+                           vocab_size=cfg.model.vocab_size, seed=cfg.data.seed, branching=cfg.data.branching)
+    rows = torch.from_numpy(data.get(GlobalOrder(len(data), cfg.train.seed).global_batch(5, 32)))
     with torch.no_grad():
         logits = model(rows[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()

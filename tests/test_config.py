@@ -43,7 +43,7 @@ def test_default_composes_to_ddp_on_two_local_workers(tmp_path):
 
 def test_scheme_is_appended_with_plus():
     cfg = compose(["+scheme=ddp", "tasks_per_node=4"])
-    assert cfg["scheme"]["name"] == "ddp"
+    assert cfg.scheme.name == "ddp"
     assert make_plan(cfg).degrees.dp_replicate == 4
 
 
@@ -59,10 +59,12 @@ def test_run_identity_follows_semantic_keys_only():
 
 
 def test_plan_round_trips_through_json():
-    plan = make_plan(compose(["tasks_per_node=4"]))
     from dtk.plan.plan import Plan
 
-    assert Plan.from_json(plan.to_json()) == plan
+    for overrides in (["tasks_per_node=4"], ["+scheme=hybrid", "tasks_per_node=4", "scheme.pp=2", "model.num_layers=4"]):
+        plan = make_plan(compose(overrides))
+        again = Plan.from_json(plan.to_json())
+        assert again == plan and isinstance(again.config, schema.Config)
 
 
 def test_sweep_expands_to_cartesian_product():
@@ -80,7 +82,7 @@ def test_sweep_expands_to_cartesian_product():
     ],
 )
 def test_degrees_infer_the_one_free_axis(degrees, world, expected):
-    d = resolve_degrees(degrees, world)
+    d = resolve_degrees(schema.SchemeConfig(**degrees), world)
     assert (d.dp_replicate, d.dp_shard, d.tp, d.pp) == expected
 
 
@@ -94,7 +96,7 @@ def test_degrees_infer_the_one_free_axis(degrees, world, expected):
 )
 def test_degrees_errors_show_the_arithmetic(degrees, world, needle):
     with pytest.raises(UserError, match=needle):
-        resolve_degrees(degrees, world)
+        resolve_degrees(schema.SchemeConfig(**degrees), world)
 
 
 BAD_INPUT = [
@@ -104,13 +106,76 @@ BAD_INPUT = [
     (["nodes=abc"], "nodes=abc: expected integer"),
     (["train.steps=0"], "train.steps=0"),
     (["train.global_batch=31"], "train.global_batch=31 does not split over the data-parallel size 2"),
-    (["train.global_batch=24", "train.micro_batch=8"], "train.global_batch=24 is not a multiple of train.micro_batch × data-parallel size = 8 × 2 = 16"),
+    (["train.global_batch=24", "train.micro_batch=8"], "train.global_batch=24 is not a multiple of train.micro_batch x data-parallel size = 8 x 2 = 16"),
     (["nodes=2"], "nodes=2: the local cluster is this one machine"),
     (["+scheme=nope"], "scheme=nope: no such scheme"),
     (["cluster=nope"], "cluster=nope: no such cluster"),
-    (["model.n_heads=3"], "model.n_heads=3 does not divide model.dim=64"),
+    (["model.num_heads=3"], "model.num_heads=3 does not divide model.dim=64"),
     (["optim.lr=-1"], "optim.lr=-1"),
+    (["+scheme=pp", "scheme.pp_schedule=2f2b"], "scheme.pp_schedule=2f2b: expected one of gpipe, 1f1b, interleaved_1f1b"),
+    (["model.tp_plan.output=colwise_outptu"], "model.tp_plan.output=colwise_outptu: expected one of colwise, rowwise,"),
+    (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5"),
 ]
+
+# Every closed-set key: a value outside its set stops while composing, naming the key, the
+# value and every allowed value (dtk/config/choices.py).
+BAD_CHOICES = [
+    (["cluster.kind=pbs"], "cluster.kind=pbs: expected one of local, slurm"),
+    (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5"),
+    (["data.kind=hdf5"], "data.kind=hdf5 contradicts the data group chosen (synthetic); choose the group instead: data=hdf5"),
+    (["optim.name=sgd"], "optim.name=sgd: expected one of adamw"),
+    (["+scheme=fsdp", "scheme.data_parallel=zero3"], "scheme.data_parallel=zero3: expected one of ddp, fsdp"),
+    (["+scheme=pp", "scheme.pp_schedule=1F1B"], "scheme.pp_schedule=1F1B: expected one of gpipe, 1f1b, interleaved_1f1b"),
+    (["+scheme=fsdp", "scheme.activation_checkpoint=some"],
+     "scheme.activation_checkpoint=some: expected one of none, selective, full"),
+    (["+scheme=fsdp", "scheme.param_dtype=fp8"], "scheme.param_dtype=fp8: expected one of auto, float32, bfloat16, float16"),
+    (["+scheme=fsdp", "scheme.reduce_dtype=half"], "scheme.reduce_dtype=half: expected one of auto, float32, bfloat16, float16"),
+    (["model.tp_plan.output=colwise_outptu"],
+     "model.tp_plan.output=colwise_outptu: expected one of colwise, rowwise, colwise_output, sequence_parallel,"
+     " sequence_gather"),
+    (["dist.backend=mpi"], "dist.backend=mpi: expected one of auto, nccl, gloo"),
+    (["dist.device=tpu"], "dist.device=tpu: expected one of auto, cuda, cpu"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CHOICES, ids=[" ".join(o) for o, _ in BAD_CHOICES])
+def test_a_value_outside_its_set_is_refused_while_composing(overrides, message):
+    with pytest.raises(UserError) as exc:
+        compose(overrides)
+    assert str(exc.value) == message
+
+
+def test_a_user_models_tp_styles_are_checked_too(tmp_path):
+    """A user's model yaml has no schema, yet its tp_plan styles are checked on the login node."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text(
+        "_target_: tests.models_for_tests.build\nvocab_size: 256\nseq_len: 32\nwidth: 8\ndepth: 2\n"
+        "tp_plan:\n  head: colwise_outptu\n"
+    )
+    with pytest.raises(UserError) as exc:
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "model=mine"])
+    assert str(exc.value).startswith("model.tp_plan.head=colwise_outptu: expected one of colwise, rowwise,")
+
+
+def test_composed_config_is_typed_to_the_last_field():
+    from dtk.config.choices import PipelineSchedule, TpStyle
+
+    cfg = compose(["+scheme=pp", "model.num_layers=4"])
+    assert isinstance(cfg, schema.Config)
+    assert isinstance(cfg.model, schema.ModelConfig) and cfg.model.kwargs["num_layers"] == 4
+    assert cfg.model.tp_plan["output"] is TpStyle.colwise_output
+    assert cfg.scheme.pp_schedule is PipelineSchedule("1f1b")
+    assert isinstance(cfg.data, schema.SyntheticDataConfig)
+    assert compose([]).scheme == schema.SchemeConfig()  # no +scheme: the schema's (DDP)
+
+
+def test_plan_json_holds_the_config_as_the_user_spells_it():
+    import json
+
+    plan = make_plan(compose(["+scheme=fsdp", "model.num_layers=3"]))
+    raw = json.loads(plan.to_json())["config"]
+    assert raw["model"]["num_layers"] == 3 and raw["model"]["_target_"] == "dtk.models.transformer.build"
+    assert raw["model"]["tp_plan"]["output"] == "colwise_output" and raw["scheme"]["data_parallel"] == "fsdp"
 
 
 @pytest.mark.parametrize("overrides, needle", BAD_INPUT, ids=[" ".join(o) for o, _ in BAD_INPUT])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import dtk
+from dtk.config.schema import Hdf5DataConfig, ModelConfig
 from dtk.data.hdf5 import Hdf5Tokens, split
 from dtk.data.loader import StepBatches, build_splits
 from dtk.data.order import GlobalOrder, rank_share
@@ -230,10 +231,14 @@ def test_the_split_is_fixed_disjoint_and_complete(text_file, tmp_path):
 
 def test_the_model_must_fit_the_dataset(text_file, tmp_path):
     prepare(text_file, tmp_path / "d", seq_len=32)
-    cfg = {"kind": "hdf5", "path": str(tmp_path / "d"), "val_fraction": 0.05, "split_seed": 0, "val_shards": []}
-    train, val = build_splits(cfg, {"seq_len": 32, "vocab_size": 256})
+    cfg = Hdf5DataConfig(path=str(tmp_path / "d"))
+
+    def model(seq_len: int, vocab_size: int) -> ModelConfig:
+        return ModelConfig(_target_="dtk.models.transformer.build", kwargs={"seq_len": seq_len, "vocab_size": vocab_size})
+
+    train, val = build_splits(cfg, model=model(32, 256))
     assert len(train) + len(val) == Hdf5Tokens(tmp_path / "d").manifest["num_samples"]
     with pytest.raises(UserError, match="model.seq_len=64"):
-        build_splits(cfg, {"seq_len": 64, "vocab_size": 256})
+        build_splits(cfg, model=model(64, 256))
     with pytest.raises(UserError, match="model.vocab_size=100"):
-        build_splits(cfg, {"seq_len": 32, "vocab_size": 100})
+        build_splits(cfg, model=model(32, 100))

@@ -35,7 +35,7 @@ def test_fit_plan_shrinks_data_parallel_keeping_the_global_batch():
 
 
 def test_fit_plan_picks_a_smaller_micro_batch_when_the_old_one_no_longer_divides():
-    plan = lab_plan("train.global_batch=48", "train.micro_batch=6")  # dp 8: 48 = 6 × 1 × 8
+    plan = lab_plan("train.global_batch=48", "train.micro_batch=6")  # dp 8: 48 = 6 x 1 x 8
     small = fit_plan(plan, 3, allow_shrink=True)  # dp 6: 48 / 6 = 8, micro 6 does not divide 8
     assert small is not None and small.degrees.dp == 6 and small.micro_batch == 4 and small.grad_accum == 2
 

@@ -1,5 +1,5 @@
 """Resume end to end: SIGKILL at random steps and during a save, corrupt checkpoints, and a
-different number of data-parallel ranks — the loss sequence must match an uninterrupted run.
+different number of data-parallel ranks - the loss sequence must match an uninterrupted run.
 
 Real worker processes (gloo, DDP, DCP) started by `python -m dtk.submit`, killed with
 SIGKILL through the pids the local driver records, resumed by running the same command.
@@ -212,7 +212,7 @@ def test_corrupt_checkpoints_are_rejected_and_the_previous_verified_one_resumes(
 
 
 # Loss tolerance across data-parallel sizes: the samples of every step are the same, but
-# 4 ranks × 1 micro-batch and 2 ranks × 2 micro-batches add the per-sample gradients in
+# 4 ranks x 1 micro-batch and 2 ranks x 2 micro-batches add the per-sample gradients in
 # another order, so float32 results may differ in the last bits and drift slightly.
 RESHARD_RTOL = 1e-4
 
@@ -236,5 +236,5 @@ def test_resume_on_4_then_2_then_4_ranks_keeps_the_global_sample_order(reference
     assert {s: r["batch_hash"] for s, r in got.items()} == {s: r["batch_hash"] for s, r in reference.items()}
     assert {r["world_size"] for r in got.values()} == {2, 4}
     worst = max(abs(got[s]["loss"] - reference[s]["loss"]) / abs(reference[s]["loss"]) for s in got)
-    print(f"largest relative loss difference 4→2→4 vs 2 ranks uninterrupted: {worst:.3g}")
+    print(f"largest relative loss difference 4->2->4 vs 2 ranks uninterrupted: {worst:.3g}")
     assert worst <= RESHARD_RTOL

@@ -4,16 +4,16 @@ Each case is a real `python -m dtk.submit` run; the loss per step comes from its
 metrics.jsonl and the final parameters from its last checkpoint, gathered to full tensors.
 
 Tolerances (fp32 on the CPU):
-- loss per step: rtol 1e-5 for every scheme. Measured: ≤ 1e-7 for all of them, pipeline
+- loss per step: rtol 1e-5 for every scheme. Measured: <= 1e-7 for all of them, pipeline
   alone bitwise equal. Data parallelism only changes the order in which the per-sample
   gradients are summed; tensor parallelism also splits each row-parallel matmul's inner
   sum across ranks, which moves the loss by the same ~1 ulp per step.
-- parameters after 10 steps: |a - b| ≤ atol + rtol·|b| with rtol 1e-5 and atol 1e-6 for
+- parameters after 10 steps: |a - b| <= atol + rtol*|b| with rtol 1e-5 and atol 1e-6 for
   ddp, zero, fsdp, hsdp and pp; atol 2e-5 for tp and hybrid. Adam divides each gradient by
   its running RMS, so an element whose gradient is near zero turns a rounding difference
   into a visible step difference; each step moves a weight by at most ~lr = 3e-3, so
   these bounds are 1e-4 (5e-4) of what 10 steps can move it. Measured worst cases:
-  2.4e-7 (ddp), 1.8e-7 (fsdp), 1.4e-6 (tp), 4.5e-6 (dp_shard 2 × tp 2).
+  2.4e-7 (ddp), 1.8e-7 (fsdp), 1.4e-6 (tp), 4.5e-6 (dp_shard 2 x tp 2).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ JOB = [
     "train.steps=10",
     "train.global_batch=16",
     "train.micro_batch=2",  # 4 data-parallel ranks: 2 accumulation steps; 4 pipeline stages: 8 micro-batches
-    "model.n_layers=4",
+    "model.num_layers=4",
     "optim.warmup_steps=2",
     "checkpoint.every=5",
     "train.log_every=10",
@@ -42,7 +42,7 @@ JOB = [
 LOSS_RTOL = 1e-5
 EXACT_ATOL, TP_ATOL = 1e-6, 2e-5
 
-# name → (overrides, parameter atol)
+# name -> (overrides, parameter atol)
 CASES = {
     "ddp": (["+scheme=ddp", "scheme.bucket_cap_mb=1"], EXACT_ATOL),
     "zero": (["+scheme=zero"], EXACT_ATOL),

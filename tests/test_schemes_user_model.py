@@ -75,8 +75,9 @@ def test_user_model_trains_under_scheme(name, user_conf, reference, tmp_path):
 
 
 def test_user_model_factory_sees_only_its_keys():
-    from dtk.models.build import _factory_kwargs
+    from dtk.config.convert import model_config
 
-    cfg = {"_target_": "tests.models_for_tests.build", "width": 8, "wrap_classes": ["X"], "tp_plan": {},
-           "split_points": []}
-    assert _factory_kwargs(cfg) == {"width": 8}
+    model = model_config({"_target_": "tests.models_for_tests.build", "width": 8, "wrap_classes": ["X"],
+                          "tp_plan": {}, "split_points": []})
+    assert model.kwargs == {"width": 8}
+    assert model.wrap_classes == ["X"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from dtk.data.synthetic import SyntheticTokens
-from dtk.models.transformer import Transformer
+from dtk.models.transformer import build
 from dtk.train.evaluate import Evaluator
 
 
 def evaluator(stop_requested):
     data = SyntheticTokens(num_samples=64, seq_len=16, vocab_size=32, seed=0, branching=2)
-    model = Transformer(vocab_size=32, dim=16, n_layers=1, n_heads=2, seq_len=16)
+    model = build(vocab_size=32, dim=16, num_layers=1, num_heads=2, seq_len=16)
     return Evaluator(model=model, dataset=data, every=1, total_steps=10, max_samples=0, global_batch=8,
                      micro_batch=4, dp_rank=0, dp_size=1, dp_group=None, device=torch.device("cpu"), log=None,
                      stop_requested=stop_requested)

@@ -1,7 +1,7 @@
 """One consolidated model from a sharded checkpoint, for inference or another framework.
 
-The default file is a plain `torch.save`d state dict of the model — the parameter names of
-the unwrapped model, full tensors, no optimizer — so
+The default file is a plain `torch.save`d state dict of the model - the parameter names of
+the unwrapped model, full tensors, no optimizer - so
 
     model.load_state_dict(torch.load(FILE))
 
@@ -16,7 +16,6 @@ DCP's own metadata, and DCP assembles each one from however many shards it was s
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtk.checkpoint.formats import FORMATS, size_of, write_file, write_hf
 from dtk.checkpoint.manifest import Rejected, verify
+from dtk.config.convert import model_to_dict
 from dtk.errors import UserError
+from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
 
 PREFIX = "model."
@@ -81,7 +82,7 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt
         raise UserError(f"RUN_DIR {run.path}: no such run directory")
     model_cfg = None
     if run.plan_json.is_file():
-        model_cfg = json.loads(run.plan_json.read_text())["config"].get("model")
+        model_cfg = model_to_dict(Plan.from_json(run.plan_json.read_text()).config.model)
     step, path, manifest = choose(run, step)
     tensors = load_model_state(path)
     out = Path(out).expanduser()

@@ -9,6 +9,7 @@ from typing import Any
 from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
+from dtk.config.schema import CheckpointConfig
 from dtk.errors import UserError
 from dtk.rundir import RunDir
 
@@ -20,7 +21,7 @@ class CheckpointManager:
         self,
         run: RunDir,
         *,
-        cfg: dict[str, Any],
+        checkpoint: CheckpointConfig,
         parts: ckpt.Parts,
         scheduler: Any,
         rank: int,
@@ -30,14 +31,10 @@ class CheckpointManager:
         identity: dict[str, Any],
     ) -> None:
         self.run = run
-        self.every = cfg["every"]
-        self.every_s = 60.0 * float(cfg.get("every_minutes", 0) or 0)
-        if cfg["every"] < 0 or self.every_s < 0:
-            raise UserError(
-                f"checkpoint.every={cfg['every']} checkpoint.every_minutes={cfg.get('every_minutes')}: expected 0 (off) or more"
-            )
-        self.keep = cfg["keep"]
-        self.resume_enabled = cfg["resume"]
+        self.every = checkpoint.every
+        self.every_s = 60.0 * checkpoint.every_minutes
+        self.keep = checkpoint.keep
+        self.resume_enabled = checkpoint.resume
         self.parts = parts  # (model part, its optimizer): one pair, or one per pipeline stage held
         self.scheduler = scheduler
         self.rank = rank
@@ -49,7 +46,7 @@ class CheckpointManager:
         # The minutes-based trigger needs all ranks to agree on a step; it votes on a group of
         # its own because the checkpoint group may be busy with a background save.
         self._vote = ckpt.Comm.create() if self.every_s > 0 else None
-        self._saver = ckpt.Saver(self.comm, asynchronous=bool(cfg.get("async_save", False)), on_commit=self._committed)
+        self._saver = ckpt.Saver(self.comm, asynchronous=checkpoint.async_save, on_commit=self._committed)
         self._last_save_t = time.monotonic()
         self.verified_step: int | None = None  # newest checkpoint known good: retention never deletes it
         self.rng_restored = False
@@ -118,12 +115,13 @@ class CheckpointManager:
             if have is not None and want is not None and have != want:
                 hint = (
                     "the dataset changed since this run started; resuming on other data would not"
-                    " reproduce the run — restore the dataset, or start a new run (another run.name)"
+                    " reproduce the run - restore the dataset, or start a new run (another run.name)"
                     if key == "data_version"
                     else "the run directory holds another configuration; choose another run.name"
                 )
                 raise UserError(f"{key}: checkpoint {path.name} was written with {have}, this job has {want}: {hint}")
-        if manifest.get("global_batch", self.global_batch) != self.global_batch:
+        written = manifest.get("global_batch")
+        if written is not None and written != self.global_batch:
             raise UserError(
                 f"train.global_batch={self.global_batch}: checkpoint {path.name} was written with"
                 f" global batch {manifest['global_batch']}; the data position would not match"

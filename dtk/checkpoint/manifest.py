@@ -7,9 +7,9 @@ every file the manifest lists still has the recorded size and checksum:
       "format": 1,
       "step": 50, "samples_consumed": 1600, "global_batch": 32,
       "world_size": 4, "mesh": {"dp_replicate": 4, "dp_shard": 1, "tp": 1, "pp": 1}, "scheme": "ddp",
-      "config_hash": "…", "data_version": "…",
-      "rng_files": ["rng_00000.pt", …],          one per rank, restored when the world size is unchanged
-      "files": {"__0_0.distcp": {"size": 123, "crc32": "9a0b1c2d"}, …, ".metadata": …, "trainer.json": …},
+      "config_hash": "...", "data_version": "...",
+      "rng_files": ["rng_00000.pt", ...],          one per rank, restored when the world size is unchanged
+      "files": {"__0_0.distcp": {"size": 123, "crc32": "9a0b1c2d"}, ..., ".metadata": ..., "trainer.json": ...},
       "save_seconds": 0.41, "time": 1700000000.0
     }
 

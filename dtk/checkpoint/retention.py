@@ -17,7 +17,7 @@ def doomed(found: list[tuple[int, Path, bool]], *, keep: int, current_step: int,
       step in `protect` (the newest verified one: the one just committed, or the one this
       run resumed from).
     - Folders without a manifest older than the newest committed one: saves that were killed.
-    - Folders newer than `current_step`: the future of an abandoned timeline — checkpoints
+    - Folders newer than `current_step`: the future of an abandoned timeline - checkpoints
       that were rejected on resume, or a killed save of a step this run has not reached
       again. Keeping them would let a count-based rule delete good checkpoints in their favour.
     """

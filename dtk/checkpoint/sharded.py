@@ -23,7 +23,7 @@ A save runs in three phases; only the first blocks training:
     2. DCP's thread: plan and write the shards, rank 0 writes `.metadata`. When it returns on
        any rank, every rank's files are on disk (DCP gathers the write results first).
     3. our finisher thread, every rank: checksum a share of the folder's files, gather the
-       shares, and rank 0 commits the manifest — then prunes and logs `checkpoint_saved`.
+       shares, and rank 0 commits the manifest - then prunes and logs `checkpoint_saved`.
 
 Phases 2 and 3 talk over a gloo group of their own, so they never interleave with the
 training step's collectives (and work with NCCL training). A synchronous save runs the

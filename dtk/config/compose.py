@@ -1,7 +1,8 @@
 """Compose a job's configuration from ``conf/`` and command-line overrides.
 
 This and the command-line entry points are the only places that touch Hydra/OmegaConf.
-Everything after composition works on a plain, resolved ``dict``.
+Everything after composition works on the schema dataclasses (``Config``), typed to the
+last consumer: each stage is handed the slice it needs (``cfg.optim``, ``cfg.scheme``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.config.schema import Config
 from dtk.errors import UserError
 from dtk.resources import conf_dir
 
@@ -125,14 +127,15 @@ def _hydra(search: SearchPath) -> Iterator[None]:
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str], *, search: SearchPath | None = None) -> dict[str, Any]:
-    """Compose and resolve the configuration; user mistakes raise UserError with one line.
+def compose(overrides: list[str], *, search: SearchPath | None = None) -> Config:
+    """Compose, resolve and type the configuration; user mistakes raise UserError with one line.
     `search` defaults to `search_path()`: the environment's and the current folder's."""
     from hydra import compose as hydra_compose
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from dtk.config.convert import finish
     from dtk.config.schema import register
 
     register()
@@ -140,11 +143,11 @@ def compose(overrides: list[str], *, search: SearchPath | None = None) -> dict[s
         with _hydra(search if search is not None else search_path()):
             cfg = hydra_compose(CONFIG_NAME, overrides=list(overrides))
         _reject_unknown_keys(cfg)
-        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        typed = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise UserError(_explain(exc)) from None
-    assert isinstance(resolved, dict)
-    return resolved
+        raise UserError(explain(exc)) from None
+    assert isinstance(typed, Config)
+    return finish(typed)
 
 
 def _reject_unknown_keys(node: Any, path: str = "") -> None:
@@ -171,24 +174,25 @@ def _reject_unknown_keys(node: Any, path: str = "") -> None:
             _reject_unknown_keys(child, f"{path}{key}.")
 
 
-def _explain(exc: Exception) -> str:
-    """Turn a Hydra/OmegaConf exception into one line that names the key and what would work."""
-    cause = exc.__cause__
+def explain(exc: Exception, *, prefix: str = "") -> str:
+    """Turn a Hydra/OmegaConf exception into one line that names the key and what would work.
+    `prefix` goes before the key (a section checked on its own: "model.")."""
+    cause = exc.__cause__ or exc
     text = str(exc)
-    if cause is not None:
-        ctext = str(cause)
-        key = re.search(r"full_key: (\S+)", ctext)
+    ctext = str(cause)
+    found = re.search(r"full_key: (\S+)", ctext)
+    if found:
+        key = f"{prefix}{found.group(1)}"
         m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", ctext)
-        if key and m:
-            return f"{key.group(1)}={m.group(1)}: expected {m.group(3).lower()}, got '{m.group(1)}'"
+        if m:
+            return f"{key}={m.group(1)}: expected {m.group(3).lower()}, got '{m.group(1)}'"
+        m = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", ctext)
+        if m:
+            return f"{key}={m.group(1)}: expected one of {m.group(2)}"
         m = re.search(r"Key '([^']+)' not in '(\w+)'", ctext)
-        if m and key:
-            return (
-                f"unknown key '{key.group(1)}' (not a field of {m.group(2)}); "
-                "python -m dtk.plan --help lists every key"
-            )
-        if key:
-            return f"{key.group(1)}: {ctext.splitlines()[0]}"
+        if m:
+            return f"unknown key '{key}' (not a field of {m.group(2)}); python -m dtk.plan --help lists every key"
+        return f"{key}: {ctext.splitlines()[0]}"
     m = re.search(r"Could not find '(\w+)/([^']*)'", text)
     if m:
         group, name = m.groups()
@@ -213,7 +217,7 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as exc:
-        raise UserError(_explain(exc)) from None
+        raise UserError(explain(exc)) from None
     axes = []
     for ov in parsed:
         if ov.is_sweep_override():
@@ -224,7 +228,8 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(point) for point in itertools.product(*axes)]
 
 
-def to_yaml(cfg: dict[str, Any]) -> str:
-    from omegaconf import OmegaConf
+def to_yaml(cfg: Config) -> str:
+    """config.yaml: the resolved configuration as the user would write it."""
+    from dtk.config.convert import to_yaml as plain_yaml
 
-    return OmegaConf.to_yaml(OmegaConf.create(cfg))
+    return plain_yaml(cfg)

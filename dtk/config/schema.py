@@ -12,11 +12,23 @@ from typing import Any
 from omegaconf import MISSING
 
 from dtk.config.access import AccessConfig
+from dtk.config.choices import (
+    ActivationCheckpoint,
+    Backend,
+    ClusterKind,
+    DataKind,
+    DataParallel,
+    DeviceKind,
+    Dtype,
+    OptimizerName,
+    PipelineSchedule,
+    TpStyle,
+)
 
 
 @dataclass
 class ClusterConfig:
-    kind: str = "local"
+    kind: ClusterKind = ClusterKind.local
     """Where workers run: `local` (this machine, no Slurm) or `slurm` (sbatch through submitit)."""
     partition: str | None = None
     """Slurm partition (sbatch --partition). None: the cluster's default partition."""
@@ -45,34 +57,67 @@ class ClusterConfig:
 
 
 @dataclass
-class TransformerConfig:
+class ModelParallelConfig:
+    """What dtk reads of any model besides its factory: how to parallelize it (docs/schemes.md)."""
+
+    wrap_classes: list[str] = field(default_factory=list)
+    """Classes of the repeated blocks: units of FSDP sharding, activation checkpointing and compile."""
+    tp_plan: dict[str, TpStyle] = field(default_factory=dict)
+    """Tensor-parallel plan: module path pattern -> colwise, rowwise, colwise_output, sequence_parallel or sequence_gather."""
+    split_points: list[str] = field(default_factory=list)
+    """Module paths where pipeline stages 1, 2, ... begin. Empty: the blocks split evenly over the stages."""
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """The built-in transformer's keys (group `model`, option `transformer`)."""
+
     _target_: str = "dtk.models.transformer.build"
     """Factory that returns the nn.Module; any importable callable taking these keys as keyword arguments."""
     vocab_size: int = 256
     """Number of token ids."""
     dim: int = 64
     """Hidden size."""
-    n_layers: int = 2
+    num_layers: int = 2
     """Number of transformer blocks."""
-    n_heads: int = 4
+    num_heads: int = 4
     """Attention heads; must divide dim."""
     ffn_hidden: int = 0
-    """Hidden size of the SwiGLU feed-forward. 0: 8/3 × dim rounded up to a multiple of 16."""
+    """Hidden size of the SwiGLU feed-forward. 0: 8/3 x dim rounded up to a multiple of 16."""
     seq_len: int = 64
     """Tokens per sample (context length)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    wrap_classes: list[str] = field(default_factory=list)
-    """Classes of the repeated blocks: units of FSDP sharding, activation checkpointing and compile."""
-    tp_plan: dict[str, str] = field(default_factory=dict)
-    """Tensor-parallel plan: module path pattern → colwise, rowwise, colwise_output, sequence_parallel or sequence_gather."""
-    split_points: list[str] = field(default_factory=list)
-    """Module paths where pipeline stages 1, 2, ... begin. Empty: the blocks split evenly over the stages."""
+    dropout: float = 0.0
+    """Dropout probability after attention and feed-forward (training only). 0: off."""
+
+
+@dataclass
+class ModelConfig(ModelParallelConfig):
+    """The `model` section after composition, the same for every model: the factory, how to
+    parallelize it, and the factory's own keyword arguments. A user's model has no schema
+    (its yaml is free-form), so its keys stay a dict; the built-in transformer's keys were
+    checked against TransformerConfig while composing."""
+
+    _target_: str = MISSING
+    """Factory that returns the nn.Module (a dotted path)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The factory's keyword arguments: every other key of the model's section."""
+
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per sample, when the factory takes `seq_len` (the data is cut to it)."""
+        return self.kwargs.get("seq_len")
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids, when the factory takes `vocab_size` (the data must stay below it)."""
+        return self.kwargs.get("vocab_size")
 
 
 @dataclass
 class SyntheticDataConfig:
-    kind: str = "synthetic"
+    kind: DataKind = DataKind.synthetic
     """Data source: `synthetic` (generated Markov-chain tokens, learnable, no files)."""
     num_samples: int = 8192
     """Samples in one epoch."""
@@ -80,11 +125,13 @@ class SyntheticDataConfig:
     """Seed of the generated token table (independent of train.seed)."""
     branching: int = 4
     """Likely successors per token; lower means an easier, lower-entropy language."""
+    eval_samples: int = 0
+    """Validation samples per evaluation (rounded down to whole global batches). 0: all of the validation split."""
 
 
 @dataclass
 class Hdf5DataConfig:
-    kind: str = "hdf5"
+    kind: DataKind = DataKind.hdf5
     """Data source: `hdf5` (a dataset folder made by `python -m dtk.data prepare`)."""
     path: str = MISSING
     """The dataset folder (manifest.json + HDF5 shards); must be on storage every node sees."""
@@ -102,7 +149,7 @@ class Hdf5DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimizerName = OptimizerName.adamw
     """Optimizer; `adamw` (torch.optim.AdamW)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup."""
@@ -117,7 +164,7 @@ class OptimConfig:
     warmup_steps: int = 20
     """Linear warmup from 0 to `lr` over these optimizer steps."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at `lr × min_lr_ratio` on the last step."""
+    """Cosine decay ends at `lr x min_lr_ratio` on the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
@@ -150,8 +197,8 @@ class SchemeConfig:
     """Tensor-parallel degree (innermost mesh axis, inside a node); -1: inferred."""
     pp: int = 1
     """Pipeline-parallel degree; -1: inferred."""
-    data_parallel: str = "ddp"
-    """How data-parallel ranks hold the model: `ddp` (DistributedDataParallel, replicated; needs dp_shard=1, tp=1) or `fsdp` (FSDP2 over dp_replicate × dp_shard)."""
+    data_parallel: DataParallel = DataParallel.ddp
+    """How data-parallel ranks hold the model: `ddp` (DistributedDataParallel, replicated; needs dp_shard=1, tp=1) or `fsdp` (FSDP2 over dp_replicate x dp_shard)."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size in MiB."""
     shard_optimizer: bool = False
@@ -162,19 +209,19 @@ class SchemeConfig:
     """FSDP: keep parameter shards, gradients and optimizer state in host memory."""
     sequence_parallel: bool = False
     """With tp > 1: shard norms and residual activations along the sequence too."""
-    pp_schedule: str = "1f1b"
-    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved_1f1b` (needs pp_virtual_stages ≥ 2)."""
+    pp_schedule: PipelineSchedule = PipelineSchedule("1f1b")
+    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved_1f1b` (needs pp_virtual_stages >= 2)."""
     pp_virtual_stages: int = 1
-    """Pipeline stages per pipeline rank (interleaved 1F1B); the model is cut into pp × this many stages."""
+    """Pipeline stages per pipeline rank (interleaved 1F1B); the model is cut into pp x this many stages."""
     pp_microbatches: int = 0
-    """Pipeline micro-batches per optimizer step. 0: global_batch / (micro_batch × data-parallel size), or 2 × pp × pp_virtual_stages when train.micro_batch is unset; set: train.micro_batch follows from it."""
-    activation_checkpoint: str = "none"
+    """Pipeline micro-batches per optimizer step. 0: global_batch / (micro_batch x data-parallel size), or 2 x pp x pp_virtual_stages when train.micro_batch is unset; set: train.micro_batch follows from it."""
+    activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     """Recompute activations in backward: `none`, `selective` (keep matmul and attention outputs) or `full` (each block)."""
     compile: bool = False
     """torch.compile each block."""
-    param_dtype: str = "auto"
+    param_dtype: Dtype = Dtype.auto
     """Dtype of parameters in forward/backward: `auto` (bfloat16 on GPU, float32 on CPU), `float32` or `bfloat16`."""
-    reduce_dtype: str = "auto"
+    reduce_dtype: Dtype = Dtype.auto
     """Dtype of the FSDP gradient reduction: `auto` (float32), `float32` or `bfloat16`."""
 
 
@@ -198,11 +245,11 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"
+    backend: Backend = Backend.auto
     """Process-group backend: `auto` (nccl with GPUs, gloo without), `nccl` or `gloo`."""
     timeout_s: int = 300
     """Collective timeout in seconds; a hung collective fails after this instead of at walltime."""
-    device: str = "auto"
+    device: DeviceKind = DeviceKind.auto
     """`auto` (cuda when available), `cuda` or `cpu`."""
 
 
@@ -251,15 +298,15 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Where the job runs (group `cluster`)."""
     model: Any = MISSING
-    """The model (group `model`); `_target_` names its factory."""
+    """The model (group `model`); `_target_` names its factory. After compose(): a ModelConfig."""
     data: Any = MISSING
-    """Training data (group `data`)."""
+    """Training data (group `data`). After compose(): a SyntheticDataConfig or Hdf5DataConfig."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule (group `optim`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint interval and retention (group `checkpoint`)."""
     scheme: SchemeConfig | None = None
-    """Parallelism (group `scheme`, added with `+scheme=NAME`). None: DDP."""
+    """Parallelism (group `scheme`, added with `+scheme=NAME`). None: DDP (after compose(), SchemeConfig())."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop."""
     dist: DistConfig = field(default_factory=DistConfig)
@@ -274,6 +321,10 @@ class Config:
     """Who may submit, read and maintain runs (group `access`, `access=NAME`; docs/access.md). The default, `open`, checks nothing."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for user code; ignored by dtk."""
+
+
+# The schema of each data kind: `data.kind` names it.
+DATA_SCHEMAS: dict[DataKind, type] = {DataKind.synthetic: SyntheticDataConfig, DataKind.hdf5: Hdf5DataConfig}
 
 
 def register() -> None:

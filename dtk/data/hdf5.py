@@ -2,7 +2,7 @@
 
     DIR/
         manifest.json       format, version, seq_len, dtype, vocab_size, tokenizer, and per
-                            shard: file, num_samples, size, crc32 — written last
+                            shard: file, num_samples, size, crc32 - written last
         shard_00000.h5      dataset `tokens`: (num_samples, seq_len + 1), unsigned ints
         shard_00001.h5 ...
 
@@ -12,7 +12,7 @@ token), not of the files, so the same tokens always give the same version; a run
 it and refuses to resume on another. `python -m dtk.data prepare` makes such a folder.
 
 Reading: each shard's `tokens` is stored contiguous and uncompressed, so a worker maps
-it into memory (h5py finds the offset) and gathers rows with numpy — no HDF5 call, and no
+it into memory (h5py finds the offset) and gathers rows with numpy - no HDF5 call, and no
 lock, on the training path. No torch here: the CLI runs on a login node.
 """
 
@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from dtk.config.choices import DataKind
+from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -182,15 +184,16 @@ def split(dataset: Hdf5Tokens, *, val_fraction: float, seed: int, val_shards: li
         if not 0 <= val_fraction < 1:
             raise UserError(f"data.val_fraction={val_fraction}: expected a fraction in [0, 1)")
         perm = np.random.default_rng([seed, 0x5EED]).permutation(n)
-        n_val = int(round(n * val_fraction))
-        val, train = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+        num_val = int(round(n * val_fraction))
+        val, train = np.sort(perm[:num_val]), np.sort(perm[num_val:])
     if len(train) == 0:
         raise UserError(f"data.path={dataset.path}: the validation split takes all {n} samples; nothing left to train on")
     return Subset(dataset, train), Subset(dataset, val)
 
 
-def check_model(dataset: Hdf5Tokens, model_cfg: dict[str, Any]) -> None:
-    seq_len, vocab = model_cfg.get("seq_len"), model_cfg.get("vocab_size")
+def check_model(dataset: Hdf5Tokens, model: ModelConfig) -> None:
+    """The model's input shape (when its factory takes one) against the dataset's."""
+    seq_len, vocab = model.seq_len, model.vocab_size
     if seq_len is not None and seq_len != dataset.seq_len:
         raise UserError(
             f"model.seq_len={seq_len}, but the samples of data.path={dataset.path} hold {dataset.seq_len} tokens"
@@ -203,10 +206,10 @@ def check_model(dataset: Hdf5Tokens, model_cfg: dict[str, Any]) -> None:
         )
 
 
-def check_config(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> None:
+def check_config(data: Any, model: ModelConfig) -> None:
     """What the submitting machine can check before a job is queued (reads the manifest)."""
-    if data_cfg.get("kind") != "hdf5":
+    if data.kind != DataKind.hdf5:
         return
-    dataset = Hdf5Tokens(data_cfg["path"])
-    check_model(dataset, model_cfg)
-    split(dataset, val_fraction=data_cfg["val_fraction"], seed=data_cfg["split_seed"], val_shards=data_cfg["val_shards"])
+    dataset = Hdf5Tokens(data.path)
+    check_model(dataset, model)
+    split(dataset, val_fraction=data.val_fraction, seed=data.split_seed, val_shards=data.val_shards)

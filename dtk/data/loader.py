@@ -10,6 +10,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from dtk.config.choices import DataKind
+from dtk.config.schema import ModelConfig
 from dtk.data.order import GlobalOrder, rank_share
 
 
@@ -20,37 +22,33 @@ class TokenDataset(Protocol):
     def get(self, ids: np.ndarray) -> np.ndarray: ...
 
 
-def build_splits(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> tuple[TokenDataset, TokenDataset]:
-    """(train, validation) datasets of the `data` config, identical on every rank."""
-    kind = data_cfg.get("kind", "synthetic")
-    if kind == "synthetic":
+def build_splits(data: Any, *, model: ModelConfig) -> tuple[TokenDataset, TokenDataset]:
+    """(train, validation) datasets of the `data` section (SyntheticDataConfig or
+    Hdf5DataConfig), identical on every rank."""
+    if data.kind == DataKind.synthetic:
         from dtk.data.synthetic import SyntheticTokens
 
+        # The plan refuses synthetic data for a model without seq_len and vocab_size.
+        assert model.seq_len is not None and model.vocab_size is not None
         train = SyntheticTokens(
-            num_samples=data_cfg["num_samples"],
-            seq_len=model_cfg["seq_len"],
-            vocab_size=model_cfg["vocab_size"],
-            seed=data_cfg["seed"],
-            branching=data_cfg["branching"],
+            num_samples=data.num_samples,
+            seq_len=model.seq_len,
+            vocab_size=model.vocab_size,
+            seed=data.seed,
+            branching=data.branching,
         )
         return train, train.validation()
-    if kind == "hdf5":
-        from dtk.data.hdf5 import Hdf5Tokens, check_model, split
+    assert data.kind == DataKind.hdf5, data.kind
+    from dtk.data.hdf5 import Hdf5Tokens, check_model, split
 
-        dataset = Hdf5Tokens(data_cfg["path"], verify=data_cfg.get("verify", False))
-        check_model(dataset, model_cfg)
-        return split(
-            dataset,
-            val_fraction=data_cfg.get("val_fraction", 0.0),
-            seed=data_cfg.get("split_seed", 0),
-            val_shards=list(data_cfg.get("val_shards") or []),
-        )
-    raise ValueError(f"data.kind={kind}: no such data source (available: synthetic, hdf5)")
+    dataset = Hdf5Tokens(data.path, verify=data.verify)
+    check_model(dataset, model)
+    return split(dataset, val_fraction=data.val_fraction, seed=data.split_seed, val_shards=list(data.val_shards))
 
 
-def build_dataset(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> TokenDataset:
-    """The training split of the `data` config."""
-    return build_splits(data_cfg, model_cfg)[0]
+def build_dataset(data: Any, *, model: ModelConfig) -> TokenDataset:
+    """The training split of the `data` section."""
+    return build_splits(data, model=model)[0]
 
 
 class StepBatches:

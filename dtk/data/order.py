@@ -1,7 +1,7 @@
 """World-size-invariant sample order.
 
 Epoch e visits the samples in the permutation drawn from (seed, e). Training consumes that
-stream in global batches: global batch k is positions [k·B, (k+1)·B) of the stream, and
+stream in global batches: global batch k is positions [k*B, (k+1)*B) of the stream, and
 data-parallel rank r of D takes the r-th contiguous D-th of it. The loader's whole state
 is the number of samples consumed, so it reshards to any D that divides B.
 

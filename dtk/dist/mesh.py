@@ -2,7 +2,7 @@
 
 Ranks are laid out on a 4-D grid, outermost axis first:
 
-    world = arange(dp_replicate × pp × dp_shard × tp).view(dp_replicate, pp, dp_shard, tp)
+    world = arange(dp_replicate x pp x dp_shard x tp).view(dp_replicate, pp, dp_shard, tp)
 
     axis           neighbours are ...          traffic per step
     dp_replicate   across nodes (outermost)    one gradient all-reduce (HSDP / DDP)
@@ -10,7 +10,7 @@ Ranks are laid out on a 4-D grid, outermost axis first:
     dp_shard       inside a node if it fits    FSDP all-gather + reduce-scatter per block
     tp             inside a node (innermost)   all-reduce / all-gather inside every block
 
-Example, 2 nodes × 4 workers, dp_replicate=2 × pp=1 × dp_shard=2 × tp=2:
+Example, 2 nodes x 4 workers, dp_replicate=2 x pp=1 x dp_shard=2 x tp=2:
 
                  dp_shard=0   dp_shard=1
     node 0:      [ 0  1 ]     [ 2  3 ]      <- dp_replicate=0; pairs are tp groups
@@ -25,24 +25,10 @@ all-reduce, once per step) crosses the slowest links. `dp` is the flattened
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dtk.plan.degrees import Degrees
-
-
-class Axis(str, Enum):
-    """Mesh axis names; MESH_ORDER is their order on the grid, outermost first."""
-
-    DP_REPLICATE = "dp_replicate"
-    PP = "pp"
-    DP_SHARD = "dp_shard"
-    TP = "tp"
-    DP = "dp"  # flattened (dp_replicate, dp_shard)
-
-
-MESH_ORDER = (Axis.DP_REPLICATE, Axis.PP, Axis.DP_SHARD, Axis.TP)
+from dtk.plan.degrees import DATA_AXES, DP, Axis, Degrees
 
 
 @dataclass(frozen=True)
@@ -55,8 +41,8 @@ class ParallelMesh:
     def __getitem__(self, axis: Axis | str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(axis, tuple):
             return self.world[axis]
-        name = Axis(axis).value
-        return self.dp if name == Axis.DP.value else self.world[name]
+        name = str(axis)
+        return self.dp if name == DP else self.world[Axis(name).value]
 
     def rank(self, axis: Axis | str) -> int:
         return self[axis].get_local_rank()
@@ -70,13 +56,14 @@ class ParallelMesh:
     @property
     def data_parallel_2d(self) -> DeviceMesh:
         """(dp_replicate, dp_shard): FSDP2 replicates over the first and shards over the second."""
-        return self.world[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]
+        return self.world[tuple(a.value for a in DATA_AXES)]
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
-    """Every axis exists, degree 1 included, so code can always ask for `mesh["tp"]`."""
-    shape = tuple(getattr(degrees, axis.value) for axis in MESH_ORDER)
-    names = tuple(axis.value for axis in MESH_ORDER)
+    """Every axis exists, degree 1 included, so code can always ask for `mesh["tp"]`. The
+    grid's order is Axis's order (dtk/plan/degrees.py), outermost first."""
+    shape = tuple(degrees.of(axis) for axis in Axis)
+    names = tuple(axis.value for axis in Axis)
     world = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    dp = world[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten(Axis.DP.value)
+    dp = world[tuple(a.value for a in DATA_AXES)]._flatten(DP)
     return ParallelMesh(world=world, dp=dp)

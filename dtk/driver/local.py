@@ -21,7 +21,7 @@ from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_STOPPED
 
 POLL_S = 0.2
-STOP_GRACE_S = 60.0  # SIGTERM → the workers agree, save and exit; then SIGKILL
+STOP_GRACE_S = 60.0  # SIGTERM -> the workers agree, save and exit; then SIGKILL
 
 
 def free_port() -> int:

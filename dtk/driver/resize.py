@@ -18,15 +18,15 @@ def fit_plan(plan: Plan, usable_nodes: int, *, allow_shrink: bool) -> Plan | Non
     if not allow_shrink or usable_nodes < 1:
         return None
     cfg = copy.deepcopy(plan.config)
-    cfg["nodes"] = usable_nodes
-    cfg["tasks_per_node"] = plan.tasks_per_node
-    cfg["spare_nodes"] = 0
-    cfg["run"]["root"] = str(Path(plan.run_dir).parent)
-    cfg["run"]["name"] = plan.run_name
+    cfg.nodes = usable_nodes
+    cfg.tasks_per_node = plan.tasks_per_node
+    cfg.spare_nodes = 0
+    cfg.run.root = str(Path(plan.run_dir).parent)
+    cfg.run.name = plan.run_name
     # Keep the micro batch (it is what fits in memory) when it still divides the batch;
     # otherwise the largest smaller one that does.
     for micro in range(plan.micro_batch, 0, -1):
-        cfg["train"]["micro_batch"] = micro
+        cfg.train.micro_batch = micro
         try:
             shrunk = make_plan(cfg, import_path=plan.import_path)
         except UserError:

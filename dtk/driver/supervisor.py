@@ -81,7 +81,7 @@ class Supervisor:
         self.run = run
         self.plan = plan
         self.job_id = job_id
-        self.fault = plan.config["fault"]
+        self.fault = plan.config.fault
         self.relaunches = 0  # after crashes and hangs, in this allocation
         self.signalled = 0  # SIGTERM (preemption) or USR2 seen by the driver itself
 
@@ -150,9 +150,9 @@ class Supervisor:
                 beat = 0.0
             now = time.time()
             if beat < started:
-                silent, limit = now - started, self.fault["startup_timeout_s"]
+                silent, limit = now - started, self.fault.startup_timeout_s
             else:
-                silent, limit = now - beat, self.fault["hang_timeout_s"]
+                silent, limit = now - beat, self.fault.hang_timeout_s
             if silent > limit and proc.poll() is None:
                 done = self.run.latest_metrics()
                 self.run.event("hang_detected", job_id=self.job_id, nodes=nodes, step=max(done) if done else 0,
@@ -182,7 +182,7 @@ class Supervisor:
         while True:
             excluded = set(read_exclusions(self.run))
             usable = [n for n in self.allocation() if n not in excluded]
-            plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault["shrink"])
+            plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault.shrink)
             if plan is None:
                 return self._requeue(
                     reason=f"{len(usable)} usable node(s) left, {self.plan.nodes} needed", exclude=sorted(excluded),
@@ -204,9 +204,9 @@ class Supervisor:
                                resume_from=latest_checkpoint_step(self.run))
                 continue  # a lost node is not the run's fault: no relaunch budget spent
             self.relaunches += 1
-            if self.relaunches > self.fault["max_restarts"]:
+            if self.relaunches > self.fault.max_restarts:
                 error = (f"{outcome.kind} {self.relaunches} times in job {self.job_id}"
-                         f" (fault.max_restarts={self.fault['max_restarts']}); last cause: {outcome.cause}")
+                         f" (fault.max_restarts={self.fault.max_restarts}); last cause: {outcome.cause}")
                 record_failure(self.run, error=error, restarts=self.run.starts() - 1, job_id=self.job_id, step=step)
                 raise RuntimeError(error)
             self.run.event("relaunched", job_id=self.job_id, cause=outcome.kind, detail=outcome.cause, step=step,

@@ -109,7 +109,7 @@ def submit_inputs(plan: Plan, run: RunDir):
     saves = [e["seconds"] for e in run.events_list() if e.get("event") == "checkpoint_saved" and "seconds" in e]
     steps = [r["step_time_s"] for r in run.latest_metrics().values() if "step_time_s" in r]
     lead = signal_lead(
-        floor_s=plan.config["fault"]["signal_lead_floor_s"],
+        floor_s=plan.config.fault.signal_lead_floor_s,
         save_s=max(saves) if saves else None,
         step_s=statistics.median(steps) if steps else None,
     )
@@ -131,9 +131,9 @@ def launch(plan: Plan) -> Launched:
     if plan.cluster_kind == "slurm":
         from dtk.launch import slurmctl
 
-        c = plan.config["cluster"]
-        slurmctl.check_fits(slurmctl.partitions(), partition=c["partition"], nodes=plan.nodes, time_min=c["time_min"])
-        check_dependencies(plan.config["submit"]["after"], slurmctl.job_state)
+        c = plan.config.cluster
+        slurmctl.check_fits(slurmctl.partitions(), partition=c.partition, nodes=plan.nodes, time_min=c.time_min)
+        check_dependencies(plan.config.submit.after, slurmctl.job_state)
     if already_finished(plan, run):
         summary = run.read_summary() or {}
         print(f"run {run.path} already finished: step {summary.get('final_step')}, loss {summary.get('final_loss')}")
@@ -151,7 +151,7 @@ def _launch_local(plan: Plan) -> int:
                  job_ids=[f"local-{os.getpid()}"], cluster="local")
     from dtk.driver.local import LocalDriver
 
-    progress = Progress(run.metrics, total=plan.steps, every=plan.config["train"]["log_every"])
+    progress = Progress(run.metrics, total=plan.steps, every=plan.config.train.log_every)
     progress.skip_existing()
     code = LocalDriver(plan, run, progress=progress).run_to_end()
     if code == 0:
@@ -186,7 +186,7 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
     log = submitit_folder(plan) / job.job_id / f"{job.job_id}_0_log.out"
     print(f"submitted job {job.job_id}\n  run dir  {run.path}\n  log      {log}\n"
           f"  status   python -m dtk.status {run.path}", flush=True)
-    wait = plan.config["submit"]["wait"]
+    wait = plan.config.submit.wait
     if not wait:
         return Launched(0, job.job_id)
     return Launched(follow(plan, run, job.job_id), job.job_id)
@@ -202,7 +202,7 @@ def follow(plan: Plan, run: RunDir, job_id: str, poll_s: float = 2.0) -> int:
     from dtk.launch.slurmctl import job_state
 
     state: list[str | None] = ["PENDING"]
-    progress = Progress(run.metrics, total=plan.steps, every=plan.config["train"]["log_every"],
+    progress = Progress(run.metrics, total=plan.steps, every=plan.config.train.log_every,
                         state=lambda: f"job {job_id} {state[0]}")
     progress.skip_existing()
     shown = None

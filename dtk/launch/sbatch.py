@@ -1,4 +1,4 @@
-"""Plan → sbatch submission through submitit.
+"""Plan -> sbatch submission through submitit.
 
 The sbatch text is a pure function of the plan (`sbatch_text`), checked against golden
 files; the executor used for the real submission renders its script with that same
@@ -47,7 +47,7 @@ def signal_lead(*, floor_s: int, save_s: float | None, step_s: float | None) -> 
 
 
 def submitit_folder(plan: Plan) -> Path:
-    log_dir = plan.config["cluster"].get("log_dir")
+    log_dir = plan.config.cluster.log_dir
     return Path(log_dir) if log_dir else Path(plan.run_dir) / "slurm"
 
 
@@ -65,7 +65,7 @@ def setup_lines(names: list[str]) -> list[str]:
 
 
 def parse_extra(flags: list[str]) -> dict[str, Any]:
-    """`--reservation=big` / `--mail-type END` → {"reservation": "big", ...} for submitit."""
+    """`--reservation=big` / `--mail-type END` -> {"reservation": "big", ...} for submitit."""
     out: dict[str, Any] = {}
     for flag in flags:
         if not flag.startswith("--"):
@@ -79,28 +79,28 @@ def parse_extra(flags: list[str]) -> dict[str, Any]:
 
 def sbatch_parameters(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str, Any]:
     """submitit's `_make_sbatch_string` keyword arguments for this plan."""
-    c = plan.config["cluster"]
+    c = plan.config.cluster
     params: dict[str, Any] = {
         "job_name": f"dtk-{plan.run_name}",
         "nodes": plan.nodes + plan.spare_nodes,
         "ntasks_per_node": plan.tasks_per_node,
-        "cpus_per_task": c["cpus_per_task"],
-        "time": c["time_min"],
+        "cpus_per_task": c.cpus_per_task,
+        "time": c.time_min,
         # USR2 (not USR1, which NCCL may use) to the job steps, i.e. the workers, ahead of
         # the time limit: they agree at a step boundary, save, and the driver requeues.
         "signal_delay_s": inputs.signal_lead_s,
         "use_srun": False,
         "stderr_to_stdout": True,
-        "setup": setup_lines(c["setup"]) + [f"export DTK_RUN_DIR={shlex.quote(plan.run_dir)}"],
+        "setup": setup_lines(c.setup) + [f"export DTK_RUN_DIR={shlex.quote(plan.run_dir)}"],
     }
     for key in ("partition", "account", "qos", "constraint"):
-        if c[key]:
-            params[key] = c[key]
-    if c["gpus_per_node"]:
-        params["gpus_per_node"] = c["gpus_per_node"]
-    if c["mem_gb"]:
-        params["mem"] = f"{c['mem_gb']}GB"
-    if c["exclusive"]:
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    if c.mem_gb:
+        params["mem"] = f"{c.mem_gb}GB"
+    if c.exclusive:
         params["exclusive"] = True
     if inputs.exclude:
         params["exclude"] = ",".join(inputs.exclude)
@@ -112,9 +112,9 @@ def sbatch_parameters(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict
     # it finds its run directory (identity comes from the config) and resumes. --no-kill: a
     # failed node ends the worker step, not the job, and the driver carries on without it.
     extra: dict[str, Any] = {"requeue": True}
-    if plan.config["fault"]["survive_node_loss"]:
+    if plan.config.fault.survive_node_loss:
         extra["no-kill"] = True
-    params["additional_parameters"] = {**extra, **parse_extra(c["sbatch_extra"])}
+    params["additional_parameters"] = {**extra, **parse_extra(c.sbatch_extra)}
     return params
 
 

@@ -1,4 +1,4 @@
-"""Build a model from `model._target_` and the other keys of the `model` config.
+"""Build a model from `model._target_` and its factory's keys (`ModelConfig.kwargs`).
 
 A model is built on the meta device (no memory), parallelized, and only then given real
 storage and initial values (`materialize`). The initial values never depend on how the
@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# Keys of the model config that describe how to parallelize, not how to build.
-PARALLEL_KEYS = ("wrap_classes", "tp_plan", "split_points")
+from dtk.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -27,16 +26,14 @@ class ParallelSpec:
     wrap_classes: tuple[str, ...] = ()
     """Class names (or dotted paths) of the repeated blocks: FSDP and activation-checkpoint units."""
     tp_plan: dict[str, str] = field(default_factory=dict)
-    """Module path pattern → tensor-parallel style (colwise, rowwise, colwise_output, ...)."""
+    """Module path pattern -> tensor-parallel style (colwise, rowwise, colwise_output, ...)."""
     split_points: tuple[str, ...] = ()
     """Module paths where pipeline stages 1, 2, ... begin; empty: an even split of the blocks."""
 
     @staticmethod
-    def from_config(cfg: dict[str, Any]) -> ParallelSpec:
+    def from_config(model: ModelConfig) -> ParallelSpec:
         return ParallelSpec(
-            wrap_classes=tuple(cfg.get("wrap_classes") or ()),
-            tp_plan=dict(cfg.get("tp_plan") or {}),
-            split_points=tuple(cfg.get("split_points") or ()),
+            wrap_classes=tuple(model.wrap_classes), tp_plan=dict(model.tp_plan), split_points=tuple(model.split_points)
         )
 
 
@@ -51,20 +48,16 @@ def locate(target: str) -> Callable[..., Any]:
         raise ValueError(f"model._target_={target}: cannot import it ({exc})") from None
 
 
-def _factory_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cfg.items() if not k.startswith("_") and k not in PARALLEL_KEYS}
-
-
-def build_model(cfg: dict[str, Any], *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+def build_model(model_cfg: ModelConfig, *, device: str | torch.device, seed: int) -> nn.Module:
     """Call the factory under `device`. On "meta" nothing is allocated; `materialize` later
     gives the parameters storage and values. On a real device the model gets the initial
     values a distributed run starts from (see `materialize`)."""
-    factory = locate(cfg["_target_"])
+    factory = locate(model_cfg._target_)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = factory(**_factory_kwargs(cfg))
+        model = factory(**model_cfg.kwargs)
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not an nn.Module")
+        raise ValueError(f"model._target_={model_cfg._target_} returned {type(model).__name__}, not an nn.Module")
     if torch.device(device).type != "meta" and hasattr(model, "reset_parameter"):
         _init_by_name([model], seed)
     return model
@@ -108,7 +101,7 @@ def _init_by_name(parts: list[nn.Module], seed: int) -> None:
         _assign(t, full)
 
 
-def materialize(parts: list[nn.Module], *, cfg: dict[str, Any], device: torch.device, seed: int) -> None:
+def materialize(parts: list[nn.Module], *, model_cfg: ModelConfig, device: torch.device, seed: int) -> None:
     """Give meta parameters storage on `device` and their initial values.
 
     A model with `reset_parameter(name, full, generator)` fills each full tensor from a
@@ -121,10 +114,12 @@ def materialize(parts: list[nn.Module], *, cfg: dict[str, Any], device: torch.de
     if hasattr(parts[0], "reset_parameter"):
         _init_by_name(parts, seed)
         return
-    reference = build_model(cfg, device="cpu", seed=seed)
+    reference = build_model(model_cfg, device="cpu", seed=seed)
     values = dict(reference.named_parameters())
     values.update(reference.named_buffers())
     for _, name, t in _tensors(parts):
         if name not in values:
-            raise ValueError(f"model._target_={cfg['_target_']}: parameter {name} is not in a fresh build of the model")
+            raise ValueError(
+                f"model._target_={model_cfg._target_}: parameter {name} is not in a fresh build of the model"
+            )
         _assign(t, values[name].detach())

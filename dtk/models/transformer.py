@@ -9,11 +9,15 @@ not hold them, and `forward` skips them.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dtk.config.schema import TransformerConfig
 
 
 def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
@@ -33,10 +37,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int) -> None:
+    def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
-        self.n_heads = n_heads
-        self.head_dim = dim // n_heads
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.wq = nn.Linear(dim, dim, bias=False)
         self.wk = nn.Linear(dim, dim, bias=False)
         self.wv = nn.Linear(dim, dim, bias=False)
@@ -44,7 +48,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        # -1 for the head count: under tensor parallelism this rank holds n_heads / tp heads.
+        # -1 for the head count: under tensor parallelism this rank holds num_heads / tp heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
@@ -64,16 +68,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int, eps: float) -> None:
+    def __init__(self, dim: int, num_heads: int, hidden: int, eps: float, dropout: float) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(dim, eps)
-        self.attn = Attention(dim, n_heads)
+        self.attn = Attention(dim, num_heads)
         self.mlp_norm = RMSNorm(dim, eps)
         self.mlp = FeedForward(dim, hidden)
+        # Identity at 0, not Dropout(0): a model without dropout draws no random numbers.
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -82,19 +88,22 @@ class Transformer(nn.Module):
         *,
         vocab_size: int,
         dim: int,
-        n_layers: int,
-        n_heads: int,
-        ffn_hidden: int = 0,
-        seq_len: int = 64,
-        norm_eps: float = 1e-5,
+        num_layers: int,
+        num_heads: int,
+        ffn_hidden: int,
+        seq_len: int,
+        norm_eps: float,
+        dropout: float,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
-        self.n_layers = n_layers
+        self.num_layers = num_layers
         self.tok_embeddings: nn.Module | None = nn.Embedding(vocab_size, dim)
         self.pos_embeddings: nn.Module | None = nn.Embedding(seq_len, dim)
         hidden = ffn_hidden_size(dim, ffn_hidden)
-        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, hidden, norm_eps) for i in range(n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(dim, num_heads, hidden, norm_eps, dropout) for i in range(num_layers)}
+        )
         self.norm: nn.Module | None = RMSNorm(dim, norm_eps)
         self.output: nn.Module | None = nn.Linear(dim, vocab_size, bias=False)
 
@@ -109,7 +118,7 @@ class Transformer(nn.Module):
         if name.endswith("norm.weight"):
             nn.init.ones_(full)
         elif name.endswith(("wo.weight", "w2.weight")):
-            nn.init.normal_(full, 0.0, std / math.sqrt(2 * self.n_layers), generator=generator)
+            nn.init.normal_(full, 0.0, std / math.sqrt(2 * self.num_layers), generator=generator)
         else:
             nn.init.normal_(full, 0.0, std, generator=generator)
 
@@ -130,6 +139,13 @@ class Transformer(nn.Module):
         return h
 
 
+# The schema's defaults, so a caller outside dtk's config (a test, an export script) can
+# give only the keys it cares about; the values live in dtk/config/schema.py alone.
+_PARAMETERS = inspect.signature(Transformer).parameters
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name in _PARAMETERS}
+
+
 def build(**kwargs) -> Transformer:
-    """Factory named by `model._target_` in conf/model/transformer.yaml."""
-    return Transformer(**kwargs)
+    """Factory named by `model._target_` in conf/model/transformer.yaml; keys left out take
+    the schema's defaults."""
+    return Transformer(**{**DEFAULTS, **kwargs})

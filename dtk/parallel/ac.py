@@ -10,9 +10,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from dtk.config.choices import ActivationCheckpoint
 from dtk.parallel.units import wrap_units
-
-AC_MODES = ("none", "selective", "full")
 
 
 def _saved_ops() -> set:
@@ -54,9 +53,8 @@ def checkpoint_module(module: nn.Module, *, selective: bool) -> None:
     module.forward = forward
 
 
-def apply_ac(module: nn.Module, *, mode: str, wrap_classes: tuple[str, ...]) -> None:
-    assert mode in AC_MODES, mode
-    if mode == "none":
+def apply_ac(module: nn.Module, *, mode: ActivationCheckpoint, wrap_classes: tuple[str, ...]) -> None:
+    if mode == ActivationCheckpoint.none:
         return
     blocks = wrap_units(module, wrap_classes)
     if not blocks:
@@ -65,4 +63,4 @@ def apply_ac(module: nn.Module, *, mode: str, wrap_classes: tuple[str, ...]) -> 
             " matches no module of this model part"
         )
     for _, block in blocks:
-        checkpoint_module(block, selective=mode == "selective")
+        checkpoint_module(block, selective=mode == ActivationCheckpoint.selective)

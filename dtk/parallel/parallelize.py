@@ -2,7 +2,7 @@
 
 Order, fixed, each step an `apply_*` of its own module:
 
-    1. pipeline split       the (meta) model → this rank's stage modules
+    1. pipeline split       the (meta) model -> this rank's stage modules
     2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis)
     3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
@@ -10,7 +10,7 @@ Order, fixed, each step an `apply_*` of its own module:
        materialize          storage and initial values (after sharding: no rank ever holds
                             the whole model; before DDP, which broadcasts real weights)
        DDP                  or wrap for replicated data parallelism
-    6. pipeline schedule    stages of this rank → the schedule that runs the micro-batches
+    6. pipeline schedule    stages of this rank -> the schedule that runs the micro-batches
 
 This function only decides which apply runs, and in what order.
 """
@@ -19,16 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from dtk.dist.mesh import Axis, ParallelMesh
+from dtk.config.choices import ActivationCheckpoint, DataParallel
+from dtk.config.schema import SchemeConfig
+from dtk.dist.mesh import ParallelMesh
 from dtk.models.build import ParallelSpec
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
-from dtk.plan.degrees import Degrees
+from dtk.plan.degrees import DP, Axis, Degrees
 
 
 @dataclass
@@ -48,22 +49,21 @@ def parallelize(
     *,
     mesh: ParallelMesh,
     degrees: Degrees,
-    scheme: dict[str, Any],
+    scheme: SchemeConfig,
     spec: ParallelSpec,
     device: torch.device,
     materialize: Callable[[list[nn.Module]], None],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    n_microbatches: int,
+    num_microbatches: int,
 ) -> Parallelized:
     """Return this rank's model ready to train under `scheme`. `model` is on the meta device;
     `materialize(parts)` gives parts storage and initial values."""
-    data_parallel = scheme["data_parallel"]
-    param_dtype = resolve_dtype(scheme["param_dtype"], device, auto=torch.bfloat16)
-    reduce_dtype = resolve_dtype(scheme["reduce_dtype"], device, auto=torch.float32)
+    param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16)
+    reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32)
     # A one-process fsdp job still runs fully_shard (on a one-rank mesh): the same code,
     # mixed-precision policy and memory layout as on many GPUs.
-    use_fsdp = data_parallel == "fsdp" and (degrees.dp > 1 or degrees.world == 1)
-    use_ddp = data_parallel == "ddp" and degrees.dp > 1
+    use_fsdp = scheme.data_parallel == DataParallel.fsdp and (degrees.dp > 1 or degrees.world == 1)
+    use_ddp = scheme.data_parallel == DataParallel.ddp and degrees.dp > 1
 
     if degrees.tp > 1:
         from dtk.parallel.tp import check_tp_plan
@@ -72,14 +72,14 @@ def parallelize(
 
     # 1. pipeline split
     parts, stage_ids = [model], [0]
-    num_stages = degrees.pp * scheme["pp_virtual_stages"]
+    num_stages = degrees.pp * scheme.pp_virtual_stages
     if degrees.pp > 1:
         parts, stage_ids = split_model(
             model,
             split_points=spec.split_points,
-            pp_rank=mesh.rank(Axis.PP),
+            pp_rank=mesh.rank(Axis.pp),
             pp=degrees.pp,
-            virtual=scheme["pp_virtual_stages"],
+            virtual=scheme.pp_virtual_stages,
         )
 
     for part in parts:
@@ -87,14 +87,14 @@ def parallelize(
         if degrees.tp > 1:
             from dtk.parallel.tp import apply_tp
 
-            apply_tp(part, mesh=mesh[Axis.TP], tp_plan=spec.tp_plan, sequence_parallel=scheme["sequence_parallel"])
+            apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel)
         # 3. activation checkpointing
-        if scheme["activation_checkpoint"] != "none":
+        if scheme.activation_checkpoint != ActivationCheckpoint.none:
             from dtk.parallel.ac import apply_ac
 
-            apply_ac(part, mode=scheme["activation_checkpoint"], wrap_classes=spec.wrap_classes)
+            apply_ac(part, mode=scheme.activation_checkpoint, wrap_classes=spec.wrap_classes)
         # 4. compile
-        if scheme["compile"]:
+        if scheme.compile:
             from dtk.parallel.compile import apply_compile
 
             apply_compile(part, wrap_classes=spec.wrap_classes)
@@ -104,15 +104,15 @@ def parallelize(
 
             # 1-D when there is nothing to replicate: HSDP with one replica would only add
             # a no-op all-reduce per step.
-            fsdp_mesh = mesh[Axis.DP_SHARD] if degrees.dp_replicate == 1 else mesh.data_parallel_2d
+            fsdp_mesh = mesh[Axis.dp_shard] if degrees.dp_replicate == 1 else mesh.data_parallel_2d
             apply_fsdp(
                 part,
                 mesh=fsdp_mesh,
                 wrap_classes=spec.wrap_classes,
-                reshard_after_forward=scheme["reshard_after_forward"],
+                reshard_after_forward=scheme.reshard_after_forward,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
-                cpu_offload=scheme["cpu_offload"],
+                cpu_offload=scheme.cpu_offload,
                 device=device,
             )
 
@@ -123,7 +123,7 @@ def parallelize(
         from dtk.parallel.ddp import apply_ddp
 
         parts = [
-            apply_ddp(part, device=device, bucket_cap_mb=scheme["bucket_cap_mb"], process_group=mesh.group(Axis.DP))
+            apply_ddp(part, device=device, bucket_cap_mb=scheme.bucket_cap_mb, process_group=mesh.group(DP))
             for part in parts
         ]
 
@@ -134,11 +134,11 @@ def parallelize(
             parts,
             stage_ids,
             num_stages=num_stages,
-            schedule=scheme["pp_schedule"],
-            n_microbatches=n_microbatches,
+            schedule=scheme.pp_schedule,
+            num_microbatches=num_microbatches,
             loss_fn=loss_fn,
             device=device,
-            group=mesh.group(Axis.PP),
+            group=mesh.group(Axis.pp),
         )
     autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
     return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast)

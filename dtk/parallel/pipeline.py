@@ -1,13 +1,13 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
-The model is cut into `pp × pp_virtual_stages` stages at unit boundaries (see
+The model is cut into `pp x pp_virtual_stages` stages at unit boundaries (see
 `dtk.parallel.units.pipeline_units`): stage s begins at `split_points[s-1]`, or, with no
 split points, the blocks are divided evenly and the stages before the first block and
 after the last go to the first and last stage. A stage is a copy of the model in which
 every unit it does not own is gone: a block becomes `nn.Identity()` (names of the others
 stay), a top-level module becomes None (the model's forward must skip None modules).
 
-Pipeline rank r holds stages r, r + pp, r + 2·pp, ... (looped, as interleaved 1F1B
+Pipeline rank r holds stages r, r + pp, r + 2*pp, ... (looped, as interleaved 1F1B
 expects). The accumulation micro-batches of one optimizer step are the pipeline's
 micro-batches: the schedule runs them all in one `step`.
 """
@@ -22,10 +22,15 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from dtk.config.choices import PipelineSchedule
 from dtk.parallel.units import pipeline_units
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-MULTI_STAGE = ("interleaved_1f1b",)
+SCHEDULES = {
+    PipelineSchedule("gpipe"): ScheduleGPipe,
+    PipelineSchedule("1f1b"): Schedule1F1B,
+    PipelineSchedule("interleaved_1f1b"): ScheduleInterleaved1F1B,
+}
+MULTI_STAGE = (PipelineSchedule("interleaved_1f1b"),)
 
 
 def stage_units(model: nn.Module, *, split_points: tuple[str, ...], num_stages: int) -> list[list[str]]:
@@ -36,7 +41,7 @@ def stage_units(model: nn.Module, *, split_points: tuple[str, ...], num_stages: 
         if len(split_points) != num_stages - 1:
             raise ValueError(
                 f"model.split_points has {len(split_points)} entries, which make {len(split_points) + 1} stages,"
-                f" but pp × pp_virtual_stages = {num_stages}; give {num_stages - 1} split points or none (even split)"
+                f" but pp x pp_virtual_stages = {num_stages}; give {num_stages - 1} split points or none (even split)"
             )
         missing = [p for p in split_points if p not in names]
         if missing:
@@ -48,7 +53,7 @@ def stage_units(model: nn.Module, *, split_points: tuple[str, ...], num_stages: 
         blocks = [i for i, (_, is_block) in enumerate(units) if is_block]
         if len(blocks) < num_stages:
             raise ValueError(
-                f"pp × pp_virtual_stages = {num_stages} stages, but the model has {len(blocks)} blocks;"
+                f"pp x pp_virtual_stages = {num_stages} stages, but the model has {len(blocks)} blocks;"
                 " every stage needs at least one"
             )
         starts = [blocks[s * len(blocks) // num_stages] for s in range(1, num_stages)]
@@ -96,8 +101,8 @@ def build_pipeline(
     stage_ids: list[int],
     *,
     num_stages: int,
-    schedule: str,
-    n_microbatches: int,
+    schedule: PipelineSchedule,
+    num_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     group,
@@ -110,10 +115,10 @@ def build_pipeline(
     # The loss is a mean over one micro-batch; scale_grads divides the summed gradients by
     # the micro-batch count, so the result is the mean over the rank's batch, as without pp.
     if schedule in MULTI_STAGE:
-        sched = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        sched = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
     else:
         assert len(stages) == 1, "single-stage schedules take one stage per rank"
-        sched = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        sched = cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
     return Pipeline(
         schedule=sched,
         has_first_stage=0 in stage_ids,

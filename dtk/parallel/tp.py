@@ -17,10 +17,12 @@ A plan maps module path patterns (shell style, `layers.*.attn.wq`) to a style:
                                                                  attention or MLP block)
 
 Activations between modules are plain local tensors (use_local_output), so the model's
-own code runs unchanged on its shard: an attention module sees n_heads / tp heads.
+own code runs unchanged on its shard: an attention module sees num_heads / tp heads.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,44 +36,64 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from dtk.config.choices import TpStyle
 from dtk.parallel.units import pattern_matches
 
-TP_STYLES = ("colwise", "rowwise", "colwise_output", "sequence_parallel", "sequence_gather")
 SEQ_DIM = 1  # activations are (batch, sequence, features)
+SEQ = Shard(SEQ_DIM)
 
 
-def make_style(style: str, module: nn.Module, *, sequence_parallel: bool) -> ParallelStyle | None:
+def _colwise(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    return ColwiseParallel()
+
+
+def _rowwise(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    # Token ids (or positions) reach an Embedding whole on every rank.
+    input_layouts = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+    return RowwiseParallel(input_layouts=input_layouts, output_layouts=SEQ if sequence_parallel else Replicate())
+
+
+def _colwise_output(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    return ColwiseParallel(input_layouts=SEQ if sequence_parallel else Replicate(), output_layouts=Replicate())
+
+
+def _sequence_parallel(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    return SequenceParallel(sequence_dim=SEQ_DIM) if sequence_parallel else None
+
+
+def _sequence_gather(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    if not sequence_parallel:
+        return None
+    return PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
+
+
+# What each style of the schema (dtk/config/choices.py) is in torch; a test checks that
+# every TpStyle member is here.
+STYLES: dict[TpStyle, Callable[[nn.Module, bool], ParallelStyle | None]] = {
+    TpStyle.colwise: _colwise,
+    TpStyle.rowwise: _rowwise,
+    TpStyle.colwise_output: _colwise_output,
+    TpStyle.sequence_parallel: _sequence_parallel,
+    TpStyle.sequence_gather: _sequence_gather,
+}
+
+
+def make_style(style: TpStyle, module: nn.Module, *, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch ParallelStyle of one module, or None when the style is a no-op here."""
-    seq = Shard(SEQ_DIM)
-    if style == "colwise":
-        return ColwiseParallel()
-    if style == "rowwise":
-        # Token ids (or positions) reach an Embedding whole on every rank.
-        input_layouts = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
-        return RowwiseParallel(input_layouts=input_layouts, output_layouts=seq if sequence_parallel else Replicate())
-    if style == "colwise_output":
-        return ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())
-    if style == "sequence_parallel":
-        return SequenceParallel(sequence_dim=SEQ_DIM) if sequence_parallel else None
-    if style == "sequence_gather":
-        if not sequence_parallel:
-            return None
-        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-    raise ValueError(f"tensor-parallel style {style!r}: expected one of {', '.join(TP_STYLES)}")
+    return STYLES[style](module, sequence_parallel)
 
 
-def check_tp_plan(model: nn.Module, tp_plan: dict[str, str]) -> None:
-    """Fail early, on the whole model, when a pattern names nothing or a style is unknown."""
+def check_tp_plan(model: nn.Module, tp_plan: dict[str, TpStyle]) -> None:
+    """Fail early, on the whole model, when a pattern names nothing (the styles themselves
+    were checked while composing)."""
     if not tp_plan:
-        raise ValueError("scheme.tp > 1 needs model.tp_plan (module path pattern → style); this model has none")
-    for pattern, style in tp_plan.items():
-        if style not in TP_STYLES:
-            raise ValueError(f"model.tp_plan[{pattern!r}]={style}: expected one of {', '.join(TP_STYLES)}")
+        raise ValueError("scheme.tp > 1 needs model.tp_plan (module path pattern -> style); this model has none")
+    for pattern in tp_plan:
         if not pattern_matches(model, pattern):
             raise ValueError(f"model.tp_plan pattern {pattern!r} matches no module of the model")
 
 
-def apply_tp(module: nn.Module, *, mesh: DeviceMesh, tp_plan: dict[str, str], sequence_parallel: bool) -> None:
+def apply_tp(module: nn.Module, *, mesh: DeviceMesh, tp_plan: dict[str, TpStyle], sequence_parallel: bool) -> None:
     """Shard the matched modules of `module` (a whole model or one pipeline stage) in place."""
     for pattern, style in tp_plan.items():
         for _, target in pattern_matches(module, pattern):

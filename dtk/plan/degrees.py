@@ -1,22 +1,44 @@
-"""Parallel degrees: `dp_replicate × dp_shard × tp × pp = world size`, one of them may be -1."""
+"""The mesh axes and their degrees: `dp_replicate x pp x dp_shard x tp = world size`, one may be -1.
+
+`Axis` is the one list of axis names: the scheme's degree keys, the named DeviceMesh's
+dimensions (dtk/dist/mesh.py builds it in this order) and what the plan prints all come
+from it. Torch-free, so the login node checks the degrees before anything is queued.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from dtk.config.choices import Choice, DataParallel, PipelineSchedule
+from dtk.config.convert import builtin_transformer
+from dtk.config.schema import ModelConfig, SchemeConfig, TransformerConfig
 from dtk.errors import UserError
 
-AXES = ("dp_replicate", "dp_shard", "tp", "pp")
+
+class Axis(Choice):
+    """Mesh axes in grid order, outermost first (dtk/dist/mesh.py draws the grid). Each is a
+    degree key of the scheme (`scheme.tp`) and a field of Degrees."""
+
+    dp_replicate = "dp_replicate"
+    pp = "pp"
+    dp_shard = "dp_shard"
+    tp = "tp"
+
+
+DP = "dp"
+"""The flattened (dp_replicate, dp_shard) mesh: the ranks that see different samples."""
+DATA_AXES = (Axis.dp_replicate, Axis.dp_shard)
 
 
 @dataclass(frozen=True)
 class Degrees:
+    """The size of each mesh axis, one field per Axis."""
+
     dp_replicate: int
+    pp: int
     dp_shard: int
     tp: int
-    pp: int
 
     @property
     def dp(self) -> int:
@@ -25,12 +47,19 @@ class Degrees:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return math.prod(self.of(axis) for axis in Axis)
+
+    def of(self, axis: Axis) -> int:
+        return getattr(self, axis.value)
+
+    def describe(self) -> str:
+        """`dp_replicate=2 pp=1 dp_shard=2 tp=2`, in grid order."""
+        return " ".join(f"{axis}={self.of(axis)}" for axis in Axis)
 
 
-def resolve_degrees(scheme: dict[str, Any], world: int) -> Degrees:
+def resolve_degrees(scheme: SchemeConfig, world: int) -> Degrees:
     """Infer the one `-1` degree and check that the product is the world size."""
-    values = {axis: scheme[axis] for axis in AXES}
+    values = {axis.value: getattr(scheme, axis.value) for axis in Axis}
     inferred = [axis for axis, v in values.items() if v == -1]
     for axis, v in values.items():
         if v != -1 and (not isinstance(v, int) or v < 1):
@@ -43,46 +72,30 @@ def resolve_degrees(scheme: dict[str, Any], world: int) -> Degrees:
     for v in values.values():
         if v != -1:
             known *= v
-    formula = " × ".join(f"{a}={values[a]}" for a in AXES)
+    formula = " x ".join(f"{a}={v}" for a, v in values.items())
     if inferred:
         if world % known:
             raise UserError(
                 f"{formula}: the fixed degrees multiply to {known}, which does not divide world size {world}"
-                f" (nodes × tasks_per_node)"
+                f" (nodes x tasks_per_node)"
             )
         values[inferred[0]] = world // known
     elif known != world:
         raise UserError(
-            f"{formula} = {known}, but the world size (nodes × tasks_per_node) is {world};"
+            f"{formula} = {known}, but the world size (nodes x tasks_per_node) is {world};"
             " make the product equal, or set one degree to -1"
         )
     return Degrees(**values)
 
 
-# What each scheme option may be; checked here so a typo fails on the login node.
-DATA_PARALLEL = ("ddp", "fsdp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-AC_MODES = ("none", "selective", "full")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def default_scheme() -> dict[str, Any]:
-    """The scheme of a job without `+scheme=`: plain DDP (the schema's defaults)."""
-    from dataclasses import asdict
-
-    from dtk.config.schema import SchemeConfig
-
-    return asdict(SchemeConfig())
-
-
-def micro_batch_size(scheme: dict[str, Any], *, micro_batch: int | None, global_batch: int, degrees: Degrees) -> int:
+def micro_batch_size(scheme: SchemeConfig, *, micro_batch: int | None, global_batch: int, degrees: Degrees) -> int:
     """Samples per forward on one rank. scheme.pp_microbatches, when set, decides it:
-    global_batch = micro_batch × pp_microbatches × data-parallel size. With a pipeline and
-    neither set, the pipeline gets 2 × its stage count of micro-batches."""
-    n = scheme.get("pp_microbatches", 0)
+    global_batch = micro_batch x pp_microbatches x data-parallel size. With a pipeline and
+    neither set, the pipeline gets 2 x its stage count of micro-batches."""
+    n = scheme.pp_microbatches
     if not n and not micro_batch and degrees.pp > 1:
-        # Neither given: enough micro-batches to keep the stages busy (bubble ≤ ~1/3).
-        local, stages = global_batch // degrees.dp, degrees.pp * scheme.get("pp_virtual_stages", 1)
+        # Neither given: enough micro-batches to keep the stages busy (bubble <= ~1/3).
+        local, stages = global_batch // degrees.dp, degrees.pp * scheme.pp_virtual_stages
         n = next((c for c in (2 * stages, stages) if local % c == 0), 0)
     if not n:
         return micro_batch or global_batch // degrees.dp
@@ -91,60 +104,54 @@ def micro_batch_size(scheme: dict[str, Any], *, micro_batch: int | None, global_
     per = n * degrees.dp
     if global_batch % per:
         raise UserError(
-            f"train.global_batch={global_batch} is not a multiple of scheme.pp_microbatches × data-parallel size"
-            f" = {n} × {degrees.dp} = {per}; try train.global_batch={per * max(1, round(global_batch / per))}"
+            f"train.global_batch={global_batch} is not a multiple of scheme.pp_microbatches x data-parallel size"
+            f" = {n} x {degrees.dp} = {per}; try train.global_batch={per * max(1, round(global_batch / per))}"
         )
     derived = global_batch // per
     if micro_batch and micro_batch != derived:
         raise UserError(
             f"train.micro_batch={micro_batch} contradicts scheme.pp_microbatches={n}: global batch {global_batch}"
-            f" / ({n} micro-batches × data-parallel {degrees.dp}) = {derived}; set only one of them"
+            f" / ({n} micro-batches x data-parallel {degrees.dp}) = {derived}; set only one of them"
         )
     return derived
 
 
-def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise UserError(f"{key}={value}: expected one of {', '.join(allowed)}")
-
-
 def check_scheme(
-    scheme: dict[str, Any], degrees: Degrees, model: dict[str, Any], *, n_microbatches: int, eval_every: int = 0
+    scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, *, num_microbatches: int, eval_every: int
 ) -> None:
-    """The scheme's options, and the degrees against the model's shape (the built-in
-    transformer's numbers; a user model is checked when it is built)."""
-    _one_of("scheme.data_parallel", scheme["data_parallel"], DATA_PARALLEL)
-    _one_of("scheme.pp_schedule", scheme["pp_schedule"], PP_SCHEDULES)
-    _one_of("scheme.activation_checkpoint", scheme["activation_checkpoint"], AC_MODES)
-    _one_of("scheme.param_dtype", scheme["param_dtype"], DTYPES)
-    _one_of("scheme.reduce_dtype", scheme["reduce_dtype"], DTYPES)
-    if scheme["data_parallel"] == "ddp" and (degrees.dp_shard > 1 or degrees.tp > 1):
+    """The scheme's options together, and the degrees against the model's shape (the built-in
+    transformer's numbers; a user model is checked when it is built). Each option's own
+    allowed values were checked while composing (dtk/config/choices.py)."""
+    if scheme.data_parallel == DataParallel.ddp and (degrees.dp_shard > 1 or degrees.tp > 1):
         raise UserError(
             f"scheme.data_parallel=ddp with dp_shard={degrees.dp_shard}, tp={degrees.tp}: DDP replicates whole"
             " (non-DTensor) models; use scheme.data_parallel=fsdp, or dp_shard=1 and tp=1"
         )
-    if scheme["shard_optimizer"] and scheme["data_parallel"] != "ddp":
+    if scheme.shard_optimizer and scheme.data_parallel != DataParallel.ddp:
         raise UserError(
             "scheme.shard_optimizer=true is ZeRO-1 over DDP; with data_parallel=fsdp the optimizer state is"
             " already sharded (set shard_optimizer=false)"
         )
-    if scheme["bucket_cap_mb"] < 1:
-        raise UserError(f"scheme.bucket_cap_mb={scheme['bucket_cap_mb']}: expected a positive size in MiB")
-    virtual = scheme["pp_virtual_stages"]
-    if not isinstance(virtual, int) or virtual < 1:
+    if scheme.bucket_cap_mb < 1:
+        raise UserError(f"scheme.bucket_cap_mb={scheme.bucket_cap_mb}: expected a positive size in MiB")
+    virtual = scheme.pp_virtual_stages
+    if virtual < 1:
         raise UserError(f"scheme.pp_virtual_stages={virtual}: expected a positive integer")
-    if scheme["pp_schedule"] == "interleaved_1f1b" and virtual < 2 and degrees.pp > 1:
+    interleaved = scheme.pp_schedule == PipelineSchedule("interleaved_1f1b")
+    if interleaved and virtual < 2 and degrees.pp > 1:
         raise UserError(
-            "scheme.pp_schedule=interleaved_1f1b needs scheme.pp_virtual_stages ≥ 2 (stages per pipeline rank);"
+            "scheme.pp_schedule=interleaved_1f1b needs scheme.pp_virtual_stages >= 2 (stages per pipeline rank);"
             " with 1 use scheme.pp_schedule=1f1b"
         )
-    if scheme["pp_schedule"] != "interleaved_1f1b" and virtual != 1:
+    if not interleaved and virtual != 1:
         raise UserError(
             f"scheme.pp_virtual_stages={virtual} needs scheme.pp_schedule=interleaved_1f1b"
-            f" ({scheme['pp_schedule']} runs one stage per pipeline rank)"
+            f" ({scheme.pp_schedule} runs one stage per pipeline rank)"
         )
-    _check_tp(scheme, degrees.tp, model)
-    _check_pp(scheme, degrees.pp, model, n_microbatches=n_microbatches)
+    transformer = builtin_transformer(model)
+    if transformer is not None:
+        _check_tp(degrees.tp, transformer)
+    _check_pp(scheme, degrees.pp, model, transformer, num_microbatches=num_microbatches)
     if degrees.pp > 1 and eval_every:
         raise UserError(
             f"train.eval_every={eval_every} with scheme.pp={degrees.pp}: evaluation runs the whole model's"
@@ -152,18 +159,23 @@ def check_scheme(
         )
 
 
-def _check_tp(scheme: dict[str, Any], tp: int, model: dict[str, Any]) -> None:
-    if tp == 1 or "n_heads" not in model:
+def _check_tp(tp: int, model: TransformerConfig) -> None:
+    if tp == 1:
         return
-    sizes = {"model.n_heads": model["n_heads"], "model.dim": model["dim"]}
-    if model.get("ffn_hidden"):
-        sizes["model.ffn_hidden"] = model["ffn_hidden"]
-    else:
-        sizes["feed-forward hidden size (model.ffn_hidden=0: 8/3 × dim, rounded up to 16)"] = 16 * math.ceil(
-            8 * model["dim"] / 3 / 16
+    if model.dropout > 0:
+        raise UserError(
+            f"model.dropout={model.dropout} with scheme.tp={tp}: tensor-parallel ranks would draw different"
+            " dropout masks for the same activations; set model.dropout=0 or scheme.tp=1"
         )
-    sizes["model.vocab_size"] = model["vocab_size"]
-    sizes["model.seq_len"] = model["seq_len"]  # the position table is split by rows too
+    sizes = {"model.num_heads": model.num_heads, "model.dim": model.dim}
+    if model.ffn_hidden:
+        sizes["model.ffn_hidden"] = model.ffn_hidden
+    else:
+        sizes["feed-forward hidden size (model.ffn_hidden=0: 8/3 x dim, rounded up to 16)"] = 16 * math.ceil(
+            8 * model.dim / 3 / 16
+        )
+    sizes["model.vocab_size"] = model.vocab_size
+    sizes["model.seq_len"] = model.seq_len  # the position table is split by rows too
     common = math.gcd(*sizes.values())
     for key, size in sizes.items():
         if size % tp:
@@ -174,36 +186,38 @@ def _check_tp(scheme: dict[str, Any], tp: int, model: dict[str, Any]) -> None:
             )
 
 
-def _check_pp(scheme: dict[str, Any], pp: int, model: dict[str, Any], *, n_microbatches: int) -> None:
+def _check_pp(
+    scheme: SchemeConfig, pp: int, model: ModelConfig, transformer: TransformerConfig | None, *, num_microbatches: int
+) -> None:
     if pp == 1:
         return
-    virtual = scheme["pp_virtual_stages"]
+    virtual = scheme.pp_virtual_stages
     stages = pp * virtual
-    split_points = model.get("split_points") or []
+    split_points = model.split_points
     if split_points and len(split_points) + 1 != stages:
         raise UserError(
             f"model.split_points has {len(split_points)} entries = {len(split_points) + 1} stages, but"
-            f" scheme.pp × scheme.pp_virtual_stages = {pp} × {virtual} = {stages}; give {stages - 1} split points"
+            f" scheme.pp x scheme.pp_virtual_stages = {pp} x {virtual} = {stages}; give {stages - 1} split points"
             " or none (even split of the blocks)"
         )
-    if not split_points and "n_layers" in model and stages > model["n_layers"]:
+    if not split_points and transformer is not None and stages > transformer.num_layers:
         raise UserError(
-            f"scheme.pp × scheme.pp_virtual_stages = {pp} × {virtual} = {stages} pipeline stages, but"
-            f" model.n_layers={model['n_layers']}: each stage needs at least one layer;"
-            f" use at most {model['n_layers']} stages"
+            f"scheme.pp x scheme.pp_virtual_stages = {pp} x {virtual} = {stages} pipeline stages, but"
+            f" model.num_layers={transformer.num_layers}: each stage needs at least one layer;"
+            f" use at most {transformer.num_layers} stages"
         )
-    schedule = scheme["pp_schedule"]
-    if schedule == "1f1b" and n_microbatches < pp:
+    schedule = scheme.pp_schedule
+    if schedule == PipelineSchedule("1f1b") and num_microbatches < pp:
         raise UserError(
-            f"scheme.pp_schedule=1f1b with {n_microbatches} micro-batches per step (global batch / (micro batch ×"
+            f"scheme.pp_schedule=1f1b with {num_microbatches} micro-batches per step (global batch / (micro batch x"
             f" data-parallel size)) < pp={pp}: 1F1B needs at least one micro-batch per stage; raise"
             " scheme.pp_microbatches or lower train.micro_batch"
         )
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
+    if schedule == PipelineSchedule("interleaved_1f1b"):
+        rounds = max(1, num_microbatches // pp)
+        if num_microbatches % rounds:
             raise UserError(
-                f"scheme.pp_schedule=interleaved_1f1b with {n_microbatches} micro-batches and pp={pp}:"
-                f" the micro-batches must split into {rounds} equal rounds of pp ({n_microbatches} % {rounds} ="
-                f" {n_microbatches % rounds}); use a multiple of pp={pp}"
+                f"scheme.pp_schedule=interleaved_1f1b with {num_microbatches} micro-batches and pp={pp}:"
+                f" the micro-batches must split into {rounds} equal rounds of pp ({num_microbatches} % {rounds} ="
+                f" {num_microbatches % rounds}); use a multiple of pp={pp}"
             )

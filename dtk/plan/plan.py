@@ -1,22 +1,23 @@
-"""validate + plan: a frozen, printable plan from a resolved config. Pure: no torch, no I/O."""
+"""validate + plan: a frozen, printable plan from a typed config. Pure: no torch, no I/O."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.config.choices import ClusterKind, DataKind
+from dtk.config.convert import builtin_transformer, from_dict, to_dict
+from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
-from dtk.plan.degrees import Degrees, check_scheme, default_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 
-CLUSTER_KINDS = ("local", "slurm")
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
-BACKENDS = ("auto", "nccl", "gloo")
-DEVICES = ("auto", "cuda", "cpu")
 
 # The keys that make a run what it is. Resubmitting with only other keys changed (nodes,
 # scheme, cluster, checkpoint interval, micro batch) continues the same run directory.
@@ -25,13 +26,14 @@ SEMANTIC_KEYS = ("model", "data", "optim", "train.steps", "train.global_batch", 
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything a launch needs, derived once on the submitting machine."""
+    """Everything a launch needs, derived once on the submitting machine. plan.json holds
+    it; workers and drivers read it back typed (`from_json`)."""
 
-    config: dict[str, Any]
+    config: Config
     run_name: str
     run_dir: str
     config_hash: str
-    cluster_kind: str
+    cluster_kind: ClusterKind
     nodes: int
     tasks_per_node: int
     world_size: int
@@ -41,50 +43,55 @@ class Plan:
     micro_batch: int
     grad_accum: int
     steps: int
-    spare_nodes: int = 0
+    spare_nodes: int
     import_path: tuple[str, ...] = ()
     """The user's project folders: workers put them first on their import path (see SearchPath)."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        raw["config"] = to_dict(self.config)
+        raw["degrees"] = dataclasses.asdict(self.degrees)
+        return json.dumps(raw, indent=2, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> Plan:
         raw = json.loads(text)
+        raw["config"] = from_dict(raw["config"])
         raw["degrees"] = Degrees(**raw["degrees"])
         raw["import_path"] = tuple(raw.get("import_path", ()))
+        raw["cluster_kind"] = ClusterKind(raw["cluster_kind"])
         return Plan(**raw)
 
     def describe(self) -> str:
-        d = self.degrees
+        d, ckpt = self.degrees, self.config.checkpoint
         lines = [
             f"run         {self.run_dir}",
-            f"cluster     {self.cluster_kind}: {self.nodes} node(s) × {self.tasks_per_node} worker(s) = world {self.world_size}",
-            f"scheme      {self.scheme}: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp} pp={d.pp}",
-            f"batch       global {self.global_batch} = micro {self.micro_batch} × accumulation {self.grad_accum}"
-            f" × data-parallel {d.dp}",
-            f"train       {self.steps} steps, checkpoint every {self.config['checkpoint']['every']},"
-            f" keep {self.config['checkpoint']['keep']}",
+            f"cluster     {self.cluster_kind}: {self.nodes} node(s) x {self.tasks_per_node} worker(s) = world {self.world_size}",
+            f"scheme      {self.scheme}: {d.describe()}",
+            f"batch       global {self.global_batch} = micro {self.micro_batch} x accumulation {self.grad_accum}"
+            f" x data-parallel {d.dp}",
+            f"train       {self.steps} steps, checkpoint every {ckpt.every}, keep {ckpt.keep}",
         ]
         return "\n".join(lines)
 
 
-def semantic_hash(cfg: dict[str, Any]) -> str:
-    picked = {key: _get(cfg, key) for key in SEMANTIC_KEYS}
+def semantic_hash(cfg: Config) -> str:
+    """Hash of the semantic keys in their plain form (as config.yaml spells them)."""
+    plain = to_dict(cfg)
+    picked = {key: _get(plain, key) for key in SEMANTIC_KEYS}
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:10]
 
 
-def _get(cfg: dict[str, Any], dotted: str) -> Any:
-    node: Any = cfg
+def _get(plain: dict[str, Any], dotted: str) -> Any:
+    node: Any = plain
     for part in dotted.split("."):
         node = node[part]
     return node
 
 
-def _model_name(model: dict[str, Any]) -> str:
-    target = str(model.get("_target_", "model"))
-    parts = target.split(".")
+def _model_name(model: ModelConfig) -> str:
+    parts = model._target_.split(".")
     # "dtk.models.transformer.build" -> "transformer": the module says more than "build".
     name = parts[-2] if len(parts) >= 2 and parts[-1] in ("build", "create", "make") else parts[-1]
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name.lower()) or "model"
@@ -100,86 +107,76 @@ def check_after(after: str | None, cluster_kind: str) -> None:
     if not AFTER_RE.match(str(after)):
         raise UserError(f"submit.after={after}: expected a Slurm job id, or several joined by ':' (submit.after=4711"
                         " or submit.after=4711:4712)")
-    if cluster_kind != "slurm":
+    if cluster_kind != ClusterKind.slurm:
         raise UserError(f"submit.after={after}: only a Slurm job can wait for another (cluster.kind={cluster_kind});"
                         " use cluster=slurm or a site's cluster file")
 
 
-def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None, import_path: tuple[str, ...] = ()) -> Plan:
+def make_plan(cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str, ...] = ()) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic."""
-    cluster = cfg["cluster"]
-    nodes, tpn = cfg["nodes"], cfg["tasks_per_node"]
+    cluster, train, fault, ckpt, optim = cfg.cluster, cfg.train, cfg.fault, cfg.checkpoint, cfg.optim
+    nodes, tpn = cfg.nodes, cfg.tasks_per_node
     if tpn is None:
-        tpn = cluster["gpus_per_node"] or DEFAULT_CPU_TASKS
-    train = cfg["train"]
+        tpn = cluster.gpus_per_node or DEFAULT_CPU_TASKS
     _positive("nodes", nodes)
     _positive("tasks_per_node", tpn)
-    spares = cfg.get("spare_nodes", 0)
-    if not isinstance(spares, int) or spares < 0:
+    spares = cfg.spare_nodes
+    if spares < 0:
         raise UserError(f"spare_nodes={spares}: expected 0 or a positive count of extra nodes")
-    if spares and cluster["kind"] == "local":
+    if spares and cluster.kind == ClusterKind.local:
         raise UserError(f"spare_nodes={spares}: spare nodes need a Slurm cluster; the local cluster has one machine")
-    fault = cfg.get("fault") or {}
-    if fault and fault["max_restarts"] < 0:
-        raise UserError(f"fault.max_restarts={fault['max_restarts']}: expected 0 or more")
+    if fault.max_restarts < 0:
+        raise UserError(f"fault.max_restarts={fault.max_restarts}: expected 0 or more")
     for key in ("hang_timeout_s", "startup_timeout_s"):
-        if fault and fault[key] < 1:
-            raise UserError(f"fault.{key}={fault[key]}: expected a positive number of seconds")
-    if cluster["kind"] not in CLUSTER_KINDS:
-        raise UserError(f"cluster.kind={cluster['kind']}: expected one of {', '.join(CLUSTER_KINDS)}")
-    check_after(cfg["submit"]["after"], cluster["kind"])
-    if cluster["kind"] == "local" and nodes != 1:
+        if getattr(fault, key) < 1:
+            raise UserError(f"fault.{key}={getattr(fault, key)}: expected a positive number of seconds")
+    check_after(cfg.submit.after, cluster.kind)
+    if cluster.kind == ClusterKind.local and nodes != 1:
         raise UserError(
             f"nodes={nodes}: the local cluster is this one machine, so nodes must be 1 "
             f"(use tasks_per_node={nodes * tpn} for {nodes * tpn} workers here, or cluster=slurm / cluster=lab)"
         )
     for key in ("steps", "global_batch", "log_every"):
-        _positive(f"train.{key}", train[key])
-    if train["threads"] < 0:
-        raise UserError(f"train.threads={train['threads']}: expected 0 (automatic) or a positive count")
-    ckpt = cfg["checkpoint"]
-    if ckpt["every"] < 0:
-        raise UserError(f"checkpoint.every={ckpt['every']}: expected 0 (only at the end) or a positive step count")
-    _positive("checkpoint.keep", ckpt["keep"])
-    optim = cfg["optim"]
-    if not optim["lr"] > 0:
-        raise UserError(f"optim.lr={optim['lr']}: expected a positive learning rate")
-    if optim["warmup_steps"] < 0:
-        raise UserError(f"optim.warmup_steps={optim['warmup_steps']}: expected 0 or more")
-    if cfg["dist"]["backend"] not in BACKENDS:
-        raise UserError(f"dist.backend={cfg['dist']['backend']}: expected one of {', '.join(BACKENDS)}")
-    if cfg["dist"]["device"] not in DEVICES:
-        raise UserError(f"dist.device={cfg['dist']['device']}: expected one of {', '.join(DEVICES)}")
-    _positive("dist.timeout_s", cfg["dist"]["timeout_s"])
-    _check_model(cfg["model"])
+        _positive(f"train.{key}", getattr(train, key))
+    if train.threads < 0:
+        raise UserError(f"train.threads={train.threads}: expected 0 (automatic) or a positive count")
+    if ckpt.every < 0:
+        raise UserError(f"checkpoint.every={ckpt.every}: expected 0 (only at the end) or a positive step count")
+    if ckpt.every_minutes < 0:
+        raise UserError(f"checkpoint.every_minutes={ckpt.every_minutes}: expected 0 (off) or more")
+    _positive("checkpoint.keep", ckpt.keep)
+    if not optim.lr > 0:
+        raise UserError(f"optim.lr={optim.lr}: expected a positive learning rate")
+    if optim.warmup_steps < 0:
+        raise UserError(f"optim.warmup_steps={optim.warmup_steps}: expected 0 or more")
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _check_model(cfg)
 
     world = nodes * tpn
-    scheme = cfg.get("scheme") or default_scheme()
+    scheme = cfg.scheme
     degrees = resolve_degrees(scheme, world)
-    global_batch = train["global_batch"]
+    global_batch = train.global_batch
     if global_batch % degrees.dp:
         raise UserError(
             f"train.global_batch={global_batch} does not split over the data-parallel size {degrees.dp}"
             f" ({global_batch} / {degrees.dp} = {global_batch / degrees.dp:.2f});"
             f" try train.global_batch={degrees.dp * max(1, round(global_batch / degrees.dp))}"
         )
-    micro = micro_batch_size(scheme, micro_batch=train["micro_batch"], global_batch=global_batch, degrees=degrees)
+    micro = micro_batch_size(scheme, micro_batch=train.micro_batch, global_batch=global_batch, degrees=degrees)
     _positive("train.micro_batch", micro)
     per_step = micro * degrees.dp
     if global_batch % per_step:
         raise UserError(
-            f"train.global_batch={global_batch} is not a multiple of train.micro_batch × data-parallel size"
-            f" = {micro} × {degrees.dp} = {per_step}; try train.global_batch={per_step * max(1, round(global_batch / per_step))}"
+            f"train.global_batch={global_batch} is not a multiple of train.micro_batch x data-parallel size"
+            f" = {micro} x {degrees.dp} = {per_step}; try train.global_batch={per_step * max(1, round(global_batch / per_step))}"
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
-    check_scheme(
-        scheme, degrees, cfg["model"], n_microbatches=global_batch // per_step, eval_every=train.get("eval_every", 0)
-    )
+    check_scheme(scheme, degrees, cfg.model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
     digest = semantic_hash(cfg)
-    name = cfg["run"]["name"] or f"{_model_name(cfg['model'])}-{digest}"
+    name = cfg.run.name or f"{_model_name(cfg.model)}-{digest}"
     if "/" in name or name in (".", ".."):
         raise UserError(f"run.name={name}: expected a plain folder name without '/'")
-    root = Path(cfg["run"]["root"]).expanduser()
+    root = Path(cfg.run.root).expanduser()
     if not root.is_absolute():
         root = Path(cwd or Path.cwd()) / root
     return Plan(
@@ -187,17 +184,17 @@ def make_plan(cfg: dict[str, Any], *, cwd: str | Path | None = None, import_path
         run_name=name,
         run_dir=str(root / name),
         config_hash=digest,
-        cluster_kind=cluster["kind"],
+        cluster_kind=cluster.kind,
         nodes=nodes,
         spare_nodes=spares,
         tasks_per_node=tpn,
         world_size=world,
-        scheme=scheme["name"],
+        scheme=scheme.name,
         degrees=degrees,
         global_batch=global_batch,
         micro_batch=micro,
         grad_accum=global_batch // per_step,
-        steps=train["steps"],
+        steps=train.steps,
         import_path=tuple(str(p) for p in import_path),
     )
 
@@ -207,15 +204,25 @@ def _positive(key: str, value: Any) -> None:
         raise UserError(f"{key}={value}: expected a positive integer")
 
 
-def _check_model(model: dict[str, Any]) -> None:
-    """Checks for the built-in transformer; a user model's own factory checks its keys."""
-    if "n_heads" not in model or "dim" not in model:
-        return
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len"):
-        _positive(f"model.{key}", model[key])
-    if model["dim"] % model["n_heads"]:
+def _check_model(cfg: Config) -> None:
+    """The shape the data needs, and the built-in transformer's own numbers (a user model's
+    factory checks its keys when it is built)."""
+    model = cfg.model
+    if cfg.data.kind == DataKind.synthetic and (model.seq_len is None or model.vocab_size is None):
         raise UserError(
-            f"model.n_heads={model['n_heads']} does not divide model.dim={model['dim']}"
-            f" ({model['dim']} / {model['n_heads']} = {model['dim'] / model['n_heads']:.2f});"
-            f" try n_heads={math.gcd(model['dim'], model['n_heads'])}"
+            f"model._target_={model._target_}: synthetic data needs model.seq_len and model.vocab_size"
+            " (the factory receives them too); add both to the model's yaml"
+        )
+    transformer = builtin_transformer(model)
+    if transformer is None:
+        return
+    for key in ("vocab_size", "dim", "num_layers", "num_heads", "seq_len"):
+        _positive(f"model.{key}", getattr(transformer, key))
+    if not 0 <= transformer.dropout < 1:
+        raise UserError(f"model.dropout={transformer.dropout}: expected a probability in [0, 1)")
+    dim, heads = transformer.dim, transformer.num_heads
+    if dim % heads:
+        raise UserError(
+            f"model.num_heads={heads} does not divide model.dim={dim} ({dim} / {heads} = {dim / heads:.2f});"
+            f" try num_heads={math.gcd(dim, heads)}"
         )

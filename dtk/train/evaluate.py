@@ -1,7 +1,7 @@
 """Validation loss every `train.eval_every` steps, logged to RUN_DIR/eval.jsonl by rank 0.
 
 The validation set is the first samples of the validation split, a whole number of global
-batches, each split over the data-parallel ranks like a training batch — so every rank
+batches, each split over the data-parallel ranks like a training batch - so every rank
 runs the same number of forwards (FSDP and DDP need that) and the samples evaluated do
 not depend on the world size. The loss is the mean over every target token of them.
 

@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
+from dtk.config.choices import OptimizerName
+from dtk.config.schema import OptimConfig
+
 
 class WarmupCosine:
-    """lr multiplier at a step: 0 → 1 linearly over `warmup`, then cosine to `min_ratio` at `total`.
+    """lr multiplier at a step: 0 -> 1 linearly over `warmup`, then cosine to `min_ratio` at `total`.
 
     A class, not a lambda, so the schedule pickles and its parameters show in state_dict.
     """
@@ -26,19 +29,18 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: dict[str, Any], *, shard_group=None):
-    """AdamW; with `shard_group` ZeRO-1 (dtk.parallel.zero): each rank of the group keeps the
-    state of its share of the parameters only."""
-    if cfg["name"] != "adamw":
-        raise ValueError(f"optim.name={cfg['name']}: no such optimizer (available: adamw)")
+def build_optimizer(params: Iterable[torch.nn.Parameter], *, optim: OptimConfig, shard_group=None):
+    """The optimizer `optim.name` names; with `shard_group` ZeRO-1 (dtk.parallel.zero): each
+    rank of the group keeps the state of its share of the parameters only."""
+    make = OPTIMIZERS[optim.name]
     if shard_group is not None:
         from dtk.parallel.zero import ZeroOptimizer
 
-        return ZeroOptimizer(list(params), lambda share: _adamw(share, cfg), group=shard_group)
-    return _adamw(list(params), cfg)
+        return ZeroOptimizer(list(params), lambda share: make(share, optim), group=shard_group)
+    return make(list(params), optim)
 
 
-def _adamw(params: list[torch.nn.Parameter], cfg: dict[str, Any]) -> torch.optim.Optimizer:
+def _adamw(params: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.Optimizer:
     from torch.distributed.tensor import DTensor
 
     groups = []
@@ -49,8 +51,13 @@ def _adamw(params: list[torch.nn.Parameter], cfg: dict[str, Any]) -> torch.optim
         for sharded in (True, False):
             picked = [p for p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == sharded]
             if picked:
-                groups.append({"params": picked, "weight_decay": cfg["weight_decay"] if decay else 0.0})
-    return torch.optim.AdamW(groups, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"], foreach=True)
+                groups.append({"params": picked, "weight_decay": optim.weight_decay if decay else 0.0})
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=True)
+
+
+# Each optimizer of the schema (dtk/config/choices.py) and how it is made; a test checks that
+# every OptimizerName member is here.
+OPTIMIZERS = {OptimizerName.adamw: _adamw}
 
 
 def state_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -92,6 +99,6 @@ class SchedulerGroup:
             s._last_lr = lrs
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: dict[str, Any], total_steps: int):
-    schedule = WarmupCosine(warmup=cfg["warmup_steps"], total=total_steps, min_ratio=cfg["min_lr_ratio"])
+def build_scheduler(optimizer: torch.optim.Optimizer, *, optim: OptimConfig, total_steps: int):
+    schedule = WarmupCosine(warmup=optim.warmup_steps, total=total_steps, min_ratio=optim.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

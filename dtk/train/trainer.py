@@ -1,10 +1,10 @@
-"""The training loop: data → forward/backward with accumulation → step → metrics → checkpoint.
+"""The training loop: data -> forward/backward with accumulation -> step -> metrics -> checkpoint.
 
 One optimizer step sees the whole global batch; this rank's share arrives as
 `grad_accum` micro-batches. Without a pipeline they are run one after another with the
 gradient summed; with one, they are the pipeline's micro-batches and the schedule runs
 them all. Either way the gradient is the mean over the rank's samples, and the data-
-parallel reduction makes it the mean over the global batch — the same number a single
+parallel reduction makes it the mean over the global batch - the same number a single
 process computes.
 """
 

@@ -1,4 +1,4 @@
-"""The worker: environment → device → process group → seeds → model → parallelize → train.
+"""The worker: environment -> device -> process group -> seeds -> model -> parallelize -> train.
 
 The one place that wires every stage together. Started by the driver (a local process
 or an srun task) as `python -m dtk.worker RUN_DIR`; reads the plan the submitter wrote.
@@ -20,10 +20,10 @@ import torch.distributed as dist
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.data.loader import StepBatches, build_splits
 from dtk.dist.init import init_process_group, pick_device
-from dtk.dist.mesh import Axis, build_mesh
+from dtk.dist.mesh import build_mesh
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
-from dtk.plan.degrees import default_scheme
+from dtk.plan.degrees import DP, Axis
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import RunDir, read_jsonl, write_json_atomic
@@ -48,39 +48,41 @@ def set_threads(requested: int, local_world_size: int) -> None:
 
 def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     cfg = plan.config
-    device = pick_device(cfg["dist"]["device"], env)
+    device = pick_device(cfg.dist.device, env)
     if device.type == "cpu":
-        set_threads(cfg["train"]["threads"], env.local_world_size)
-    init_process_group(env, backend=cfg["dist"]["backend"], device=device, timeout_s=cfg["dist"]["timeout_s"])
+        set_threads(cfg.train.threads, env.local_world_size)
+    init_process_group(env, backend=cfg.dist.backend, device=device, timeout_s=cfg.dist.timeout_s)
     clock.lap("process_group")
     rank0 = env.rank == 0
     restart = int(os.environ.get("DTK_RESTART", "0"))
-    seed = cfg["train"]["seed"]
+    seed = cfg.train.seed
 
-    scheme = cfg.get("scheme") or default_scheme()
+    scheme = cfg.scheme
     mesh = build_mesh(plan.degrees, device.type)
-    dp_group = mesh.group(Axis.DP)
+    dp_group = mesh.group(DP)
     model = parallelize(
-        build_model(cfg["model"], device="meta"),
+        build_model(cfg.model, device="meta", seed=seed),
         mesh=mesh,
         degrees=plan.degrees,
         scheme=scheme,
-        spec=ParallelSpec.from_config(cfg["model"]),
+        spec=ParallelSpec.from_config(cfg.model),
         device=device,
-        materialize=lambda parts: materialize(parts, cfg=cfg["model"], device=device, seed=seed),
+        materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=seed),
         loss_fn=cross_entropy,
-        n_microbatches=plan.grad_accum,
+        num_microbatches=plan.grad_accum,
     )
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
-    shard_group = dp_group if scheme["shard_optimizer"] and plan.degrees.dp > 1 else None
-    optimizers = [build_optimizer(part.parameters(), cfg["optim"], shard_group=shard_group) for part in model.parts]
-    scheduler = SchedulerGroup([build_scheduler(state_optimizer(o), cfg["optim"], plan.steps) for o in optimizers])
-    dataset, val_dataset = build_splits(cfg["data"], cfg["model"])
+    shard_group = dp_group if scheme.shard_optimizer and plan.degrees.dp > 1 else None
+    optimizers = [build_optimizer(part.parameters(), optim=cfg.optim, shard_group=shard_group) for part in model.parts]
+    scheduler = SchedulerGroup(
+        [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
+    )
+    dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
     clock.lap("model")
 
     checkpoints = CheckpointManager(
         run,
-        cfg=cfg["checkpoint"],
+        checkpoint=cfg.checkpoint,
         parts=[(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)],
         scheduler=scheduler,
         rank=env.rank,
@@ -100,7 +102,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         torch.manual_seed(seed + 1000 * start_step + env.rank)
 
     # Ranks with the same dp coordinate (tensor / pipeline peers) train on the same samples.
-    dp_rank, dp_size = mesh.rank(Axis.DP), plan.degrees.dp
+    dp_rank, dp_size = mesh.rank(DP), plan.degrees.dp
     batches = StepBatches(
         dataset,
         seed=seed,
@@ -115,9 +117,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
             run.metrics,
             world_size=env.world_size,
             restart=restart,
-            tokens_per_step=plan.global_batch * cfg["model"].get("seq_len", 0),
+            tokens_per_step=plan.global_batch * (cfg.model.seq_len or 0),
             total_steps=plan.steps,
-            log_every=cfg["train"]["log_every"],
+            log_every=cfg.train.log_every,
         )
         if rank0
         else None
@@ -127,18 +129,18 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         optimizer=optimizers,
         scheduler=scheduler,
         batches=batches,
-        grad_clip=cfg["optim"]["grad_clip"],
+        grad_clip=cfg.optim.grad_clip,
         dp_group=dp_group,
-        pp_group=mesh.group(Axis.PP) if plan.degrees.pp > 1 else None,
+        pp_group=mesh.group(Axis.pp) if plan.degrees.pp > 1 else None,
         metrics=metrics,
     )
     stop = StopFlag().install()
     evaluator = Evaluator(
         model=model.parts[0],  # the plan rejects eval_every with a pipeline
         dataset=val_dataset,
-        every=cfg["train"].get("eval_every", 0),
+        every=cfg.train.eval_every,
         total_steps=plan.steps,
-        max_samples=cfg["data"].get("eval_samples", 0),
+        max_samples=cfg.data.eval_samples,
         global_batch=plan.global_batch,
         micro_batch=plan.micro_batch,
         dp_rank=dp_rank,

@@ -1,4 +1,4 @@
-"""Signal → flag → agreement at a step boundary.
+"""Signal -> flag -> agreement at a step boundary.
 
 A checkpoint written inside a signal handler, or by one rank alone, hangs or comes out
 partial. So the handler only records the signal; at the end of every step all ranks

@@ -1,0 +1,91 @@
+"""The allowed values of every closed-set configuration key, once, torch-free.
+
+Each is an Enum whose member names are what a user types in YAML or on the command line
+(lowercase), so OmegaConf checks them while it composes: a typo stops on the login node
+with the key, the value and the allowed values, not in a worker after the queue wait.
+The schema (dtk/config/schema.py) types its fields with these; plan/ and parallel/ import
+them from here and map each member to what it means (a torch schedule, a dtype, a style),
+and tests check that every such table covers every member.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    """A closed set of lowercase strings. A member is its string (`==`, json, f-strings)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class ClusterKind(Choice):
+    local = "local"
+    slurm = "slurm"
+
+
+class DataKind(Choice):
+    synthetic = "synthetic"
+    hdf5 = "hdf5"
+
+
+class OptimizerName(Choice):
+    adamw = "adamw"
+
+
+class DataParallel(Choice):
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+# "1f1b" is not a Python identifier, so this one is made with the functional API; code
+# names its members by value: PipelineSchedule("1f1b").
+PipelineSchedule = Choice(
+    "PipelineSchedule",
+    [("gpipe", "gpipe"), ("1f1b", "1f1b"), ("interleaved_1f1b", "interleaved_1f1b")],
+    module=__name__,
+    qualname="PipelineSchedule",
+)
+
+
+class ActivationCheckpoint(Choice):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class Dtype(Choice):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class TpStyle(Choice):
+    """What a module named in `model.tp_plan` becomes (dtk/parallel/tp.py has the table)."""
+
+    colwise = "colwise"
+    rowwise = "rowwise"
+    colwise_output = "colwise_output"
+    sequence_parallel = "sequence_parallel"
+    sequence_gather = "sequence_gather"
+
+
+class Backend(Choice):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class DeviceKind(Choice):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"

@@ -1,0 +1,35 @@
+"""Every allowed value of the schema means something in the code that consumes it: the
+tables of parallel/, train/ and config/ cover each Enum of dtk/config/choices.py, and the
+mesh axes are one list (the scheme's degree keys, Degrees, the DeviceMesh's dimensions)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dtk.config.choices import DataKind, Dtype, OptimizerName, PipelineSchedule, TpStyle
+from dtk.config.schema import DATA_SCHEMAS, SchemeConfig
+from dtk.plan.degrees import Axis, Degrees
+
+
+def test_every_choice_has_its_meaning_in_the_code():
+    from dtk.parallel.pipeline import SCHEDULES
+    from dtk.parallel.precision import DTYPES
+    from dtk.parallel.tp import STYLES
+    from dtk.train.optim import OPTIMIZERS
+
+    assert set(STYLES) == set(TpStyle)
+    assert set(SCHEDULES) == set(PipelineSchedule)
+    assert set(DTYPES) | {Dtype.auto} == set(Dtype)
+    assert set(OPTIMIZERS) == set(OptimizerName)
+    assert set(DATA_SCHEMAS) == set(DataKind)
+
+
+def test_the_mesh_axes_are_one_list():
+    assert [f.name for f in dataclasses.fields(Degrees)] == list(Axis.values())
+    assert set(Axis.values()) <= {f.name for f in dataclasses.fields(SchemeConfig)}
+
+
+def test_a_choice_reads_as_its_string():
+    schedule = PipelineSchedule("interleaved_1f1b")
+    assert schedule == "interleaved_1f1b" and f"{schedule}" == "interleaved_1f1b" and str(schedule) == schedule.value
+    assert TpStyle.colwise.values()[0] == "colwise"
