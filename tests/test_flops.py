@@ -5,24 +5,30 @@ from __future__ import annotations
 
 import pytest
 
-from dtk.models.transformer import Transformer
+from dtk.config.convert import model_config
+from dtk.models.transformer import DEFAULTS, build
 from dtk.train.flops import BUILTIN_TARGET, achieved, counted_flops_per_token, flops_per_token
 
-SHAPE = {"vocab_size": 512, "dim": 128, "n_layers": 3, "n_heads": 4, "ffn_hidden": 0, "seq_len": 96}
+SHAPE = {"vocab_size": 512, "dim": 128, "num_layers": 3, "num_heads": 4, "ffn_hidden": 0, "seq_len": 96}
+
+
+def model(target: str):
+    return model_config({"_target_": target, **DEFAULTS, **SHAPE})
 
 
 def test_analytic_formula_matches_the_flop_counter_for_a_known_shape():
-    analytic = flops_per_token({"_target_": BUILTIN_TARGET, **SHAPE})
+    analytic = flops_per_token(model(BUILTIN_TARGET))
     # By hand: hidden = 16 * ceil(8 * 128 / 3 / 16) = 352; weights 3 * (4 * 128^2 + 3 * 128 * 352) + 512 * 128.
     weights = 3 * (4 * 128 * 128 + 3 * 128 * 352) + 512 * 128
     assert analytic == 6 * weights + 12 * 3 * 128 * 96
-    counted = counted_flops_per_token(lambda: Transformer(**SHAPE), SHAPE["seq_len"], SHAPE["vocab_size"])
+    counted = counted_flops_per_token(lambda: build(**SHAPE), SHAPE["seq_len"], SHAPE["vocab_size"])
     assert counted == pytest.approx(analytic, rel=1e-9)
 
 
 def test_a_user_model_is_counted():
-    cfg = {"_target_": "dtk.models.transformer.Transformer", **SHAPE}  # not the built-in factory: counted
-    assert flops_per_token(cfg) == pytest.approx(flops_per_token({"_target_": BUILTIN_TARGET, **SHAPE}), rel=1e-9)
+    cfg = model("dtk.models.transformer.build")  # the factory by another path would be counted
+    user = model("dtk.models.transformer.Transformer")  # not the built-in factory: counted
+    assert flops_per_token(user) == pytest.approx(flops_per_token(cfg), rel=1e-9)
 
 
 def test_mfu_is_achieved_over_peak_per_device():

@@ -102,7 +102,7 @@ def run_numbers(run: RunData) -> dict[str, Any]:
     step_times = [float(r["step_time_s"]) for r in latest if r.get("step_time_s")]
     median_step = _median(step_times)
     global_batch = run.plan.get("global_batch")
-    seq_len = (run.plan.get("config") or {}).get("model", {}).get("seq_len")
+    seq_len = ((run.plan.get("config") or {}).get("model") or {}).get("seq_len")  # plan.json of any version
     last = latest[-1] if latest else {}
     summary = run.summary or {}
     epoch_times = [r["epoch_time_s"] for r in latest if r.get("epoch_time_s") is not None]

@@ -6,7 +6,7 @@ model's arithmetic, not what the hardware did (activation recomputation is not c
 so schemes and recipes compare on the same footing.
 
 Per token, a training step (forward + backward) costs 6 FLOPs per matmul weight (2 in
-forward, 4 in backward) plus attention's QK^T and AV, 12 · layers · dim · seq (the full
+forward, 4 in backward) plus attention's QK^T and AV, 12 * layers * dim * seq (the full
 square, the convention of the PaLM paper and of torch's FLOP counter). The built-in
 transformer gets that formula; a user model is counted once by `torch.utils.flop_counter`
 on a meta-device copy (shapes only, no memory, no data), one sequence forward and backward.
@@ -14,21 +14,21 @@ on a meta-device copy (shapes only, no memory, no data), one sequence forward an
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from dtk.config.convert import builtin_transformer
+from dtk.config.schema import ModelConfig, TransformerConfig
 from dtk.models.transformer import ffn_hidden_size
 
-BUILTIN_TARGET = "dtk.models.transformer.build"
+BUILTIN_TARGET = TransformerConfig._target_
 
 
-def transformer_flops_per_token(*, vocab_size: int, dim: int, n_layers: int, ffn_hidden: int, seq_len: int) -> float:
+def transformer_flops_per_token(*, vocab_size: int, dim: int, num_layers: int, ffn_hidden: int, seq_len: int) -> float:
     hidden = ffn_hidden_size(dim, ffn_hidden)
     # q, k, v, o projections and the three SwiGLU matrices per block, and the output head;
     # the embeddings are lookups, the norms elementwise.
-    matmul_weights = n_layers * (4 * dim * dim + 3 * dim * hidden) + vocab_size * dim
-    return float(6 * matmul_weights + 12 * n_layers * dim * seq_len)
+    matmul_weights = num_layers * (4 * dim * dim + 3 * dim * hidden) + vocab_size * dim
+    return float(6 * matmul_weights + 12 * num_layers * dim * seq_len)
 
 
 def counted_flops_per_token(build, seq_len: int, vocab_size: int) -> float:
@@ -45,23 +45,24 @@ def counted_flops_per_token(build, seq_len: int, vocab_size: int) -> float:
     return counter.get_total_flops() / seq_len
 
 
-def flops_per_token(model_cfg: dict[str, Any]) -> float | None:
+def flops_per_token(model_cfg: ModelConfig) -> float | None:
     """Analytic for the built-in transformer; counted for a user model that takes token ids
     of shape (batch, model.seq_len). None when neither applies (the report then shows
     throughput without MFU)."""
-    if model_cfg.get("_target_") == BUILTIN_TARGET:
+    transformer = builtin_transformer(model_cfg)
+    if transformer is not None and model_cfg._target_ == BUILTIN_TARGET:
         return transformer_flops_per_token(
-            vocab_size=model_cfg["vocab_size"], dim=model_cfg["dim"], n_layers=model_cfg["n_layers"],
-            ffn_hidden=model_cfg.get("ffn_hidden", 0), seq_len=model_cfg["seq_len"],
+            vocab_size=transformer.vocab_size, dim=transformer.dim, num_layers=transformer.num_layers,
+            ffn_hidden=transformer.ffn_hidden, seq_len=transformer.seq_len,
         )
-    seq_len, vocab = model_cfg.get("seq_len"), model_cfg.get("vocab_size")
+    seq_len, vocab = model_cfg.seq_len, model_cfg.vocab_size
     if not seq_len or not vocab:
         return None
     from dtk.models.build import build_model
 
     try:
         with torch.random.fork_rng(devices=[]):  # build_model seeds the global generator
-            return counted_flops_per_token(lambda: build_model(model_cfg, device="meta"), seq_len, vocab)
+            return counted_flops_per_token(lambda: build_model(model_cfg, device="meta", seed=0), seq_len, vocab)
     except Exception:  # a model the counter cannot trace on meta: throughput still logged, no MFU
         return None
 

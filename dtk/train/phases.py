@@ -1,10 +1,10 @@
 """Where each step's time goes: phase marks taken during the step, read only when logged.
 
-A step is a sequence of laps on one clock: data → forward → backward → optimizer → comm
-(the loss reduction) → checkpoint (the blocking part of a save). Each lap ends one phase
+A step is a sequence of laps on one clock: data -> forward -> backward -> optimizer -> comm
+(the loss reduction) -> checkpoint (the blocking part of a save). Each lap ends one phase
 and begins the next, so the phases add up to the step time by construction. On a GPU the
-marks are CUDA events on the compute stream — the accelerator's own timeline, where idle
-time is what matters — and on a CPU `perf_counter` readings.
+marks are CUDA events on the compute stream - the accelerator's own timeline, where idle
+time is what matters - and on a CPU `perf_counter` readings.
 
 Nothing here forces a host-device synchronisation per step: the marks are resolved into
 seconds by `collect()`, which the trainer calls every `train.log_every` steps (one
