@@ -159,9 +159,9 @@ def test_nodes_under_one_switch_are_kept_together():
 
 def test_axis_groups_match_the_device_mesh_grid():
     torch = pytest.importorskip("torch")
-    from dtk.dist.mesh import MESH_ORDER as MESH
+    from dtk.plan.degrees import Axis
 
-    assert MESH_ORDER == tuple(a.value for a in MESH)
+    assert MESH_ORDER == tuple(a.value for a in Axis)  # the grid dtk.dist.mesh builds
     degrees = {"dp_replicate": 2, "pp": 3, "dp_shard": 2, "tp": 2}
     grid = torch.arange(24).view(*(degrees[a] for a in MESH_ORDER))
     for k, axis in enumerate(MESH_ORDER):

@@ -26,6 +26,14 @@ class Axis(Choice):
     tp = "tp"
 
 
+# What travels on each axis (the topology report prints it beside each axis's span).
+TRAFFIC: dict[Axis, str] = {
+    Axis.dp_replicate: "gradients: one all-reduce per step (DDP, or HSDP's replicas)",
+    Axis.pp: "activations: point-to-point per micro-batch between neighbouring stages",
+    Axis.dp_shard: "parameters and gradients: FSDP all-gather and reduce-scatter per block",
+    Axis.tp: "activations: all-reduce / all-gather inside every block, forward and backward",
+}
+
 DP = "dp"
 """The flattened (dp_replicate, dp_shard) mesh: the ranks that see different samples."""
 DATA_AXES = (Axis.dp_replicate, Axis.dp_shard)

@@ -19,16 +19,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dtk.plan.degrees import TRAFFIC as AXIS_TRAFFIC
+from dtk.plan.degrees import Axis
 from dtk.topology.records import NodeTopology, Switch
 
-# Outermost first; must equal dtk.dist.mesh.MESH_ORDER (a test checks it).
-MESH_ORDER = ("dp_replicate", "pp", "dp_shard", "tp")
-TRAFFIC = {
-    "tp": "activations: all-reduce / all-gather inside every block, forward and backward",
-    "dp_shard": "parameters and gradients: FSDP all-gather and reduce-scatter per block",
-    "pp": "activations: point-to-point per micro-batch between neighbouring stages",
-    "dp_replicate": "gradients: one all-reduce per step (DDP, or HSDP's replicas)",
-}
+# The mesh's axes, outermost first, and what travels on each: the axis table of dtk.plan.degrees.
+MESH_ORDER = Axis.values()
+TRAFFIC = {str(axis): text for axis, text in AXIS_TRAFFIC.items()}
 CHECKPOINT = ("checkpoint", "world (gloo)", "state metadata and the save/load plan: a gloo group of its own, "
               "apart from the NCCL communicators")
 
