@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtk.checkpoint.manager import CheckpointManager  # noqa: E402
+from dtk.config.schema import CheckpointConfig  # noqa: E402
 from dtk.rundir import RunDir  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: intended
@@ -68,7 +69,7 @@ def step(model, optimizer, scheduler, x) -> float:
 def manager(run: RunDir, parts, scheduler, *, asynchronous: bool) -> CheckpointManager:
     return CheckpointManager(
         run,
-        cfg={"every": 0, "keep": 1, "resume": False, "async_save": asynchronous, "every_minutes": 0},
+        checkpoint=CheckpointConfig(every=0, keep=1, resume=False, async_save=asynchronous),
         parts=parts,
         scheduler=scheduler,
         rank=0,
