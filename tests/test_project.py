@@ -44,13 +44,13 @@ def test_project_folder_groups_come_first(project, monkeypatch):
     search = search_path()
     assert search.config == (project / "conf",) and search.modules == (project,)
     cfg = compose(["model=transformer"], search=search)
-    assert cfg["model"]["dim"] == 48
+    assert cfg.model.kwargs["dim"] == 48
     # conf/project/default.yaml makes the project's model, data the defaults ...
     cfg = compose([], search=search)
-    assert cfg["model"]["_target_"] == "proj.build" and cfg["data"]["num_samples"] == 4096
+    assert cfg.model._target_ == "proj.build" and cfg.data.num_samples == 4096
     # ... the site file is a cluster option next to dtk's, and the command line wins.
     cfg = compose(["cluster=site", "cluster.partition=gpu"], search=search)
-    assert cfg["cluster"]["kind"] == "slurm" and cfg["cluster"]["partition"] == "gpu"
+    assert cfg.cluster.kind == "slurm" and cfg.cluster.partition == "gpu"
 
 
 def test_config_dir_and_env_from_elsewhere(project, tmp_path, monkeypatch):
@@ -63,7 +63,7 @@ def test_config_dir_and_env_from_elsewhere(project, tmp_path, monkeypatch):
     search = search_path()
     assert search.modules == (project,)
     plan = make_plan(compose([], search=search), cwd=tmp_path, import_path=search.modules)
-    assert plan.config["model"]["_target_"] == "proj.build"
+    assert plan.config.model._target_ == "proj.build"
     assert Plan.from_json(plan.to_json()).import_path == (str(project),)
 
 
@@ -71,7 +71,7 @@ def test_no_project_without_a_conf_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("DTK_CONFIG_PATH", raising=False)
     monkeypatch.chdir(tmp_path)
     assert search_path().config == ()
-    assert compose([])["model"]["_target_"] == "dtk.models.transformer.build"
+    assert compose([]).model._target_ == "dtk.models.transformer.build"
 
 
 def test_init_refuses_a_folder_with_files_and_bad_names(tmp_path):
