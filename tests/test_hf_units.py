@@ -35,7 +35,9 @@ def tiny_config(family: str, folder, **extra):
 
 
 def model_cfg(**keys):
-    return {"_target_": "dtk.models.hf.build", "seq_len": 16, **keys}
+    from dtk.config.convert import model_config
+
+    return model_config({"_target_": "dtk.models.hf.build", "seq_len": 16, **keys})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -45,8 +47,8 @@ def test_meta_build_materializes_to_the_seeded_weights_and_returns_logits(family
     tiny_config(family, tmp_path)
     cfg = model_cfg(config=str(tmp_path))
     on_cpu = build_model(cfg, device="cpu", seed=3)
-    meta = build_model(cfg, device="meta")
-    materialize([meta], cfg=cfg, device=torch.device("cpu"), seed=3)
+    meta = build_model(cfg, device="meta", seed=0)
+    materialize([meta], model_cfg=cfg, device=torch.device("cpu"), seed=3)
     tokens = torch.randint(0, 128, (2, 16))
     logits = on_cpu(tokens)
     assert isinstance(logits, torch.Tensor) and logits.shape == (2, 16, 128)
@@ -71,26 +73,27 @@ def test_init_from_loads_the_saved_weights(family, tmp_path):
     saved = AutoModelForCausalLM.from_config(cfg)
     saved.save_pretrained(tmp_path / "weights")
     loaded = model_cfg(init_from=str(tmp_path / "weights"))
-    meta = build_model(loaded, device="meta")
-    materialize([meta], cfg=loaded, device=torch.device("cpu"), seed=99)
+    meta = build_model(loaded, device="meta", seed=0)
+    materialize([meta], model_cfg=loaded, device=torch.device("cpu"), seed=99)
     tokens = torch.randint(0, 128, (2, 16))
     assert torch.equal(meta(tokens), saved(tokens).logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parallel_plan_comes_from_the_model(family, tmp_path):
+    from dtk.config.choices import TpStyle
     from dtk.models.build import build_model
-    from dtk.parallel.tp import TP_STYLES, check_tp_plan
+    from dtk.parallel.tp import check_tp_plan
     from dtk.parallel.units import wrap_units
 
     tiny_config(family, tmp_path)
-    model = build_model(model_cfg(config=str(tmp_path)), device="meta")
+    model = build_model(model_cfg(config=str(tmp_path)), device="meta", seed=0)
     layer = f"{type(model.model.layers[0]).__name__}"
     assert model.dtk_wrap_classes == (layer,)
     assert [name for name, _ in wrap_units(model, model.dtk_wrap_classes)] == ["model.layers.0", "model.layers.1"]
     plan = model.dtk_tp_plan
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.mlp.down_proj"] == "rowwise"
-    assert plan["lm_head"] == "colwise_output" and set(plan.values()) <= set(TP_STYLES)
+    assert plan["lm_head"] == "colwise_output" and set(plan.values()) <= set(TpStyle.values())
     check_tp_plan(model, plan)  # every pattern names modules of the model
 
 
@@ -99,9 +102,9 @@ def test_missing_config_and_weights_are_user_errors(tmp_path):
     from dtk.models.build import build_model
 
     with pytest.raises(UserError, match="model.config="):
-        build_model(model_cfg(config=str(tmp_path / "nowhere")), device="meta")
+        build_model(model_cfg(config=str(tmp_path / "nowhere")), device="meta", seed=0)
     tiny_config("llama", tmp_path)
     with pytest.raises(UserError, match="no model.safetensors"):
-        build_model(model_cfg(init_from=str(tmp_path)), device="meta")
+        build_model(model_cfg(init_from=str(tmp_path)), device="meta", seed=0)
     with pytest.raises(UserError, match="max_position_embeddings=64"):
-        build_model(model_cfg(config=str(tmp_path), seq_len=128), device="meta")
+        build_model(model_cfg(config=str(tmp_path), seq_len=128), device="meta", seed=0)
