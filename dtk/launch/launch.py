@@ -58,10 +58,10 @@ def check_access(plan: Plan) -> None:
     root), then the umask that makes the run's files group-writable (docs/access.md)."""
     from dtk.access.check import apply_umask, check_submit
 
-    policy = access_policy(plan.config["access"])
-    c = plan.config["cluster"]
-    check_submit(policy, run_dir=Path(plan.run_dir), cluster_kind=plan.cluster_kind, partition=c["partition"],
-                 account=c["account"], qos=c["qos"])
+    policy = plan.config.access
+    c = plan.config.cluster
+    check_submit(policy, run_dir=Path(plan.run_dir), cluster_kind=plan.cluster_kind, partition=c.partition,
+                 account=c.account, qos=c.qos)
     apply_umask(policy)
 
 
@@ -72,14 +72,6 @@ def check_dependencies(after: str | None, job_state) -> None:
         if job and job_state(job) is None:
             raise UserError(f"submit.after={after}: Slurm knows no job {job} (neither queued nor recently ended);"
                             " a dependency on it would be met at once. Check the id with squeue")
-
-
-def access_policy(section):
-    from omegaconf import OmegaConf
-
-    from dtk.config.access import AccessConfig
-
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AccessConfig), section))
 
 
 def prepare_run_dir(plan: Plan) -> RunDir:
