@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtk.dist.mesh import Axis, build_mesh
+from dtk.dist.mesh import build_mesh
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
-from dtk.plan.degrees import default_scheme
+from dtk.plan.degrees import DP
 from dtk.plan.plan import Plan
 from dtk.train.measure import LiveActivations, state_bytes
 from dtk.train.optim import build_optimizer
@@ -38,26 +38,26 @@ def free_port() -> int:
 
 def batch(plan: Plan, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's samples of one step (fixed, seeded by the rank)."""
-    model = plan.config["model"]
+    model = plan.config.model
     g = torch.Generator().manual_seed(100 + dp_rank)
     local = plan.global_batch // plan.degrees.dp
-    tokens = torch.randint(0, model["vocab_size"], (local, model["seq_len"] + 1), generator=g)
+    tokens = torch.randint(0, model.vocab_size, (local, model.seq_len + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def measure_case(plan: Plan, device: torch.device) -> dict[str, int]:
     cfg = plan.config
-    scheme = cfg["scheme"] or default_scheme()
+    scheme = cfg.scheme
     mesh = build_mesh(plan.degrees, device.type)
     model = parallelize(
-        build_model(cfg["model"], device="meta"), mesh=mesh, degrees=plan.degrees, scheme=scheme,
-        spec=ParallelSpec.from_config(cfg["model"]), device=device,
-        materialize=lambda parts: materialize(parts, cfg=cfg["model"], device=device, seed=0),
-        loss_fn=cross_entropy, n_microbatches=plan.grad_accum,
+        build_model(cfg.model, device="meta", seed=0), mesh=mesh, degrees=plan.degrees, scheme=scheme,
+        spec=ParallelSpec.from_config(cfg.model), device=device,
+        materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=0),
+        loss_fn=cross_entropy, num_microbatches=plan.grad_accum,
     )
-    shard_group = mesh.group(Axis.DP) if scheme["shard_optimizer"] and plan.degrees.dp > 1 else None
-    optimizers = [build_optimizer(p.parameters(), cfg["optim"], shard_group=shard_group) for p in model.parts]
-    inputs, targets = batch(plan, mesh.rank(Axis.DP))
+    shard_group = mesh.group(DP) if scheme.shard_optimizer and plan.degrees.dp > 1 else None
+    optimizers = [build_optimizer(p.parameters(), optim=cfg.optim, shard_group=shard_group) for p in model.parts]
+    inputs, targets = batch(plan, mesh.rank(DP))
     forward_backward(model, plan, inputs, targets)  # warm-up: buffers allocated once, optimizer state
     for opt in optimizers:
         opt.step()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dtk.config.choices import ActivationCheckpoint
 from dtk.config.compose import compose
 from dtk.models.build import build_model
 from dtk.parallel.ac import apply_ac
@@ -28,11 +29,11 @@ pytestmark = [pytest.mark.slow]
 
 TOLERANCE = 0.10
 SHAPES = {
-    "small": ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64", "model.vocab_size=256",
+    "small": ["model.dim=64", "model.num_layers=2", "model.num_heads=4", "model.seq_len=64", "model.vocab_size=256",
               "train.global_batch=4"],
-    "wide": ["model.dim=96", "model.n_layers=3", "model.n_heads=6", "model.seq_len=128", "model.vocab_size=512",
+    "wide": ["model.dim=96", "model.num_layers=3", "model.num_heads=6", "model.seq_len=128", "model.vocab_size=512",
              "train.global_batch=2"],
-    "big vocab": ["model.dim=128", "model.n_layers=2", "model.n_heads=8", "model.seq_len=32", "model.vocab_size=1000",
+    "big vocab": ["model.dim=128", "model.num_layers=2", "model.num_heads=8", "model.seq_len=32", "model.vocab_size=1000",
                   "model.ffn_hidden=300", "train.global_batch=8"],
 }
 MODES = ("none", "selective", "full")
@@ -46,11 +47,11 @@ def planned(overrides: list[str], world: int) -> tuple:
     return cfg, plan, [rank_bytes(ctx.shape, job, r).activations_saved for r in range(world)]
 
 
-def measured(cfg: dict, mode: str, batch: int) -> tuple[int, int]:
+def measured(cfg, mode: str, batch: int) -> tuple[int, int]:
     """(live-tensor peak, saved-tensor-hook bytes + logits) of one forward and backward."""
-    model = build_model(cfg["model"], device="cpu", seed=0)
-    apply_ac(model, mode=mode, wrap_classes=tuple(cfg["model"]["wrap_classes"]))
-    tokens = torch.randint(0, cfg["model"]["vocab_size"], (batch, cfg["model"]["seq_len"] + 1))
+    model = build_model(cfg.model, device="cpu", seed=0)
+    apply_ac(model, mode=ActivationCheckpoint(mode), wrap_classes=tuple(cfg.model.wrap_classes))
+    tokens = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     existing = [*model.parameters(), inputs, targets]
     skip = {t.untyped_storage()._cdata for t in existing}
@@ -91,7 +92,7 @@ PIPELINES = {
 
 @pytest.mark.dist
 def test_planned_pipeline_activations_within_10_percent_on_every_rank():
-    base = [*SHAPES["small"], "model.n_layers=4", "train.global_batch=8", "scheme.pp_microbatches=4",
+    base = [*SHAPES["small"], "model.num_layers=4", "train.global_batch=8", "scheme.pp_microbatches=4",
             "tasks_per_node=2", "+scheme=pp"]
     plans, wants = {}, {}
     for name, overrides in PIPELINES.items():

@@ -21,7 +21,7 @@ from memory_support import run_ranks
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 WORLD = 4
-MODEL = ["model.n_layers=4", "model.dim=48", "tasks_per_node=4", "train.global_batch=8"]
+MODEL = ["model.num_layers=4", "model.dim=48", "tasks_per_node=4", "train.global_batch=8"]
 UNEVEN = ["model.vocab_size=250", "model.seq_len=60"]
 TP_SIZES = ["model.vocab_size=256", "model.seq_len=64"]  # tensor parallelism splits them evenly
 

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import dtk
 from dtk.config.compose import compose
+from dtk.config.convert import builtin_transformer
 from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import in_flight
 from dtk.plan.budget import ORDER, all_rows, recommend
@@ -39,7 +40,7 @@ def test_model_states_match_the_zero_paper_within_2_percent(key):
     shape = whatif_shape({"params": 7.5e9})
     scheme, degrees = ZERO_SCHEMES[key]
     plan_bytes = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
-    job = Job(scheme, degrees, micro_batch=1, n_micro=1, device="cuda",
+    job = Job(scheme, degrees, micro_batch=1, num_micro=1, device="cuda",
               precision=precision_for(scheme, "cuda", plan_bytes))
     got = device_bytes(shape, job).model_states / 1e9
     assert abs(got - ZERO_PAPER_GB[key]) <= 0.02 * ZERO_PAPER_GB[key], (key, got)
@@ -58,9 +59,9 @@ def test_zero1_partition_largest_first_to_least_loaded():
 
 
 def test_builtin_shape_counts_the_transformer():
-    model = compose([])["model"]
+    model = builtin_transformer(compose([]).model)
     shape = builtin_shape(model)
-    dim, layers, vocab, seq = model["dim"], model["n_layers"], model["vocab_size"], model["seq_len"]
+    dim, layers, vocab, seq = model.dim, model.num_layers, model.vocab_size, model.seq_len
     hidden = 16 * -(-8 * dim // 3 // 16)  # 8/3 dim rounded up to 16
     block = 4 * dim * dim + 3 * dim * hidden + 2 * dim
     assert shape.params == layers * block + 2 * vocab * dim + seq * dim + dim
@@ -80,10 +81,10 @@ def test_placement_and_which_groups_cross_nodes():
 
 
 def test_pipeline_micro_batches_in_flight():
-    assert in_flight("gpipe", pp=4, pp_index=0, n_micro=8, virtual=1) == 8
-    assert [in_flight("1f1b", pp=4, pp_index=r, n_micro=8, virtual=1) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("gpipe", pp=4, pp_index=0, num_micro=8, virtual=1) == 8
+    assert [in_flight("1f1b", pp=4, pp_index=r, num_micro=8, virtual=1) for r in range(4)] == [4, 3, 2, 1]
     # interleaved, 2 chunks per rank: torch's warm-up (v-1) * per_round + 2 (pp-1-rank), plus one
-    assert in_flight("interleaved_1f1b", pp=2, pp_index=0, n_micro=4, virtual=2) == 5
+    assert in_flight("interleaved_1f1b", pp=2, pp_index=0, num_micro=4, virtual=2) == 5
 
 
 def budget(*overrides: str):
@@ -98,7 +99,7 @@ def test_recommendation_follows_the_order_of_the_issue():
     ctx, rows = budget("cluster.mem_gb=16", "nodes=2", "tasks_per_node=2")
     assert recommend(ctx, rows).scheme == "ddp"
     # 1.5B parameters x 16 bytes = 25 GB per replica on 8.6 GB devices: states must be sharded.
-    big = ["model.dim=2048", "model.n_layers=28", "model.n_heads=16", "model.vocab_size=32000",
+    big = ["model.dim=2048", "model.num_layers=28", "model.num_heads=16", "model.vocab_size=32000",
            "model.seq_len=256", "train.global_batch=64", "train.micro_batch=1", "cluster.mem_gb=16",
            "tasks_per_node=2"]
     ctx, rows = budget(*big, "nodes=4")

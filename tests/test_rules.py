@@ -36,11 +36,18 @@ def _literal(node: ast.AST):
         return None
 
 
+def _neutral(value) -> bool:
+    """None, False, 0, 1 (the degree that means "not split"), an empty string or container."""
+    if isinstance(value, bool):
+        return value is False
+    return value is None or value in (0, 1, "") or value in ([], {}, ())
+
+
 def config_default_violations(source: str, where: str) -> list[str]:
     """Where `source` restates a config default: `.get("key", default)` for a schema key (a
     config value read with a fallback of its own, the way defaults drift), or a parameter or
     dataclass field named like a schema key whose literal default is the schema's (unless
-    it is a plain off: False, 0, empty)."""
+    it is a neutral value: None, False, 0, 1 (one of a degree), empty)."""
     fields = schema_defaults()
     names = {f.name for c in vars(schema).values() if dataclasses.is_dataclass(c) for f in dataclasses.fields(c)}
     found = []
@@ -61,11 +68,11 @@ def config_default_violations(source: str, where: str) -> list[str]:
             pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None]
             for arg, default in pairs:
                 value = _literal(default)
-                if arg.arg in fields and value and value in fields[arg.arg]:
+                if arg.arg in fields and not _neutral(value) and value in fields[arg.arg]:
                     found.append(f"{where}:{node.lineno}: parameter {arg.arg}={value!r} restates a config default")
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
             value = _literal(node.value)
-            if node.target.id in fields and value and value in fields[node.target.id]:
+            if node.target.id in fields and not _neutral(value) and value in fields[node.target.id]:
                 found.append(f"{where}:{node.lineno}: {node.target.id} = {value!r} restates a config default")
     return found
 

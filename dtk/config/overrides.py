@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dtk.config.convert import to_dict
+from dtk.config.schema import Config
 from dtk.errors import UserError
 
 # Where a handed-over run lives is the receiving team's choice.
@@ -39,6 +41,7 @@ def value_text(value: Any) -> str:
 
 
 def group_choices(cfg: dict[str, Any]) -> list[str]:
+    """The group options of a config in its plain form (dtk.config.convert.to_dict)."""
     choices = []
     if cfg["data"]["kind"] != "synthetic":
         choices.append(f"data={cfg['data']['kind']}")
@@ -49,17 +52,18 @@ def group_choices(cfg: dict[str, Any]) -> list[str]:
     return choices
 
 
-def repeat_overrides(cfg: dict[str, Any], config_hash: str) -> tuple[list[str] | None, str]:
+def repeat_overrides(cfg: Config, config_hash: str) -> tuple[list[str] | None, str]:
     """(overrides, "") that compose a config of the same hash, or (None, why not)."""
     from dtk.config.compose import compose
     from dtk.plan.plan import semantic_hash
 
+    plain = to_dict(cfg)
     try:
-        choices = group_choices(cfg)
-        base = flatten(compose(choices))
+        choices = group_choices(plain)
+        base = flatten(to_dict(compose(choices)))
     except (UserError, KeyError) as exc:
         return None, f"the run's config groups are not among this dtk's ({exc})"
-    wanted = flatten(cfg)
+    wanted = flatten(plain)
     overrides = choices + [f"{key}={value_text(value)}" for key, value in wanted.items()
                            if key not in LEFT_OUT and base.get(key, object()) != value]
     try:

@@ -104,10 +104,10 @@ def sbatch_parameters(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict
         params["exclusive"] = True
     if inputs.exclude:
         params["exclude"] = ",".join(inputs.exclude)
-    if plan.config["submit"]["after"]:
+    if plan.config.submit.after:
         # A job this one depends on: it stays pending until that one completed successfully
         # (a job that requeues itself keeps its id, so a requeue is no success yet).
-        params["dependency"] = f"afterok:{plan.config['submit']['after']}"
+        params["dependency"] = f"afterok:{plan.config.submit.after}"
     # Requeue: a preemption or a requeue by the driver puts the job back in the queue, where
     # it finds its run directory (identity comes from the config) and resumes. --no-kill: a
     # failed node ends the worker step, not the job, and the driver carries on without it.

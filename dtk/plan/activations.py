@@ -1,13 +1,13 @@
 """Activation memory of the built-in transformer (and of models with its shape), per rank.
 
 Counted from what autograd really keeps, op by op, for one micro-batch of b samples of
-s tokens, width h, feed-forward width f, n_h heads, vocabulary V, activations of a bytes
+s tokens, width h, feed-forward width f, H heads, vocabulary V, activations of a bytes
 (4 in fp32, 2 in bf16). Per block:
 
     checkpointing  kept for backward                                       elements
     none           2 norms: input, x*rstd, output (CPU; the fused CUDA      10 bsh + 4 bsf
                    kernel keeps input and output: 2 each), q k v and the    (CUDA: 8 bsh + 4 bsf)
-                   attention output (4 bsh), w1, w3, silu and product (4 bsf)  + 2 bs rstd + n_h b s lse (fp32)
+                   attention output (4 bsh), w1, w3, silu and product (4 bsf)  + 2 bs rstd + H b s lse (fp32)
     selective      block input, matmul outputs q k v wo w2 (5 bsh), w1 w3   7 bsh + 2 bsf + lse
                    (2 bsf), attention output (bsh); norms and silu recomputed
     full           block input                                               bsh
@@ -108,18 +108,18 @@ def backward_working_bytes(d: Dims, ac: str) -> int:
     return max(loss, recompute)
 
 
-def in_flight(schedule: str, *, pp: int, pp_index: int, n_micro: int, virtual: int) -> int:
+def in_flight(schedule: str, *, pp: int, pp_index: int, num_micro: int, virtual: int) -> int:
     """Forward chunks a pipeline rank holds at its peak (one chunk = one stage x one micro-batch)."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
-        return n_micro
+        return num_micro
     if schedule == "1f1b":
-        return min(n_micro, pp - pp_index)
-    rounds = max(1, n_micro // pp)
-    per_round = n_micro // rounds
-    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_index), n_micro * virtual)
-    return min(n_micro * virtual, warmup + 1)
+        return min(num_micro, pp - pp_index)
+    rounds = max(1, num_micro // pp)
+    per_round = num_micro // rounds
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_index), num_micro * virtual)
+    return min(num_micro * virtual, warmup + 1)
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,11 @@ class Activations:
 
 def rank_activations(
     shape: ModelShape, d: Dims, ac: str, *, blocks_per_part: list[int], first: bool, last: bool,
-    schedule: str = "1f1b", pp: int = 1, pp_index: int = 0, n_micro: int = 1, virtual: int = 1,
+    schedule: str = "1f1b", pp: int = 1, pp_index: int = 0, num_micro: int = 1, virtual: int = 1,
 ) -> Activations:
     """Activations of one rank holding `blocks_per_part` blocks in each of its model parts."""
     per_block = block_bytes(d, ac)
-    chunks = in_flight(schedule, pp=pp, pp_index=pp_index, n_micro=n_micro, virtual=virtual)
+    chunks = in_flight(schedule, pp=pp, pp_index=pp_index, num_micro=num_micro, virtual=virtual)
     blocks = sum(blocks_per_part) / max(1, len(blocks_per_part))  # per chunk, on average
     per_chunk = blocks * per_block
     if pp > 1:
@@ -157,5 +157,5 @@ def rank_activations(
         saved += ends * embed_bytes(d)
     if last:
         # A pipeline keeps every micro-batch's logits until the step ends; one micro-batch otherwise.
-        saved += ends * head_bytes(d) + (n_micro if pp > 1 else 1) * logits_bytes(d)
+        saved += ends * head_bytes(d) + (num_micro if pp > 1 else 1) * logits_bytes(d)
     return Activations(saved=saved, working=backward_working_bytes(d, ac) if last else 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
 from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for
 from dtk.plan.shape import ModelShape
@@ -55,14 +56,14 @@ class Context:
     capacity_source: str
     plan_keys: dict[str, Any]
     async_checkpoint: bool
-    model_checks: dict[str, Any]
-    """The model keys check_scheme reads (the built-in transformer's; empty otherwise)."""
+    model_checks: ModelConfig
+    """The model check_scheme reads (the built-in transformer's numbers; a model without them otherwise)."""
     split_points: tuple[str, ...] = ()
 
     def job(self, v: Variant, **changes: Any) -> Job:
         scheme = dict(v.scheme, **changes)
         return Job(
-            scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, n_micro=v.n_micro, device=self.device,
+            scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
             split_points=self.split_points,
         )

@@ -87,8 +87,8 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
     if uses_fsdp(scheme, d):
         gathers = 2 if scheme["reshard_after_forward"] else 1  # forward, and again for backward
         per_micro = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + p.reduce_bytes)
-        add("dp_shard", d.dp_shard, job.n_micro * per_micro,
-            f"FSDP all-gather x{gathers} + reduce-scatter per micro-batch ({job.n_micro})")
+        add("dp_shard", d.dp_shard, job.num_micro * per_micro,
+            f"FSDP all-gather x{gathers} + reduce-scatter per micro-batch ({job.num_micro})")
         shard = unsharded / d.dp_shard
         add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
             "HSDP gradient all-reduce of the shards, once per step")
@@ -106,10 +106,10 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         # two all-reduces (or all-gather + reduce-scatter pairs) of a bsh activation per block
         # in each forward, two in backward
         per_block = (2 * forward_passes + 2) * 2 * _ring(d.tp) * dims.bsh * dims.a
-        add("tp", d.tp, job.n_micro * blocks * per_block, "tensor-parallel collectives inside every block")
+        add("tp", d.tp, job.num_micro * blocks * per_block, "tensor-parallel collectives inside every block")
     if dims is not None and d.pp > 1:
         chunks = len(layout.stage_ids)
-        add("pp", d.pp, job.n_micro * chunks * 2 * dims.bsh * dims.a / (d.tp if dims.sp else 1),
+        add("pp", d.pp, job.num_micro * chunks * 2 * dims.bsh * dims.a / (d.tp if dims.sp else 1),
             "activations forward and gradients back, per micro-batch")
     return out
 

@@ -15,17 +15,19 @@ import subprocess
 import sys
 from typing import Any
 
+from dtk.config.convert import model_config, model_to_dict
+from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
 from dtk.plan.shape import ModelShape, shape_from_counted, tp_dim_for
 
 COUNT_TIMEOUT_S = 60
 
 
-def count_user_model(model: dict[str, Any], timeout_s: float = COUNT_TIMEOUT_S) -> ModelShape:
-    target = model.get("_target_")
+def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> ModelShape:
+    target = model._target_
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dtk.plan.count_model"], input=json.dumps(model, default=str),
+            [sys.executable, "-m", "dtk.plan.count_model"], input=json.dumps(model_to_dict(model)),
             capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
@@ -39,17 +41,17 @@ def count_user_model(model: dict[str, Any], timeout_s: float = COUNT_TIMEOUT_S) 
     return shape_from_counted(json.loads(proc.stdout))
 
 
-def count(model_cfg: dict[str, Any]) -> dict[str, Any]:
+def count(model_cfg: ModelConfig) -> dict[str, Any]:
     """The record count_user_model reads; runs in the subprocess (imports torch)."""
     from torch import nn
 
     from dtk.models.build import build_model
     from dtk.parallel.units import pipeline_units
 
-    model = build_model(model_cfg, device="meta")
+    model = build_model(model_cfg, device="meta", seed=0)
     units = pipeline_units(model)
     blocks = dict(units)
-    tp_plan = dict(model_cfg.get("tp_plan") or {})
+    tp_plan = dict(model_cfg.tp_plan)
     modules = dict(model.named_modules())
     tensors = []
     for name, p in model.named_parameters():
@@ -66,13 +68,13 @@ def count(model_cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         "tensors": tensors,
         "units": [[u, b] for u, b in units],
-        "source": f"model {model_cfg['_target_']} (counted on the meta device)",
+        "source": f"model {model_cfg._target_} (counted on the meta device)",
         "layers": sum(1 for _, b in units if b) or None,
     }
 
 
 def main() -> int:
-    print(json.dumps(count(json.loads(sys.stdin.read()))))
+    print(json.dumps(count(model_config(json.loads(sys.stdin.read())))))
     return 0
 
 

@@ -17,56 +17,72 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from dtk.config.choices import DeviceKind
 from dtk.config.compose import config_dir
+from dtk.config.convert import builtin_transformer
+from dtk.config.schema import Config, ModelConfig
 from dtk.plan.accelerators import lookup
 from dtk.plan.budget import Context
-from dtk.plan.degrees import default_scheme
 from dtk.plan.plan import Plan
 from dtk.plan.shape import ModelShape, builtin_shape, is_builtin, whatif_shape
 
 WHATIF_KEYS = ("params", "layers", "hidden", "seq_len", "heads", "vocab_size")
 
 
-def device_kind(cfg: dict[str, Any]) -> str:
+def _undeclared(section: Any, key: str) -> Any:
+    """A key the budget reads that no schema declares yet (cluster.accelerator,
+    cluster.device_memory_gb, the plan.* what-if keys): composing refuses an undeclared
+    key, so until its schema field exists it is never set."""
+    return getattr(section, key, None)
+
+
+def plan_keys(cfg: Config) -> dict[str, Any]:
+    """The plan.* what-if keys that are set."""
+    section = _undeclared(cfg, "plan")
+    return {k: v for k, v in vars(section).items() if v is not None} if section is not None else {}
+
+
+def device_kind(cfg: Config) -> str:
     """`cuda` or `cpu`, without touching torch: what the job asks for, else what the cluster declares."""
-    want = cfg["dist"]["device"]
-    if want in ("cuda", "cpu"):
-        return want
-    cluster = cfg["cluster"]
-    return "cuda" if (cluster["gpus_per_node"] or cluster.get("accelerator")) else "cpu"
+    want = cfg.dist.device
+    if want in (DeviceKind.cuda, DeviceKind.cpu):
+        return str(want)
+    cluster = cfg.cluster
+    return "cuda" if (cluster.gpus_per_node or _undeclared(cluster, "accelerator")) else "cpu"
 
 
-def device_capacity(cfg: dict[str, Any], device: str, tasks_per_node: int) -> tuple[int | None, str]:
+def device_capacity(cfg: Config, device: str, tasks_per_node: int) -> tuple[int | None, str]:
     """Bytes of memory one worker may use, and where the figure comes from."""
-    cluster = cfg["cluster"]
-    if cluster.get("device_memory_gb"):
-        return round(cluster["device_memory_gb"] * 1e9), f"cluster.device_memory_gb={cluster['device_memory_gb']}"
-    if cluster.get("accelerator"):
-        acc = lookup(cluster["accelerator"])
+    cluster = cfg.cluster
+    device_memory_gb, accelerator = _undeclared(cluster, "device_memory_gb"), _undeclared(cluster, "accelerator")
+    if device_memory_gb:
+        return round(device_memory_gb * 1e9), f"cluster.device_memory_gb={device_memory_gb}"
+    if accelerator:
+        acc = lookup(accelerator)
         return round(acc.memory_gb * 1e9), f"cluster.accelerator={acc.name} ({acc.memory_gb:g} GB)"
     if device == "cuda":
         return None, "set cluster.accelerator or cluster.device_memory_gb to check that it fits"
-    if cluster.get("mem_gb"):
-        node = cluster["mem_gb"] * 2**30
-        return node // tasks_per_node, f"cluster.mem_gb={cluster['mem_gb']} GiB per node / {tasks_per_node} workers"
+    if cluster.mem_gb:
+        node = cluster.mem_gb * 2**30
+        return node // tasks_per_node, f"cluster.mem_gb={cluster.mem_gb} GiB per node / {tasks_per_node} workers"
     import psutil
 
     node = psutil.virtual_memory().total
     return node // tasks_per_node, f"this machine's memory ({node / 1e9:.1f} GB) / {tasks_per_node} workers"
 
 
-def model_shape(cfg: dict[str, Any]) -> ModelShape:
-    plan_keys = cfg.get("plan") or {}
-    if any(plan_keys.get(k) is not None for k in WHATIF_KEYS):
-        return whatif_shape(plan_keys)
-    if is_builtin(cfg["model"]):
-        return builtin_shape(cfg["model"])
+def model_shape(cfg: Config) -> ModelShape:
+    whatif = plan_keys(cfg)
+    if any(whatif.get(k) is not None for k in WHATIF_KEYS):
+        return whatif_shape(whatif)
+    if is_builtin(cfg.model):
+        return builtin_shape(builtin_transformer(cfg.model))
     from dtk.plan.count_model import count_user_model
 
-    return count_user_model(cfg["model"])
+    return count_user_model(cfg.model)
 
 
-def context(cfg: dict[str, Any], plan: Plan, shape: ModelShape | None = None,
+def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
             config_dirs: tuple[Path, ...] = ()) -> Context:
     """The budget's inputs for a planned job; `config_dirs` are the user's config folders
     (dtk.config.compose.SearchPath.config), searched before dtk's own for scheme files."""
@@ -76,22 +92,23 @@ def context(cfg: dict[str, Any], plan: Plan, shape: ModelShape | None = None,
     device = device_kind(cfg)
     capacity, source = device_capacity(cfg, device, plan.tasks_per_node)
     whatif = not shape.exact
-    model = cfg["model"]
+    model = cfg.model
     return Context(
         shape=shape,
         conf_dirs=(*(str(d) for d in config_dirs), str(config_dir())),
         defaults=dataclasses.asdict(SchemeConfig()),
-        chosen=cfg.get("scheme") or default_scheme(),
+        chosen=dataclasses.asdict(cfg.scheme),
         nodes=plan.nodes,
         tasks_per_node=plan.tasks_per_node,
         local=plan.cluster_kind == "local",
         global_batch=plan.global_batch,
-        micro_batch=cfg["train"]["micro_batch"],
+        micro_batch=cfg.train.micro_batch,
         device=device,
         capacity=capacity,
         capacity_source=source,
-        plan_keys=cfg.get("plan") or {},
-        async_checkpoint=cfg["checkpoint"]["async_save"],
-        model_checks=model if (is_builtin(model) and not whatif) else {},
-        split_points=tuple(model.get("split_points") or ()) if not whatif else (),
+        plan_keys=plan_keys(cfg),
+        async_checkpoint=cfg.checkpoint.async_save,
+        # check_scheme reads the built-in transformer's numbers; any other model: none.
+        model_checks=model if (is_builtin(model) and not whatif) else ModelConfig(_target_="(not checked)"),
+        split_points=tuple(model.split_points) if not whatif else (),
     )

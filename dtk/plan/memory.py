@@ -90,7 +90,7 @@ class Job:
     scheme: dict[str, Any]
     degrees: Degrees
     micro_batch: int
-    n_micro: int
+    num_micro: int
     """Micro-batches per optimizer step (accumulation, or the pipeline's micro-batches)."""
     device: str
     precision: Precision
@@ -148,7 +148,7 @@ def _activations(shape: ModelShape, job: Job, layout: RankLayout, pp_index: int)
     return rank_activations(
         shape, dims, job.scheme["activation_checkpoint"], blocks_per_part=blocks_per_part,
         first=0 in layout.stage_ids, last=layout.num_stages - 1 in layout.stage_ids,
-        schedule=job.scheme["pp_schedule"], pp=d.pp, pp_index=pp_index, n_micro=job.n_micro,
+        schedule=job.scheme["pp_schedule"], pp=d.pp, pp_index=pp_index, num_micro=job.num_micro,
         virtual=len(layout.stage_ids),
     )
 
@@ -196,7 +196,7 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
         per = p.compute_bytes * dims.bsh // (d.tp if dims.sp else 1)
         first, last = 0 in layout.stage_ids, layout.num_stages - 1 in layout.stage_ids
         stages = len(layout.stage_ids)
-        detail["pipeline_recv"] = job.n_micro * per * ((stages - (1 if first else 0)) + (stages - (1 if last else 0)))
+        detail["pipeline_recv"] = job.num_micro * per * ((stages - (1 if first else 0)) + (stages - (1 if last else 0)))
     staged = params + optimizer if job.async_checkpoint else 0
     offload = bool(job.scheme["cpu_offload"]) and uses_fsdp(job.scheme, d) and job.device == "cuda"
     host = staged if job.device == "cuda" else 0

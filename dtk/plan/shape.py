@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from dtk.config.convert import builtin_transformer
+from dtk.config.schema import ModelConfig, TransformerConfig
 from dtk.errors import UserError
 
-BUILTIN_TARGET = "dtk.models.transformer.build"
+BUILTIN_TARGET = TransformerConfig._target_
 
 # Tensor-parallel style -> dimension of a Linear weight it splits (None: whole on every rank).
 # An Embedding under `rowwise` is split by rows (dim 0), see dtk/parallel/tp.py.
@@ -79,8 +81,8 @@ def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
     return ffn_hidden if ffn_hidden > 0 else 16 * math.ceil(8 * dim / 3 / 16)
 
 
-def is_builtin(model: dict[str, Any]) -> bool:
-    return model.get("_target_") == BUILTIN_TARGET
+def is_builtin(model: ModelConfig) -> bool:
+    return model._target_ == BUILTIN_TARGET and builtin_transformer(model) is not None
 
 
 def tp_dim_for(module_path: str, *, embedding: bool, tp_plan: dict[str, str]) -> int | None:
@@ -91,11 +93,11 @@ def tp_dim_for(module_path: str, *, embedding: bool, tp_plan: dict[str, str]) ->
     return None
 
 
-def builtin_shape(model: dict[str, Any]) -> ModelShape:
+def builtin_shape(model: TransformerConfig) -> ModelShape:
     """Every parameter of dtk.models.transformer.Transformer, in named_parameters order."""
-    vocab, dim, layers, heads, seq = (model[k] for k in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len"))
-    hidden = ffn_hidden_size(dim, model.get("ffn_hidden", 0))
-    tp_plan = dict(model.get("tp_plan") or {})
+    vocab, dim, layers, heads, seq = model.vocab_size, model.dim, model.num_layers, model.num_heads, model.seq_len
+    hidden = ffn_hidden_size(dim, model.ffn_hidden)
+    tp_plan = dict(model.tp_plan)
     tensors: list[ParamTensor] = []
 
     def add(module: str, shape: tuple[int, ...], unit: str, block: bool, *, embedding=False, matmul=False):

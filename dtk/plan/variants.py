@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.config.convert import typed
+from dtk.config.schema import ModelConfig, SchemeConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 
@@ -34,7 +36,7 @@ class Variant:
     nodes: int
     tasks_per_node: int
     micro_batch: int
-    n_micro: int
+    num_micro: int
 
     @property
     def overrides(self) -> list[str]:
@@ -90,24 +92,27 @@ def resolve_scheme(
 
 def make_variant(
     key: str, scheme: dict[str, Any], *, nodes: int, tasks_per_node: int, global_batch: int,
-    micro_batch: int | None, model: dict[str, Any], blocks: int,
+    micro_batch: int | None, model: ModelConfig, blocks: int,
 ) -> Variant:
     """Degrees and batch split of `scheme` at a size; UserError (with the reason) when the
-    scheme cannot run there."""
+    scheme cannot run there. The scheme is a dict here (resolved from its file, not
+    composed); it is typed by SchemeConfig for the checks, its values checked as a
+    composed one's."""
     world = nodes * tasks_per_node
-    degrees = resolve_degrees(scheme, world)
+    checked = typed(SchemeConfig, scheme, prefix="scheme.")
+    degrees = resolve_degrees(checked, world)
     if global_batch % degrees.dp:
         raise UserError(f"train.global_batch={global_batch} does not split over the data-parallel size {degrees.dp}")
-    micro = micro_batch_size(scheme, micro_batch=micro_batch, global_batch=global_batch, degrees=degrees)
+    micro = micro_batch_size(checked, micro_batch=micro_batch, global_batch=global_batch, degrees=degrees)
     if micro < 1 or global_batch % (micro * degrees.dp):
         raise UserError(f"train.global_batch={global_batch} is not a multiple of micro batch {micro} x dp {degrees.dp}")
-    n_micro = global_batch // (micro * degrees.dp)
-    check_scheme(scheme, degrees, model, n_microbatches=n_micro)
+    num_micro = global_batch // (micro * degrees.dp)
+    check_scheme(checked, degrees, model, num_microbatches=num_micro, eval_every=0)
     stages = degrees.pp * scheme["pp_virtual_stages"]
     if degrees.pp > 1 and stages > blocks:
         raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split"
                         " (a what-if model needs plan.layers)")
-    return Variant(key, scheme, degrees, nodes, tasks_per_node, micro, n_micro)
+    return Variant(key, scheme, degrees, nodes, tasks_per_node, micro, num_micro)
 
 
 def standard_scheme(
