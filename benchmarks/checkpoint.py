@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtk.checkpoint.manager import CheckpointManager  # noqa: E402
 from dtk.config.schema import CheckpointConfig  # noqa: E402
+from dtk.dist.mesh import ParallelMesh  # noqa: E402
 from dtk.rundir import RunDir  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: intended
@@ -72,8 +73,7 @@ def manager(run: RunDir, parts, scheduler, *, asynchronous: bool) -> CheckpointM
         checkpoint=CheckpointConfig(every=0, keep=1, resume=False, async_save=asynchronous),
         parts=parts,
         scheduler=scheduler,
-        rank=0,
-        world_size=1,
+        mesh=ParallelMesh.single(),
         global_batch=1,
         total_steps=10**9,
         identity={"config_hash": "bench", "data_version": "bench", "scheme": "single"},

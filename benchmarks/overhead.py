@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtk.config.compose import compose  # noqa: E402
 from dtk.data.loader import StepBatches, build_dataset  # noqa: E402
+from dtk.dist.mesh import ParallelMesh  # noqa: E402
 from dtk.models.build import build_model  # noqa: E402
+from dtk.train.loss import TokenCrossEntropy  # noqa: E402
 from dtk.train.metrics import MetricsLog  # noqa: E402
 from dtk.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from dtk.train.trainer import Trainer  # noqa: E402
@@ -47,7 +49,7 @@ def time_dtk(args, steps: int, start: int, metrics_path: Path) -> list[float]:
     metrics = MetricsLog(metrics_path, world_size=1, restart=0, tokens_per_step=args.batch * args.seq_len,
                          total_steps=10**9, log_every=10**9)
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
-                      grad_clip=grad_clip, dp_group=None, metrics=metrics)
+                      loss=TokenCrossEntropy(), grad_clip=grad_clip, mesh=ParallelMesh.single())
     times = []
     for step in range(start, start + steps):
         t0 = time.perf_counter()

@@ -5,6 +5,7 @@
         plan.json         the plan of the latest submission (what workers read)
         metrics.jsonl     one line per step, written by global rank 0; a redone step appears again
         events.jsonl      lifecycle events, appended by the driver and by rank 0
+        heartbeat         touched by rank 0 as training progresses; the driver watches its mtime
         checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
         logs/start_NN/rank_R.log     worker output per start
         summary.json      written at the end
@@ -25,6 +26,7 @@ from typing import Any
 
 CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
+HEARTBEAT = "heartbeat"
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -23,11 +23,12 @@ import torch.multiprocessing as mp
 from dtk.dist.mesh import build_mesh
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
-from dtk.plan.degrees import DP
 from dtk.plan.plan import Plan
+from dtk.train.loss import TokenCrossEntropy
 from dtk.train.measure import LiveActivations, state_bytes
 from dtk.train.optim import build_optimizer
-from dtk.train.trainer import cross_entropy
+
+cross_entropy = TokenCrossEntropy()  # the loss a worker trains with
 
 
 def free_port() -> int:
@@ -50,14 +51,14 @@ def measure_case(plan: Plan, device: torch.device) -> dict[str, int]:
     scheme = cfg.scheme
     mesh = build_mesh(plan.degrees, device.type)
     model = parallelize(
-        build_model(cfg.model, device="meta", seed=0), mesh=mesh, degrees=plan.degrees, scheme=scheme,
+        build_model(cfg.model, device="meta", seed=0), mesh=mesh, scheme=scheme,
         spec=ParallelSpec.from_config(cfg.model), device=device,
         materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=0),
         loss_fn=cross_entropy, num_microbatches=plan.grad_accum,
     )
-    shard_group = mesh.group(DP) if scheme.shard_optimizer and plan.degrees.dp > 1 else None
+    shard_group = mesh.dp_group if scheme.shard_optimizer else None
     optimizers = [build_optimizer(p.parameters(), optim=cfg.optim, shard_group=shard_group) for p in model.parts]
-    inputs, targets = batch(plan, mesh.rank(DP))
+    inputs, targets = batch(plan, mesh.dp_rank)
     forward_backward(model, plan, inputs, targets)  # warm-up: buffers allocated once, optimizer state
     for opt in optimizers:
         opt.step()

@@ -16,6 +16,7 @@ from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import doomed
 from dtk.config.schema import CheckpointConfig
+from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
 from dtk.rundir import RunDir
 
@@ -45,8 +46,7 @@ def manager(run: RunDir, model, optimizer, scheduler, *, asynchronous=True, keep
         checkpoint=CheckpointConfig(every=every, keep=keep, async_save=asynchronous),
         parts=[(model, optimizer)],
         scheduler=scheduler,
-        rank=0,
-        world_size=1,
+        mesh=ParallelMesh.single(),
         global_batch=4,
         total_steps=100,
         identity={"config_hash": "abc", "data_version": data_version, "scheme": "ddp"},
@@ -57,20 +57,29 @@ def params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.fixture
-def saved(tmp_path) -> tuple[RunDir, dict[int, list[torch.Tensor]]]:
-    """A run with checkpoints at steps 1, 2, 3 and the parameters each holds."""
-    run = RunDir(tmp_path / "run")
+def save_three(folder: Path, *, asynchronous: bool = True) -> tuple[RunDir, dict[int, list[torch.Tensor]]]:
+    """A run with checkpoints at steps 1, 2, 3 and the parameters each holds. A synchronous
+    save is committed (manifest and event) by the time `save` returns."""
+    run = RunDir(folder)
     run.path.mkdir()
     model, optimizer, scheduler = make_parts()
-    ckpt = manager(run, model, optimizer, scheduler)
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=asynchronous)
     held = {}
     for step in (1, 2, 3):
         train_step(model, optimizer, scheduler)
         held[step] = params(model)
         ckpt.save(step)
+        if not asynchronous:
+            assert (run.checkpoint_dir(step) / "manifest.json").is_file() and not ckpt.saving
+            last = events(run, "checkpoint_saved")[-1]
+            assert (last["step"], last["asynchronous"]) == (step, False)
     ckpt.close()
     return run, held
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[RunDir, dict[int, list[torch.Tensor]]]:
+    return save_three(tmp_path / "run")
 
 
 def events(run: RunDir, name: str) -> list[dict]:
@@ -85,8 +94,19 @@ def resume_fresh(run: RunDir, **kw):
     return step, model
 
 
-def test_manifest_is_written_last_and_lists_every_file_with_size_and_checksum(saved):
-    run, _ = saved
+def test_manifest_is_written_last_and_lists_every_file_with_size_and_checksum(tmp_path, monkeypatch):
+    # At the moment of the commit, every other file must already be there, complete (its
+    # final size and checksum), and nothing may be written into the folder after it.
+    at_commit: dict[str, dict] = {}
+    commit = mf.commit
+
+    def spy(folder: Path, manifest: dict) -> None:
+        assert not (folder / "manifest.json").exists()
+        at_commit[folder.name] = {p.name: mf.describe_file(p) for p in folder.iterdir()}
+        commit(folder, manifest)
+
+    monkeypatch.setattr(mf, "commit", spy)
+    run, _ = save_three(tmp_path / "run")
     folder = run.checkpoint_dir(3)
     manifest = json.loads((folder / "manifest.json").read_text())
     on_disk = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
@@ -97,7 +117,7 @@ def test_manifest_is_written_last_and_lists_every_file_with_size_and_checksum(sa
     for key in ("step", "world_size", "global_batch", "config_hash", "data_version", "samples_consumed", "rng_files"):
         assert key in manifest, key
     assert manifest["step"] == 3 and manifest["samples_consumed"] == 12
-    assert (folder / "manifest.json").stat().st_mtime >= max((folder / n).stat().st_mtime for n in on_disk)
+    assert at_commit[folder.name] == manifest["files"]  # complete before the commit, untouched after
     assert [e["step"] for e in events(run, "checkpoint_saved")] == [1, 2, 3]
 
 
@@ -119,12 +139,39 @@ def test_async_save_holds_the_state_at_save_time_not_later(tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("asynchronous", [True, False])
-def test_resume_loads_the_newest_checkpoint_exactly(saved, asynchronous):
-    run, held = saved
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_resume_loads_the_newest_checkpoint_exactly(tmp_path, asynchronous):
+    run, held = save_three(tmp_path / "run", asynchronous=asynchronous)
+    assert {e["asynchronous"] for e in events(run, "checkpoint_saved")} == {asynchronous}
     step, model = resume_fresh(run, asynchronous=asynchronous)
     assert step == 3
     assert all(torch.equal(a, b) for a, b in zip(params(model), held[3], strict=True))
+
+
+@pytest.mark.parametrize("restore", [True, False], ids=["restored", "restore-disabled"])
+def test_resume_restores_the_random_stream(tmp_path, monkeypatch, restore):
+    """After a resume the next random draw (a dropout mask, data noise) is the one the
+    uninterrupted run makes; with the restore disabled it is not - what makes the end-to-end
+    bitwise-resume tests (model.dropout > 0) fail when the RNG is not restored."""
+    from dtk.checkpoint import sharded
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = make_parts()
+    ckpt = manager(run, model, optimizer, scheduler)
+    torch.manual_seed(7)
+    train_step(model, optimizer, scheduler)
+    ckpt.save(1)
+    ckpt.close()
+    uninterrupted = torch.rand(8)
+    if not restore:
+        monkeypatch.setattr(sharded, "_set_rng_state", lambda state: None)
+    torch.manual_seed(123)  # a fresh start seeds its own stream before resuming
+    model, optimizer, scheduler = make_parts(seed=99)
+    again = manager(run, model, optimizer, scheduler)
+    assert again.resume() == 1
+    again.close()
+    assert torch.equal(torch.rand(8), uninterrupted) == restore
 
 
 def corrupt_truncate(folder: Path) -> None:
@@ -266,13 +313,13 @@ def test_minutes_interval_saves_when_the_time_has_come(tmp_path):
     ckpt = CheckpointManager(
         run,
         checkpoint=CheckpointConfig(every=0, keep=5, async_save=True, every_minutes=0.001),  # 60 ms
-        parts=[(model, optimizer)], scheduler=scheduler, rank=0, world_size=1, global_batch=4, total_steps=100,
+        parts=[(model, optimizer)], scheduler=scheduler, mesh=ParallelMesh.single(), global_batch=4, total_steps=100,
         identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"},
     )
-    ckpt.on_step_end(1)
+    ckpt.after_step(1)
     assert not run.checkpoint_steps()  # not yet: the clock starts at construction
     time.sleep(0.08)
-    ckpt.on_step_end(2)
-    ckpt.on_step_end(3)  # the clock restarted at the save of step 2
+    ckpt.after_step(2)
+    ckpt.after_step(3)  # the clock restarted at the save of step 2
     ckpt.close()
     assert [s for s, _, ok in run.checkpoint_steps() if ok] == [2]

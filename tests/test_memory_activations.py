@@ -21,8 +21,8 @@ from dtk.plan.inputs import context
 from dtk.plan.memory import rank_bytes
 from dtk.plan.plan import make_plan
 from dtk.plan.report import chosen_variant
+from dtk.train.loss import TokenCrossEntropy
 from dtk.train.measure import LiveActivations
-from dtk.train.trainer import cross_entropy
 from memory_support import run_ranks
 
 pytestmark = [pytest.mark.slow]
@@ -66,7 +66,7 @@ def measured(cfg, mode: str, batch: int) -> tuple[int, int]:
     tracker = LiveActivations(exclude=existing)
     with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(inputs)
-        loss = cross_entropy(logits, targets)
+        loss = TokenCrossEntropy()(logits, targets)
         held = logits.untyped_storage().nbytes()
         loss.backward()
     return tracker.peak, sum(hooked.values()) + held

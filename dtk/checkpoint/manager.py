@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -10,6 +11,7 @@ from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
 from dtk.config.schema import CheckpointConfig
+from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
 from dtk.rundir import RunDir
 
@@ -24,8 +26,7 @@ class CheckpointManager:
         checkpoint: CheckpointConfig,
         parts: ckpt.Parts,
         scheduler: Any,
-        rank: int,
-        world_size: int,
+        mesh: ParallelMesh,
         global_batch: int,
         total_steps: int,
         identity: dict[str, Any],
@@ -37,11 +38,12 @@ class CheckpointManager:
         self.resume_enabled = checkpoint.resume
         self.parts = parts  # (model part, its optimizer): one pair, or one per pipeline stage held
         self.scheduler = scheduler
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = mesh.global_rank
+        self.world_size = mesh.world_size
         self.global_batch = global_batch
         self.total_steps = total_steps
-        self.identity = identity  # config hash, data version, scheme, mesh: recorded in every checkpoint
+        # config hash, data version, scheme, mesh degrees: recorded in every checkpoint
+        self.identity = {**identity, "mesh": dataclasses.asdict(mesh.degrees)}
         self.comm = ckpt.Comm.create()
         # The minutes-based trigger needs all ranks to agree on a step; it votes on a group of
         # its own because the checkpoint group may be busy with a background save.
@@ -185,7 +187,8 @@ class CheckpointManager:
             asynchronous=self._saver.asynchronous,
         )
 
-    def on_step_end(self, step: int, _result: Any = None) -> None:
+    def after_step(self, step: int, _result: Any = None) -> None:
+        """The checkpoint policy: a save when the step interval or the minutes ask for one."""
         if self.due(step) or self._minutes_due():
             self.save(step)
 

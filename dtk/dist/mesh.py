@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtk.plan.degrees import DATA_AXES, DP, Axis, Degrees
@@ -33,29 +34,74 @@ from dtk.plan.degrees import DATA_AXES, DP, Axis, Degrees
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """The world mesh plus the flattened `dp` mesh (kept here: torch wants it bookkept)."""
+    """The named mesh, handed whole to every stage that talks over it (the trainer, the
+    evaluator, the checkpoint manager, the data split): the degrees, the world mesh and the
+    flattened `dp` mesh, and the ranks, sizes and groups they ask for. A stage asks for an
+    axis by name; none is passed a loose group.
 
-    world: DeviceMesh
-    dp: DeviceMesh
+    `single()` is one process without a process group (a unit test, a benchmark): every
+    degree 1, ranks 0, groups None."""
+
+    degrees: Degrees
+    world: DeviceMesh | None
+    dp: DeviceMesh | None
+
+    @staticmethod
+    def single() -> ParallelMesh:
+        return ParallelMesh(degrees=Degrees(**{a.value: 1 for a in Axis}), world=None, dp=None)
 
     def __getitem__(self, axis: Axis | str | tuple[str, ...]) -> DeviceMesh:
+        assert self.world is not None and self.dp is not None, "a one-process mesh has no DeviceMesh"
         if isinstance(axis, tuple):
             return self.world[axis]
         name = str(axis)
         return self.dp if name == DP else self.world[Axis(name).value]
 
     def rank(self, axis: Axis | str) -> int:
-        return self[axis].get_local_rank()
+        """This rank's coordinate on `axis` (or on the flattened `dp`)."""
+        return 0 if self.world is None else self[axis].get_local_rank()
 
     def size(self, axis: Axis | str) -> int:
-        return self[axis].size()
+        return self.degrees.dp if str(axis) == DP else self.degrees.of(Axis(str(axis)))
 
-    def group(self, axis: Axis | str):
+    def group(self, axis: Axis | str) -> dist.ProcessGroup | None:
+        """The process group of `axis`; None when it has one rank (nothing to talk to)."""
+        if self.world is None or self.size(axis) == 1:
+            return None
         return self[axis].get_group()
+
+    # The questions the stages ask, named once.
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if self.world is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.degrees.world
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of each global batch this rank reads (tensor and pipeline peers read the same)."""
+        return self.rank(DP)
+
+    @property
+    def dp_size(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """Ranks that see different samples: the loss mean, the gradient reduction, ZeRO-1."""
+        return self.group(DP)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """Pipeline stages: the loss (on the last stage) and gradient norms are summed over it."""
+        return self.group(Axis.pp)
 
     @property
     def data_parallel_2d(self) -> DeviceMesh:
         """(dp_replicate, dp_shard): FSDP2 replicates over the first and shards over the second."""
+        assert self.world is not None
         return self.world[tuple(a.value for a in DATA_AXES)]
 
 
@@ -66,4 +112,4 @@ def build_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     names = tuple(axis.value for axis in Axis)
     world = init_device_mesh(device_type, shape, mesh_dim_names=names)
     dp = world[tuple(a.value for a in DATA_AXES)]._flatten(DP)
-    return ParallelMesh(world=world, dp=dp)
+    return ParallelMesh(degrees=degrees, world=world, dp=dp)

@@ -19,6 +19,7 @@ from dtk.driver.record import record_failure
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_STOPPED
+from dtk.worker.env import driver_env, rank_env
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0  # SIGTERM -> the workers agree, save and exit; then SIGKILL
@@ -30,17 +31,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(*, rank: int, world: int, local_world: int, port: int, restart: int) -> dict[str, str]:
+def worker_env(*, rank: int, world: int, local_world: int, port: int, restart: int, plan: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        DTK_RANK=str(rank),
-        DTK_LOCAL_RANK=str(rank % local_world),
-        DTK_WORLD_SIZE=str(world),
-        DTK_LOCAL_WORLD_SIZE=str(local_world),
-        DTK_NODE_RANK=str(rank // local_world),
-        DTK_MASTER_ADDR="127.0.0.1",
-        DTK_MASTER_PORT=str(port),
-        DTK_RESTART=str(restart),
+        rank_env(rank=rank, local_rank=rank % local_world, world_size=world, local_world_size=local_world,
+                 node_rank=rank // local_world),
+        # The same variables the Slurm supervisor sets; a local start recovers from nothing.
+        **driver_env(master_addr="127.0.0.1", master_port=port, restart=restart, plan=plan, recovery_from=None),
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -104,7 +101,8 @@ class LocalDriver:
             self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "dtk.worker", str(self.run.path)],
-                    env=worker_env(rank=rank, world=world, local_world=world, port=port, restart=restart),
+                    env=worker_env(rank=rank, world=world, local_world=world, port=port, restart=restart,
+                                   plan=self.run.plan_json),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

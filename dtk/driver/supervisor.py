@@ -34,15 +34,15 @@ from dtk.driver.record import record_failure
 from dtk.driver.resize import fit_plan
 from dtk.launch import slurmctl
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir
+from dtk.rundir import HEARTBEAT, RunDir
 from dtk.worker.codes import EXIT_STOPPED
-from dtk.worker.heartbeat import HEARTBEAT
+from dtk.worker.env import ENV_TABLES, driver_env
 
 POLL_S = 0.5
 KILL_WAIT_S = 30.0
 # Variables of the local driver that must not leak into srun tasks: the workers there read
 # their rank from SLURM_PROCID (see dtk.worker.env).
-_LOCAL_ONLY = ("DTK_RANK", "DTK_LOCAL_RANK", "DTK_WORLD_SIZE", "DTK_LOCAL_WORLD_SIZE", "DTK_NODE_RANK")
+_LOCAL_ONLY = tuple(ENV_TABLES["dtk"].values())  # rank variables of the local driver; srun sets Slurm's
 
 
 @dataclass
@@ -128,13 +128,10 @@ class Supervisor:
         )
         env = {k: v for k, v in os.environ.items() if k not in _LOCAL_ONLY}
         env.update(
-            DTK_MASTER_ADDR=nodes[0],
             # The batch host is the allocation's first node; a port free here is free for
             # rank 0's rendezvous store on the lab and on clusters that place rank 0 here.
-            DTK_MASTER_PORT=str(free_port()),
-            DTK_RESTART=str(restart),
-            DTK_PLAN=str(plan_file),
-            DTK_RECOVERY_FROM=str(recovery_from or ""),
+            driver_env(master_addr=nodes[0], master_port=free_port(), restart=restart, plan=plan_file,
+                       recovery_from=recovery_from),
             PYTHONUNBUFFERED="1",
         )
         cmd = srun_command(plan, logs=logs, nodes=nodes)

@@ -29,7 +29,7 @@ from dtk.dist.mesh import ParallelMesh
 from dtk.models.build import ParallelSpec
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
-from dtk.plan.degrees import DP, Axis, Degrees
+from dtk.plan.degrees import Axis
 
 
 @dataclass
@@ -48,7 +48,6 @@ def parallelize(
     model: nn.Module,
     *,
     mesh: ParallelMesh,
-    degrees: Degrees,
     scheme: SchemeConfig,
     spec: ParallelSpec,
     device: torch.device,
@@ -57,7 +56,9 @@ def parallelize(
     num_microbatches: int,
 ) -> Parallelized:
     """Return this rank's model ready to train under `scheme`. `model` is on the meta device;
-    `materialize(parts)` gives parts storage and initial values."""
+    `materialize(parts)` gives parts storage and initial values; `loss_fn` is the run's loss,
+    which a pipeline schedule calls on its last stage."""
+    degrees = mesh.degrees
     param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16)
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32)
     # A one-process fsdp job still runs fully_shard (on a one-rank mesh): the same code,
@@ -123,7 +124,7 @@ def parallelize(
         from dtk.parallel.ddp import apply_ddp
 
         parts = [
-            apply_ddp(part, device=device, bucket_cap_mb=scheme.bucket_cap_mb, process_group=mesh.group(DP))
+            apply_ddp(part, device=device, bucket_cap_mb=scheme.bucket_cap_mb, process_group=mesh.dp_group)
             for part in parts
         ]
 
@@ -138,7 +139,7 @@ def parallelize(
             num_microbatches=num_microbatches,
             loss_fn=loss_fn,
             device=device,
-            group=mesh.group(Axis.pp),
+            group=mesh.pp_group,
         )
     autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
     return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from dtk.plan.shape import ModelShape
 
-LOSS_BYTES = 4  # log-softmax and the loss run in fp32 (dtk.train.trainer.cross_entropy)
+LOSS_BYTES = 4  # log-softmax and the loss run in fp32 (dtk.train.loss.TokenCrossEntropy)
 
 
 @dataclass(frozen=True)

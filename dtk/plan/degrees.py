@@ -26,12 +26,14 @@ class Axis(Choice):
     tp = "tp"
 
 
-# What travels on each axis (the topology report prints it beside each axis's span).
-TRAFFIC: dict[Axis, str] = {
-    Axis.dp_replicate: "gradients: one all-reduce per step (DDP, or HSDP's replicas)",
-    Axis.pp: "activations: point-to-point per micro-batch between neighbouring stages",
-    Axis.dp_shard: "parameters and gradients: FSDP all-gather and reduce-scatter per block",
-    Axis.tp: "activations: all-reduce / all-gather inside every block, forward and backward",
+# Per axis: the kind of traffic it carries, and what travels how often (the topology report
+# prints both beside each axis's span).
+TRAFFIC: dict[Axis, tuple[str, str]] = {
+    Axis.dp_replicate: ("data-parallel gradients", "gradients: one all-reduce per step (DDP, or HSDP's replicas)"),
+    Axis.pp: ("pipeline activations", "activations: point-to-point per micro-batch between neighbouring stages"),
+    Axis.dp_shard: ("sharded parameters and gradients",
+                    "parameters and gradients: FSDP all-gather and reduce-scatter per block"),
+    Axis.tp: ("tensor-parallel activations", "activations: all-reduce / all-gather inside every block, forward and backward"),
 }
 
 DP = "dp"
@@ -50,8 +52,8 @@ class Degrees:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: ranks that see different samples."""
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel size: ranks that see different samples (the DATA_AXES)."""
+        return math.prod(self.of(axis) for axis in DATA_AXES)
 
     @property
     def world(self) -> int:

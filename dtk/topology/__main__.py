@@ -9,7 +9,7 @@ from pathlib import Path
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.topology.choose import choose
 from dtk.topology.discover import discover
-from dtk.topology.layout import plan_layout
+from dtk.topology.layout import MESH_ORDER, plan_layout
 from dtk.topology.records import NodeTopology
 from dtk.topology.source import LiveSource, RecordedSource, RecordingSource
 
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         tpn = args.tasks_per_node or len(nodes[0].gpus) or 1
         print("\n".join(choose(nodes, backend=args.backend).describe()))
         world = tpn * len(nodes)
-        degrees = {"dp_replicate": len(nodes), "pp": 1, "dp_shard": world // len(nodes), "tp": 1}
+        degrees = {**dict.fromkeys(MESH_ORDER, 1), "dp_replicate": len(nodes), "dp_shard": world // len(nodes)}
         print("\n".join(plan_layout(nodes, degrees=degrees, tasks_per_node=tpn).describe()))
     return 0
 

@@ -25,7 +25,8 @@ from dtk.topology.records import NodeTopology, Switch
 
 # The mesh's axes, outermost first, and what travels on each: the axis table of dtk.plan.degrees.
 MESH_ORDER = Axis.values()
-TRAFFIC = {str(axis): text for axis, text in AXIS_TRAFFIC.items()}
+TRAFFIC = {str(axis): text for axis, (_, text) in AXIS_TRAFFIC.items()}
+_CLASS = {str(axis): kind for axis, (kind, _) in AXIS_TRAFFIC.items()}
 CHECKPOINT = ("checkpoint", "world (gloo)", "state metadata and the save/load plan: a gloo group of its own, "
               "apart from the NCCL communicators")
 
@@ -132,10 +133,6 @@ def plan_layout(nodes: list[NodeTopology], *, degrees: dict[str, int], tasks_per
     traffic = [(_CLASS[a.axis], a.axis, a.traffic) for a in axes if a.size > 1]
     traffic.append(CHECKPOINT)
     return Layout(tuple(order), why, rank_nodes, tuple(axes), tuple(traffic), tuple(warnings))
-
-
-_CLASS = {"tp": "tensor-parallel activations", "dp_shard": "sharded parameters and gradients",
-          "pp": "pipeline activations", "dp_replicate": "data-parallel gradients"}
 
 
 def _span(groups, rank_nodes, by_name, tasks_per_node, leaf_of) -> str:

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dtk.data.order import rank_share
+from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
 from dtk.rundir import append_jsonl
+from dtk.train.loss import Loss
 
 EVAL_LOG = "eval.jsonl"
 
@@ -34,19 +35,19 @@ class Evaluator:
         *,
         model: torch.nn.Module,
         dataset: Any,
+        loss: Loss,
         every: int,
         total_steps: int,
         max_samples: int,
         global_batch: int,
         micro_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        dp_group: dist.ProcessGroup | None,
+        mesh: ParallelMesh,
         device: torch.device,
         log: Path | None,
-        stop_requested: Callable[[], bool] | None = None,
+        stop_requested: Callable[[], bool] | None,
     ) -> None:
         self.model = model
+        self.loss = loss
         self.dataset = dataset
         self.every = every
         self.total_steps = total_steps
@@ -60,7 +61,7 @@ class Evaluator:
             )
         self.global_batch = global_batch
         self.micro_batch = micro_batch
-        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.mesh = mesh
         self.device = device
         self.log = log  # rank 0 only
         # Collective, checked before every validation batch: a long evaluation must not
@@ -81,23 +82,22 @@ class Evaluator:
             for start in range(0, self.num_samples, self.global_batch):
                 if self.stop_requested is not None and self.stop_requested():
                     return None
-                ids = rank_share(np.arange(start, start + self.global_batch), self.dp_rank, self.dp_size)
+                ids = rank_share(np.arange(start, start + self.global_batch), self.mesh.dp_rank, self.mesh.dp_size)
                 rows = torch.from_numpy(self.dataset.get(ids))
                 for i in range(0, len(rows), self.micro_batch):
                     micro = rows[i : i + self.micro_batch].to(self.device)
-                    logits = self.model(micro[:, :-1])
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten(), reduction="sum")
-                    total[0] += loss.double().cpu()
-                    total[1] += micro[:, 1:].numel()
+                    summed, count = self.loss.total(self.model(micro[:, :-1]), micro[:, 1:])
+                    total[0] += summed.double().cpu()
+                    total[1] += count
         finally:
             self.model.train(was_training)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+        if self.mesh.dp_group is not None:
             reduced = total.to(self.device)
-            dist.all_reduce(reduced, group=self.dp_group)
+            dist.all_reduce(reduced, group=self.mesh.dp_group)
             total = reduced.cpu()
         return float(total[0] / total[1])
 
-    def on_step_end(self, step: int, _result: Any = None) -> float | None:
+    def after_step(self, step: int, _result: Any = None) -> float | None:
         if not self.due(step):
             return None
         t0 = time.perf_counter()

@@ -11,8 +11,12 @@ from dtk.rundir import append_jsonl
 
 
 class MetricsLog:
+    """The metrics policy: one record per step and a progress line every `log_every` steps,
+    on global rank 0 (`path` None on the others: nothing)."""
+
     def __init__(
-        self, path: Path, *, world_size: int, restart: int, tokens_per_step: int, total_steps: int, log_every: int
+        self, path: Path | None, *, world_size: int, restart: int, tokens_per_step: int, total_steps: int,
+        log_every: int,
     ) -> None:
         self.path = path
         self.world_size = world_size
@@ -20,6 +24,10 @@ class MetricsLog:
         self.tokens_per_step = tokens_per_step
         self.total_steps = total_steps
         self.log_every = log_every
+
+    def after_step(self, step: int, result: Any) -> None:
+        if self.path is not None:
+            self.step(step, result)
 
     def step(self, step: int, result: Any) -> None:
         record: dict[str, Any] = {

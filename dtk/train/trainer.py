@@ -1,4 +1,6 @@
-"""The training loop: data -> forward/backward with accumulation -> step -> metrics -> checkpoint.
+"""The training loop: data -> forward/backward with accumulation -> step, then the step's
+policies in a fixed order (dtk.train.policies: metrics, heartbeat, resumed, evaluation,
+checkpoint, stop).
 
 One optimizer step sees the whole global batch; this rank's share arrives as
 `grad_accum` micro-batches. Without a pipeline they are run one after another with the
@@ -12,22 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dtk.data.loader import StepBatches
+from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
-from dtk.train.metrics import MetricsLog
+from dtk.train.loss import Loss
 
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over a micro-batch, computed in float32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+if TYPE_CHECKING:
+    from dtk.train.policies import StepPolicies
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -50,8 +50,8 @@ class StepResult:
 
 class Trainer:
     """Runs optimizer steps. Everything distributed is decided before it is built: it gets a
-    parallelized model (or a plain module), its own data share, and process groups for the
-    loss mean (data parallel) and for summing over pipeline stages."""
+    parallelized model (or a plain module), its own data share, the run's loss, and the mesh
+    (the loss mean is over its data-parallel ranks, the sum over its pipeline stages)."""
 
     def __init__(
         self,
@@ -60,10 +60,9 @@ class Trainer:
         optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         scheduler,
         batches: StepBatches,
+        loss: Loss,
         grad_clip: float,
-        dp_group: dist.ProcessGroup | None,
-        metrics: MetricsLog | None,
-        pp_group: dist.ProcessGroup | None = None,
+        mesh: ParallelMesh,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None)
@@ -73,10 +72,9 @@ class Trainer:
         self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self.scheduler = scheduler
         self.batches = batches
+        self.loss = loss
         self.grad_clip = grad_clip
-        self.dp_group = dp_group
-        self.pp_group = pp_group
-        self.metrics = metrics
+        self.mesh = mesh
         self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
 
     def _sync_context(self, last_micro: bool):
@@ -104,7 +102,7 @@ class Trainer:
             with self._sync_context(i == n - 1):
                 with self._autocast():
                     logits = self.model(inputs)
-                loss = cross_entropy(logits, targets)
+                loss = self.loss(logits, targets)
                 (loss / n).backward()
             total += loss.detach()
         return total / n
@@ -126,13 +124,14 @@ class Trainer:
     def _global_mean(self, local: torch.Tensor) -> float:
         # Pipeline: only the last stage has the loss; summing over stages gives it to all
         # (global rank 0, which logs, holds the first stage).
-        if self.parallel.pipeline is not None and self.pp_group is not None:
-            dist.all_reduce(local, group=self.pp_group)
+        pp_group, dp_group = self.mesh.pp_group, self.mesh.dp_group
+        if self.parallel.pipeline is not None and pp_group is not None:
+            dist.all_reduce(local, group=pp_group)
         # Every data-parallel rank saw the same number of samples, so the mean of the rank
         # means is the mean over the global batch.
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(local, group=self.dp_group)
-            local /= dist.get_world_size(self.dp_group)
+        if dp_group is not None:
+            dist.all_reduce(local, group=dp_group)
+            local /= self.mesh.dp_size
         return local.item()
 
     def step(self, step: int) -> StepResult:
@@ -144,7 +143,7 @@ class Trainer:
             local = self._pipeline(micro)
         else:
             local = self._accumulate(micro)
-        grad_norm = clip_grad_norm_(self._params, self.grad_clip, pp_group=self.pp_group)
+        grad_norm = clip_grad_norm_(self._params, self.grad_clip, pp_group=self.mesh.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         for optimizer in self.optimizers:
             optimizer.step()
@@ -161,19 +160,18 @@ class Trainer:
             batch_hash=self.batches.global_hash(step),
         )
 
-    def fit(
-        self,
-        *,
-        start_step: int,
-        total_steps: int,
-        on_step_end: Callable[[int, StepResult], None] | None = None,
-    ) -> StepResult | None:
-        """Train steps [start_step, total_steps); `on_step_end(completed, result)` after each."""
+    def fit(self, *, start_step: int, total_steps: int, policies: StepPolicies) -> StepResult | None:
+        """Train steps [start_step, total_steps). After each, the policies run in this order;
+        `step` is the number of optimizer steps completed."""
         result = None
-        for step in range(start_step, total_steps):
-            result = self.step(step)
-            if self.metrics is not None:
-                self.metrics.step(step + 1, result)
-            if on_step_end is not None:
-                on_step_end(step + 1, result)
+        for index in range(start_step, total_steps):
+            result = self.step(index)
+            step = index + 1
+            policies.metrics.after_step(step, result)  # metrics.jsonl and the progress line
+            policies.heartbeat.after_step(step, result)  # the driver's liveness file
+            policies.resumed.after_step(step, result)  # once after a restart: the recovery is over
+            policies.evaluation.after_step(step, result)  # validation loss every train.eval_every
+            policies.checkpoint.after_step(step, result)  # a save every checkpoint.every (or minutes)
+            policies.heartbeat.after_step(step, result)  # an evaluation or a save may have been long
+            policies.stop.after_step(step, result)  # a signal on any rank: all agree, save, stop
         return result

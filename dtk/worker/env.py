@@ -1,8 +1,11 @@
-"""Where am I? Rank, world and rendezvous from whichever launcher started this process.
+"""Where am I, and what did my driver say? Everything a worker reads from its environment.
 
-Each launcher names the same facts differently; the tables below are the whole mapping.
-The driver's own variables win, then torchrun's, then Slurm's (srun sets SLURM_* in every
-task), then a single process.
+Rank and world: each launcher names the same facts differently; ENV_TABLES is the whole
+mapping. The local driver's own variables win, then torchrun's, then Slurm's (srun sets
+SLURM_* in every task), then a single process.
+
+What a driver tells its workers besides: DRIVER_ENV, written by both drivers (the local
+one and the Slurm supervisor) through `driver_env`, read here and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV_TABLES: dict[str, dict[str, str]] = {
     "dtk": {
@@ -36,9 +40,37 @@ ENV_TABLES: dict[str, dict[str, str]] = {
 }
 
 
+# What a driver tells each worker of a start (the same variables from both drivers).
+DRIVER_ENV: dict[str, str] = {
+    "master_addr": "DTK_MASTER_ADDR",  # rendezvous host: the first node of the start
+    "master_port": "DTK_MASTER_PORT",  # rendezvous port, free on that host
+    "restart": "DTK_RESTART",  # this start's number in the run: 0, 1, ... (logs/start_NN, events)
+    "plan": "DTK_PLAN",  # the plan.json this start trains by (a shrunk plan after a node loss)
+    "recovery_from": "DTK_RECOVERY_FROM",  # when the fault this start recovers from was seen (epoch s); "" if none
+}
+DEFAULT_MASTER_PORT = 29500  # torch's default, when nobody says
+
+
+def rank_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int, node_rank: int) -> dict[str, str]:
+    """Rank and world for a worker the local driver starts itself (srun sets Slurm's own)."""
+    values = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
+              "local_world_size": local_world_size, "node_rank": node_rank}
+    return {ENV_TABLES["dtk"][key]: str(value) for key, value in values.items()}
+
+
+def driver_env(
+    *, master_addr: str, master_port: int, restart: int, plan: Path | str, recovery_from: float | None
+) -> dict[str, str]:
+    """The DRIVER_ENV variables of one start, for the environment of its workers."""
+    values = {"master_addr": master_addr, "master_port": master_port, "restart": restart, "plan": plan,
+              "recovery_from": recovery_from or ""}
+    return {DRIVER_ENV[key]: str(value) for key, value in values.items()}
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     source: str
+    """Which launcher's variables gave the rank: dtk, torchrun, slurm or single."""
     rank: int
     local_rank: int
     world_size: int
@@ -46,6 +78,16 @@ class WorkerEnv:
     node_rank: int
     master_addr: str
     master_port: int
+    restart: int = 0
+    """The start this worker belongs to (0 for the first)."""
+    plan: str | None = None
+    """plan.json to train by; None: RUN_DIR/plan.json."""
+    recovery_from: float = 0.0
+    """When the driver saw the fault this start recovers from (epoch seconds); 0: not a recovery."""
+    job_id: str | None = None
+    """The Slurm job, when there is one."""
+    cpus_per_task: int = 0
+    """CPU cores Slurm allotted this task; 0: not said."""
 
 
 def _first_host(nodelist: str) -> str:
@@ -81,9 +123,20 @@ def read_env(env: Mapping[str, str] | None = None) -> WorkerEnv:
         values["local_world_size"] = _slurm_local_world(env) if source == "slurm" else values["world_size"]
     values.setdefault("local_rank", values["rank"] % values["local_world_size"])
     values.setdefault("node_rank", values["rank"] // values["local_world_size"])
-    addr = env.get("DTK_MASTER_ADDR") or env.get("MASTER_ADDR")
+    said = {key: env.get(var) or None for key, var in DRIVER_ENV.items()}
+    addr = said["master_addr"] or env.get("MASTER_ADDR")
     if not addr:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         addr = _first_host(nodelist) if nodelist else "127.0.0.1"
-    port = int(env.get("DTK_MASTER_PORT") or env.get("MASTER_PORT") or 29500)
-    return WorkerEnv(source=source, master_addr=addr, master_port=port, **values)
+    port = int(said["master_port"] or env.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
+    return WorkerEnv(
+        source=source,
+        master_addr=addr,
+        master_port=port,
+        restart=int(said["restart"] or 0),
+        plan=said["plan"],
+        recovery_from=float(said["recovery_from"] or 0),
+        job_id=env.get("SLURM_JOB_ID") or None,
+        cpus_per_task=int(env.get("SLURM_CPUS_PER_TASK") or 0),
+        **values,
+    )

@@ -20,13 +20,6 @@ import torch.distributed as dist
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
-class StopRequested(Exception):
-    def __init__(self, step: int, signum: int) -> None:
-        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}")
-        self.step = step
-        self.signum = signum
-
-
 class StopFlag:
     def __init__(self) -> None:
         self.signum = 0

@@ -1,0 +1,122 @@
+"""What runs after every optimizer step, as named objects the trainer calls in a fixed,
+visible order (`Trainer.fit`):
+
+    metrics      metrics.jsonl and the progress line (rank 0)          dtk.train.metrics
+    heartbeat    the file whose mtime tells the driver "alive" (rank 0) Heartbeat
+    resumed      the `resumed` event, once, after a restart's first step ResumedEvent
+    evaluation   validation loss every train.eval_every steps          dtk.train.evaluate
+    checkpoint   a save every checkpoint.every steps or every_minutes  dtk.checkpoint.manager
+    stop         a signal any rank received: agree, save, stop         AgreedStop
+
+Each has `after_step(step, result)`, where `step` counts completed optimizer steps. A new
+policy (phase timings, straggler detection, a checkpoint-failure budget) is one more field
+of StepPolicies and one more line in `Trainer.fit`, where its place in the order shows.
+Policies that are collective (evaluation, checkpoint, stop) run on every rank; the others
+do nothing on ranks that do not write.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dtk.rundir import RunDir
+
+
+class Policy(Protocol):
+    def after_step(self, step: int, result: Any) -> Any: ...
+
+
+@dataclass
+class StepPolicies:
+    """The policies of one run, by name; `Trainer.fit` runs them in its order."""
+
+    metrics: Policy
+    heartbeat: Policy
+    resumed: Policy
+    evaluation: Policy
+    checkpoint: Policy
+    stop: Policy
+
+
+class Heartbeat:
+    """Touches RUN_DIR/heartbeat (global rank 0; `path` None elsewhere). A rank that stops
+    (SIGSTOP, a collective that never completes) stops rank 0 too at the next collective, so
+    one file is enough for the driver to see a hang."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def beat(self) -> None:
+        if self.path is None:
+            return
+        try:
+            os.utime(self.path)
+        except FileNotFoundError:
+            self.path.touch()
+
+    def after_step(self, step: int, result: Any = None) -> None:
+        self.beat()
+
+
+class ResumedEvent:
+    """The `resumed` event (rank 0; `run` None elsewhere) after the first step completed by
+    a restarted start: it closes the recovery the start belongs to, measured from the time
+    the driver detected the fault (`recovery_from`, 0 when unknown)."""
+
+    def __init__(
+        self, run: RunDir | None, *, start_step: int, restart: int, world_size: int, recovery_from: float,
+        job_id: str | None,
+    ) -> None:
+        self.run = run
+        self.start_step = start_step
+        self.details = {"restart": restart, "world_size": world_size, "job_id": job_id}
+        self.recovery_from = recovery_from
+
+    def after_step(self, step: int, result: Any = None) -> None:
+        if self.run is None or not self.start_step or step != self.start_step + 1:
+            return
+        recovery_s = round(time.time() - self.recovery_from, 3) if self.recovery_from else None
+        self.run.event("resumed", step=self.start_step, recovery_s=recovery_s, **self.details)
+
+
+class StopRequested(Exception):
+    """Raised out of the loop once the agreed stop's checkpoint is committed."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}")
+        self.step = step
+        self.signum = signum
+
+
+class AgreedStop:
+    """Collective: when any rank received a stop signal (a time limit's USR2, a preemption's
+    SIGTERM), every rank learns it at the same step boundary; they save that step together,
+    wait for the save to commit, and stop (`StopRequested`). Not after the last step: the
+    run is finishing anyway and its final save is already due.
+
+    `agreed()` is the collective that returns the signal any rank received, 0 if none."""
+
+    def __init__(
+        self, *, agreed: Callable[[], int], checkpoints: Any, total_steps: int, run: RunDir | None, restart: int
+    ) -> None:
+        self.agreed = agreed
+        self.checkpoints = checkpoints
+        self.total_steps = total_steps
+        self.run = run  # rank 0 writes the event
+        self.restart = restart
+
+    def after_step(self, step: int, result: Any = None) -> None:
+        signum = self.agreed() if step < self.total_steps else 0
+        if not signum:
+            return
+        self.checkpoints.save(step)  # a no-op when the step's save already started
+        self.checkpoints.close()  # the stop is only safe once the save is committed
+        if self.run is not None:
+            self.run.event("preempted", step=step, signal=signal.Signals(signum).name, restart=self.restart)
+        raise StopRequested(step, signum)

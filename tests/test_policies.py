@@ -1,0 +1,115 @@
+"""The loop's policies: the order Trainer.fit runs them in, the agreed stop, the `resumed`
+event, and the one table of what a driver tells a worker. One process, a tiny real model."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from dtk.data.loader import StepBatches
+from dtk.data.synthetic import SyntheticTokens
+from dtk.dist.mesh import ParallelMesh
+from dtk.driver.local import worker_env
+from dtk.models.transformer import build
+from dtk.rundir import RunDir
+from dtk.train.loss import TokenCrossEntropy
+from dtk.train.policies import AgreedStop, ResumedEvent, StepPolicies, StopRequested
+from dtk.train.trainer import Trainer
+from dtk.worker.env import DRIVER_ENV, driver_env, read_env
+
+
+class Recorder:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def after_step(self, step, result) -> None:
+        self.log.append((self.name, step))
+
+
+def tiny_trainer() -> Trainer:
+    torch.manual_seed(0)
+    model = build(vocab_size=32, dim=16, num_layers=1, num_heads=2, seq_len=8)
+    data = SyntheticTokens(num_samples=64, seq_len=8, vocab_size=32, seed=0, branching=2)
+    batches = StepBatches(data, seed=0, global_batch=4, micro_batch=2, dp_rank=0, dp_size=1, device=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, loss=TokenCrossEntropy(),
+                   grad_clip=1.0, mesh=ParallelMesh.single())
+
+
+def test_fit_runs_the_policies_after_every_step_in_their_order():
+    log: list = []
+    names = ["metrics", "heartbeat", "resumed", "evaluation", "checkpoint", "stop"]
+    policies = StepPolicies(**{name: Recorder(name, log) for name in names})
+    trainer = tiny_trainer()
+    result = trainer.fit(start_step=3, total_steps=5, policies=policies)
+    trainer.batches.close()
+    order = ["metrics", "heartbeat", "resumed", "evaluation", "checkpoint", "heartbeat", "stop"]
+    assert log == [(name, 4) for name in order] + [(name, 5) for name in order]
+    assert result is not None and result.loss > 0
+
+
+class FakeCheckpoints:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def save(self, step: int) -> None:
+        self.calls.append(("save", step))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def test_an_agreed_stop_saves_commits_and_stops(tmp_path):
+    run = RunDir(tmp_path)
+    checkpoints = FakeCheckpoints()
+    stop = AgreedStop(agreed=lambda: int(signal.SIGUSR2), checkpoints=checkpoints, total_steps=10, run=run, restart=2)
+    with pytest.raises(StopRequested) as exc:
+        stop.after_step(7)
+    assert (exc.value.step, exc.value.signum) == (7, signal.SIGUSR2)
+    assert checkpoints.calls == [("save", 7), ("close",)]  # committed before the stop
+    (event,) = [e for e in run.events_list() if e["event"] == "preempted"]
+    assert (event["step"], event["signal"], event["restart"]) == (7, "SIGUSR2", 2)
+
+
+def test_no_stop_without_a_signal_or_at_the_last_step(tmp_path):
+    asked: list = []
+    checkpoints = FakeCheckpoints()
+
+    def agreed() -> int:
+        asked.append(1)
+        return int(signal.SIGTERM)
+
+    AgreedStop(agreed=lambda: 0, checkpoints=checkpoints, total_steps=10, run=None, restart=0).after_step(3)
+    AgreedStop(agreed=agreed, checkpoints=checkpoints, total_steps=10, run=None, restart=0).after_step(10)
+    assert checkpoints.calls == [] and asked == []  # the last step's save is due anyway; no collective
+
+
+def test_resumed_is_written_once_after_the_first_step_of_a_restart(tmp_path):
+    run = RunDir(tmp_path)
+    resumed = ResumedEvent(run, start_step=20, restart=1, world_size=4, recovery_from=1.0, job_id="77")
+    for step in (21, 22):
+        resumed.after_step(step)
+    (event,) = [e for e in run.events_list() if e["event"] == "resumed"]
+    assert (event["step"], event["restart"], event["world_size"], event["job_id"]) == (20, 1, 4, "77")
+    assert event["recovery_s"] > 0
+    fresh = ResumedEvent(run, start_step=0, restart=0, world_size=4, recovery_from=0.0, job_id=None)
+    fresh.after_step(1)
+    assert len([e for e in run.events_list() if e["event"] == "resumed"]) == 1
+
+
+def test_both_drivers_write_the_one_table_and_the_worker_reads_it(tmp_path):
+    said = driver_env(master_addr="node1", master_port=1234, restart=3, plan=tmp_path / "plan.json",
+                      recovery_from=12.5)
+    assert set(said) == set(DRIVER_ENV.values())
+    local = worker_env(rank=1, world=2, local_world=2, port=4321, restart=0, plan=tmp_path / "plan.json")
+    assert set(DRIVER_ENV.values()) <= set(local)  # the local driver sets what the Slurm one sets
+    env = read_env({**said, "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "99",
+                    "SLURM_CPUS_PER_TASK": "4"})
+    assert (env.master_addr, env.master_port, env.restart, env.plan, env.recovery_from) == (
+        "node1", 1234, 3, str(tmp_path / "plan.json"), 12.5)
+    assert (env.source, env.rank, env.world_size, env.job_id, env.cpus_per_task) == ("slurm", 5, 8, "99", 4)
+    first = read_env(local)
+    assert (first.source, first.rank, first.restart, first.recovery_from) == ("dtk", 1, 0, 0.0)
