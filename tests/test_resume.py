@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 # A tiny model and a small batch keep each start at a few seconds on 2 cores; a checkpoint
 # every 4 steps gives many saves to kill into (an async save of this model takes ~50-150 ms,
-# i.e. several training steps overlap it).
+# i.e. several training steps overlap it). Dropout draws from each rank's random stream
+# every step, so a resume that did not restore the stream would change the losses.
 JOB = [
+    "model.dropout=0.1",
     "train.steps=40",
     "train.global_batch=32",
     "train.micro_batch=8",
@@ -114,14 +116,18 @@ def save_in_flight(run: Path, since: float) -> Path | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, dict]:
-    """The uninterrupted run of JOB."""
-    root = tmp_path_factory.mktemp("reference")
-    finish(root)
+def uninterrupted(root: Path, *extra: str) -> dict[int, dict]:
+    root.mkdir(exist_ok=True)
+    finish(root, *extra)
     recs = records(root / "r")
     assert sorted(recs) == list(range(1, 41))
     return recs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted run of JOB."""
+    return uninterrupted(tmp_path_factory.mktemp("reference"))
 
 
 def test_sigkill_at_random_steps_and_during_a_save_then_resume_is_bitwise_equal(reference, tmp_path):
@@ -213,21 +219,25 @@ def test_corrupt_checkpoints_are_rejected_and_the_previous_verified_one_resumes(
 
 # Loss tolerance across data-parallel sizes: the samples of every step are the same, but
 # 4 ranks x 1 micro-batch and 2 ranks x 2 micro-batches add the per-sample gradients in
-# another order, so float32 results may differ in the last bits and drift slightly.
-RESHARD_RTOL = 1e-4
+# another order, so float32 results differ in the last bits and drift slightly: 1e-7
+# measured on 2 cores (the test prints it), asserted with a margin of 10.
+RESHARD_RTOL = 1e-6
+# Without dropout: each rank draws its own mask, so another number of ranks draws others.
+NO_DROPOUT = "model.dropout=0"
 
 
-def test_resume_on_4_then_2_then_4_ranks_keeps_the_global_sample_order(reference, tmp_path):
+def test_resume_on_4_then_2_then_4_ranks_keeps_the_global_sample_order(tmp_path):
     """Against the uninterrupted 2-rank run: the order is world-size invariant, so its batch
     hashes are those of any world size."""
+    reference = uninterrupted(tmp_path / "reference", NO_DROPOUT)
     run = tmp_path / "r"
-    driver = launch(tmp_path, "tasks_per_node=4")
+    driver = launch(tmp_path, "tasks_per_node=4", NO_DROPOUT)
     wait_for("checkpoint 12", lambda: 12 in saved_steps(run), driver)
     kill_workers(run, driver)
-    driver = launch(tmp_path, "tasks_per_node=2")
+    driver = launch(tmp_path, "tasks_per_node=2", NO_DROPOUT)
     wait_for("checkpoint 24", lambda: 24 in saved_steps(run), driver)
     kill_workers(run, driver)
-    finish(tmp_path, "tasks_per_node=4")
+    finish(tmp_path, "tasks_per_node=4", NO_DROPOUT)
 
     loaded = events(run, "checkpoint_loaded")
     assert [e["from_world_size"] for e in loaded][:2] == [4, 2]

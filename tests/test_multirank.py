@@ -1,0 +1,66 @@
+"""Distributed pieces on 2 real gloo ranks, in seconds: the tensor-parallel styles,
+ZeroOptimizer, clip_grad_norm_, StopFlag.agreed and the checkpoint's Comm, each against
+its one-process equivalent (tests/multirank_checks.py). One spawn runs them all."""
+
+from __future__ import annotations
+
+import pytest
+
+from multirank import run_on_ranks
+from multirank_checks import all_checks
+
+pytestmark = pytest.mark.dist
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return run_on_ranks(all_checks, WORLD, tmp_path_factory.mktemp("multirank"))
+
+
+def per_rank(results: list[dict], name: str) -> list[dict]:
+    for rank, r in enumerate(results):
+        assert "error" not in r[name], f"rank {rank}:\n{r[name]['error']}"
+    return [r[name] for r in results]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_styles_match_the_plain_model(results, sequence_parallel):
+    for r in per_rank(results, "tp"):
+        got = r[sequence_parallel]
+        assert got["sharded_parameters"] == 4  # embed, up, down, head: the norm stays replicated
+        assert got["output"] < 1e-6
+        assert got["grads"] and max(got["grads"].values()) < 1e-6, got["grads"]
+
+
+def test_zero_optimizer_matches_one_optimizer_over_all_parameters(results):
+    ranks = per_rank(results, "zero")
+    for r in ranks:
+        assert r["max_difference"] == 0.0 and r["grads_cleared"]
+    # The state is split: each rank steps only its share, together all of it.
+    assert sum(r["owned_elements"] for r in ranks) == 15 + 7 + 4 + 3
+    assert all(0 < r["local_state"] < 4 for r in ranks)
+
+
+def test_clip_grad_norm_matches_torch_on_the_unsharded_gradients(results):
+    for r in per_rank(results, "clip"):
+        assert r["norm"][0] == pytest.approx(r["norm"][1], rel=1e-6)
+        assert r["pp_norm"][0] == pytest.approx(r["pp_norm"][1], rel=1e-6)
+        assert r["clipped"] < 1e-6 and r["pp_clipped"] < 1e-6
+
+
+def test_a_signal_on_one_rank_is_agreed_by_all(results):
+    ranks = per_rank(results, "stop_flag")
+    assert [r["before"] for r in ranks] == [0, 0]
+    assert [r["after"] for r in ranks] == [ranks[0]["expected"]] * WORLD
+    assert [r["own"] for r in ranks] == [0, ranks[0]["expected"]]  # only rank 1 was signalled
+
+
+def test_checkpoint_comm_matches_the_one_process_comm(results):
+    ranks = per_rank(results, "comm")
+    for rank, r in enumerate(ranks):
+        assert r["rank"] == (rank, WORLD)
+        assert r["broadcast"] == {"from": 0}
+        assert r["all_gather"] == [0, 10]
+        assert r["any"] == (True, False)
+        assert r["alone"] == ({"from": rank}, [rank * 10], True, False)
