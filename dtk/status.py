@@ -14,10 +14,11 @@ from dtk.rundir import RunDir
 
 USAGE = """usage: python -m dtk.status RUN_DIR [--json]
 
-State (pending, running, finished, failed, stopped), step / total, loss, last complete
-checkpoint, restarts and every start with its job id and nodes, and the newest entries of
-the run root's audit log (who submitted, stopped, drilled, exported or deleted what, when).
-Slurm jobs are asked with squeue/scontrol; the rest comes from the run directory."""
+State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
+step / total, loss, last complete checkpoint, restarts and every start with its job id and
+nodes, and the newest entries of the run root's audit log (who submitted, stopped, drilled,
+exported or deleted what, when). Slurm jobs are asked with squeue/scontrol; the rest comes
+from the run directory."""
 
 AUDIT_LINES = 10  # the newest audit entries `render` shows; --json has them all
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -33,16 +34,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _slurm_state(job_id: str) -> str | None:
+def _slurm_state(job_id: str, slurm) -> tuple[str | None, str | None]:
+    """(state, None), or (None, why) when Slurm did not answer; (None, None) where there
+    are no Slurm commands: then the run directory says what it can."""
+    from dtk.launch.slurmctl import LOGIN_RETRY_S, Slurm, SlurmUnavailable
+
     try:
-        from dtk.launch.slurmctl import job_state
+        return (slurm or Slurm(retry_s=LOGIN_RETRY_S)).job_state(job_id), None
+    except UserError:
+        return None, None
+    except SlurmUnavailable as exc:
+        return None, str(exc)
 
-        return job_state(job_id)
-    except UserError:  # no Slurm commands here: report what the run directory says
-        return None
 
-
-def collect(run: RunDir) -> dict[str, Any]:
+def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     if not run.plan_json.is_file():
         raise UserError(f"{run.path}: not a dtk run directory (no plan.json); run directories live under run.root")
     plan = json.loads(run.plan_json.read_text())
@@ -53,7 +58,7 @@ def collect(run: RunDir) -> dict[str, Any]:
     job_ids = list(dict.fromkeys(str(e["job_id"]) for e in events if e.get("job_id")))
     slurm_ids = [j for j in job_ids if not j.startswith("local-")]
     last_job = slurm_ids[-1] if slurm_ids else None
-    job_state = _slurm_state(last_job) if last_job else None
+    job_state, slurm_error = _slurm_state(last_job, slurm) if last_job else (None, None)
 
     last_event = events[-1]["event"] if events else None
     if job_state in ACTIVE:
@@ -62,6 +67,8 @@ def collect(run: RunDir) -> dict[str, Any]:
         state = summary["status"]
     elif starts and not last_job and _alive(int(starts[-1].get("driver_pid", 0) or 0)):
         state = "running"
+    elif slurm_error:
+        state = "unknown"
     elif not starts:
         state = "pending" if last_job else "submitted"
     else:
@@ -74,6 +81,7 @@ def collect(run: RunDir) -> dict[str, Any]:
         "run_dir": str(run.path),
         "state": state,
         "slurm_state": job_state,
+        "slurm_error": slurm_error,
         "step": last_step,
         "total_steps": plan["steps"],
         "loss": metrics[last_step]["loss"] if metrics else None,
@@ -104,6 +112,8 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"final loss   {info['final_loss']:.6f}")
     if info["error"]:
         lines.append(f"error        {info['error']}")
+    if info["slurm_error"]:
+        lines.append(f"slurm        did not answer: {info['slurm_error']}")
     for s in info["starts"]:
         nodes = ",".join(s.get("nodes") or [])
         lines.append(f"start {s.get('restart')}      job {s.get('job_id')} on {nodes} (world {s.get('world_size')})")

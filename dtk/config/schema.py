@@ -41,7 +41,9 @@ class ClusterConfig:
     gpus_per_node: int = 0
     """GPUs to request per node (sbatch --gpus-per-node). 0 on CPU clusters."""
     cpus_per_task: int = 1
-    """CPU cores per worker process (sbatch --cpus-per-task)."""
+    """CPU cores per worker process (sbatch and srun --cpus-per-task)."""
+    gpu_bind: str | None = None
+    """srun --gpu-bind of the worker step, e.g. `closest` (each task gets the GPU nearest its CPUs). None: no binding (CPU clusters, sites that refuse it)."""
     mem_gb: int | None = None
     """Memory per node in GiB (sbatch --mem). None: the partition's default."""
     time_min: int = 60

@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from dtk.driver.logs import error_line
 from dtk.driver.record import record_failure
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
-from dtk.worker.codes import EXIT_STOPPED
+from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import driver_env, rank_env
 
 POLL_S = 0.2
@@ -127,17 +128,18 @@ class LocalDriver:
                 p.wait()
 
     def watch(self, logs: Path) -> int:
-        """Wait for the workers; 0 when all finished, else the first failure's code."""
+        """Wait for the workers: 0 when all finished, EXIT_STOPPED after an agreed stop,
+        EXIT_CONFIG for a worker's configuration error, 1 for any other failure."""
         while True:
             codes = [p.poll() for p in self.procs]
             if self.progress is not None:
                 self.progress.poll()
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_STOPPED)]
             if failed:
-                rank, code = failed[0]
+                # A configuration error explains the others' fate (their peer left).
+                rank, code = min(failed, key=lambda f: f[1] != EXIT_CONFIG)
                 self.stop()
-                self._failed(rank, code, logs)
-                return 1
+                return self._failed(rank, code, logs)
             if all(c in (0, EXIT_STOPPED) for c in codes):
                 if self.progress is not None:
                     self.progress.poll(final=True)
@@ -147,9 +149,16 @@ class LocalDriver:
                 return 0
             time.sleep(POLL_S)
 
-    def _failed(self, rank: int, code: int, logs: Path) -> None:
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    def _failed(self, rank: int, code: int, logs: Path) -> int:
         log = logs / f"rank_{rank}.log"
+        said = error_line(log) if code == EXIT_CONFIG else None
+        if said:  # the worker's own error line says it all; starting again cannot fix it
+            error = said.removeprefix("error: ")
+            record_failure(self.run, error=error, restarts=self.run.starts() - 1, rank=rank, exit_code=code,
+                           log=str(log))
+            print(f"error: {error} (worker rank {rank}; log {log})", file=sys.stderr)
+            return EXIT_CONFIG
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         record_failure(
             self.run, error=f"worker rank {rank} {how}", restarts=self.run.starts() - 1, rank=rank, exit_code=code, log=str(log)
         )
@@ -161,6 +170,7 @@ class LocalDriver:
             "Running the same command again resumes from the latest checkpoint.",
             file=sys.stderr,
         )
+        return 1
 
     def run_to_end(self) -> int:
         logs = self.start()

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,24 +188,31 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
-def follow(plan: Plan, run: RunDir, job_id: str, poll_s: float = 2.0) -> int:
-    """Follow a Slurm job to its end with a progress line; 0 when the run finished."""
-    from dtk.launch.slurmctl import job_state
+def follow(plan: Plan, run: RunDir, job_id: str, *, slurm=None, poll_s: float = 2.0) -> int:
+    """Follow a Slurm job to its end with a progress line; 0 when the run finished. A Slurm
+    that does not answer for slurmctl.RETRY_S ends the wait (not the job) with an error line."""
+    from dtk.launch.slurmctl import Slurm, SlurmUnavailable
 
+    slurm = slurm or Slurm()
     state: list[str | None] = ["PENDING"]
     progress = Progress(run.metrics, total=plan.steps, every=plan.config.train.log_every,
                         state=lambda: f"job {job_id} {state[0]}")
     progress.skip_existing()
     shown = None
     while True:
-        state[0] = job_state(job_id)
+        try:
+            state[0] = slurm.job_state(job_id)
+        except SlurmUnavailable as exc:
+            print(f"error: stopped following job {job_id}, Slurm does not answer: {exc}; the job itself may"
+                  f" still run: python -m dtk.status {run.path}", file=sys.stderr)
+            return 1
         progress.poll()
         if state[0] != shown:
             print(f"job {job_id}: {state[0] or 'gone from the queue'}", flush=True)
             shown = state[0]
         if state[0] is None or state[0] in ENDED:
             break
-        time.sleep(poll_s)
+        slurm.clock.sleep(poll_s)
     progress.poll(final=True)
     summary = run.read_summary() or {}
     if summary.get("status") == "finished":

@@ -1,4 +1,14 @@
-"""Asking Slurm: partitions, job state, node lists. Parsers are pure; the calls are thin.
+"""Asking and telling Slurm: every squeue, scontrol, scancel and srun of dtk goes through here.
+
+One seam: a `Slurm` runs its commands through a `Runner` and waits with a `Clock`. The
+real ones call the programs and sleep; tests hand in a fake Slurm and a clock they move
+forward (tests/fake_slurm.py), so every decision built on these answers is tested without
+a cluster. Parsers are pure.
+
+A query that fails for a reason that may pass (slurmctld busy or restarting: "Socket timed
+out", "Unable to contact slurm controller", a command that hangs) is retried with growing
+pauses for at most `retry_s`; then `SlurmUnavailable` says what failed for how long. An
+answer that is final ("Invalid job id specified") is not retried.
 
 Job state comes from squeue and scontrol, not sacct: many clusters (and the lab) run no
 accounting database.
@@ -8,17 +18,193 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dtk.errors import UserError
 
+COMMAND_TIMEOUT_S = 30.0
+"""One Slurm command that has not answered after this long counts as a failed attempt."""
+RETRY_S = 300.0
+"""How long a query is retried before Slurm counts as unavailable (driver, submit.wait)."""
+LOGIN_RETRY_S = 30.0
+"""The same on the login node before a submission or for status: a person is waiting."""
+PAUSES_S = (1.0, 2.0, 4.0, 8.0, 15.0)
+"""Pauses between attempts; the last one repeats."""
+GONE = "Invalid job id specified"
+"""What squeue and scontrol say of a job Slurm no longer remembers: a final answer."""
+TRANSIENT = ("timed out", "unable to contact", "no answer within", "temporarily unavailable",
+             "connection refused", "zero bytes were transmitted")
+"""Words of a failure that may pass (slurmctld busy or restarting), in lower case."""
+WAITING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+"""States of a job that is back in the queue."""
 
-def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    if shutil.which(cmd[0]) is None:
-        raise UserError(f"cluster.kind=slurm: `{cmd[0]}` is not on PATH; run on a Slurm login node (or use cluster=local)")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm did not answer a query within the retry bound."""
 
 
+class Clock:
+    """Wall time, monotonic time and sleep: the real ones. Tests pass a clock they move."""
+
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class Runner:
+    """Runs Slurm's programs: `run` for a command that answers, `start` for a job step
+    (srun) that the caller watches like a Popen (poll, wait, kill, returncode)."""
+
+    def run(self, argv: list[str], *, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
+        _require(argv[0])
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+    def start(self, argv: list[str], *, env: Mapping[str, str]) -> subprocess.Popen:
+        _require(argv[0])
+        return subprocess.Popen(argv, env=dict(env))
+
+
+def _require(program: str) -> None:
+    if shutil.which(program) is None:
+        raise UserError(f"cluster.kind=slurm: `{program}` is not on PATH; run on a Slurm login node (or use cluster=local)")
+
+
+def _said(proc: subprocess.CompletedProcess) -> str:
+    return " ".join((proc.stderr or proc.stdout or f"exit code {proc.returncode}").split())
+
+
+class Slurm:
+    """The Slurm commands dtk uses, with retries for the queries."""
+
+    def __init__(self, runner: Runner | None = None, clock: Clock | None = None, *, retry_s: float = RETRY_S) -> None:
+        self.runner = runner or Runner()
+        self.clock = clock or Clock()
+        self.retry_s = retry_s
+
+    def query(self, argv: list[str], *, final: Callable[[subprocess.CompletedProcess], bool] | None = None,
+              ) -> subprocess.CompletedProcess:
+        """Run a command until it answers (exit 0, or an answer `final` accepts) or
+        `retry_s` has passed; then raise SlurmUnavailable with the last failure."""
+        deadline = self.clock.monotonic() + self.retry_s
+        attempt = 0
+        while True:
+            try:
+                proc = self.runner.run(argv)
+                if proc.returncode == 0 or (final is not None and final(proc)):
+                    return proc
+                why = _said(proc)
+            except subprocess.TimeoutExpired:
+                why = f"no answer within {COMMAND_TIMEOUT_S:g} s"
+            pause = PAUSES_S[min(attempt, len(PAUSES_S) - 1)]
+            attempt += 1
+            if self.clock.monotonic() + pause > deadline:
+                raise SlurmUnavailable(
+                    f"`{' '.join(argv)}` failed {attempt} time(s) over {self.retry_s:g} s; last: {why}")
+            self.clock.sleep(pause)
+
+    # --- the login node ------------------------------------------------------------------
+    def partitions(self) -> list[Partition]:
+        try:
+            proc = self.query(["scontrol", "show", "partition", "-o"])
+        except SlurmUnavailable as exc:
+            raise UserError(f"cannot ask Slurm for its partitions: {exc}") from None
+        return parse_partitions(proc.stdout)
+
+    # --- one job ------------------------------------------------------------------------
+    def job_info(self, job_id: str) -> dict[str, str] | None:
+        """`scontrol show job` as a dict; None once Slurm has forgotten the job."""
+        proc = self.query(["scontrol", "show", "job", job_id, "-o"], final=lambda p: GONE in p.stderr)
+        return parse_kv_line(proc.stdout) if proc.returncode == 0 else None
+
+    def job_state(self, job_id: str) -> str | None:
+        """PENDING, RUNNING, COMPLETING, ... while Slurm remembers the job; None once it forgot."""
+        proc = self.query(["squeue", "-h", "-j", job_id, "-o", "%T"], final=lambda p: GONE in p.stderr)
+        state = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+        if state:
+            return state[0].strip()
+        info = self.job_info(job_id)  # squeue drops a job soon after it ends; scontrol remembers longer
+        return info.get("JobState") if info else None
+
+    def job_nodes(self, job_id: str) -> list[str] | None:
+        """The nodes the job holds now (with --no-kill a failed node drops out); None when
+        Slurm does not say."""
+        info = self.job_info(job_id)
+        nodelist = info.get("NodeList") if info else None
+        if not nodelist or nodelist == "(null)":
+            return None
+        return self.expand_nodelist(nodelist)
+
+    def expand_nodelist(self, nodelist: str) -> list[str]:
+        """`node[1-3],gpu07` -> its host names (Slurm's own expansion: no slurmctld involved)."""
+        proc = self.runner.run(["scontrol", "show", "hostnames", nodelist])
+        if proc.returncode != 0:
+            raise RuntimeError(f"scontrol show hostnames {nodelist}: {_said(proc)}")
+        return proc.stdout.split()
+
+    def step_ids(self, job_id: str) -> list[str]:
+        """The job's numbered steps (`123.0`), not its batch or extern step."""
+        proc = self.query(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], final=lambda p: GONE in p.stderr)
+        return [s for s in proc.stdout.split() if s.split(".")[-1].isdigit()] if proc.returncode == 0 else []
+
+    # --- telling Slurm ------------------------------------------------------------------
+    def kill_steps(self, job_id: str) -> None:
+        for step in self.step_ids(job_id):
+            self.runner.run(["scancel", "--signal=KILL", step])
+
+    def exclude_nodes(self, job_id: str, nodes: list[str]) -> str | None:
+        """Keep `nodes` out of the job's next allocation; None when done, else Slurm's refusal."""
+        proc = self.query(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
+                          final=lambda p: not _transient(_said(p)))
+        return None if proc.returncode == 0 else _said(proc)
+
+    def requeue(self, job_id: str) -> str | None:
+        """Put the job back in the queue; None when that happened, else why not. scontrol
+        ends the batch script while requeueing, so a caller there may not see the answer."""
+        deadline = self.clock.monotonic() + self.retry_s
+        while True:
+            try:
+                proc = self.runner.run(["scontrol", "requeue", job_id])
+                if proc.returncode == 0:
+                    return None
+                refused = _said(proc)
+            except subprocess.TimeoutExpired:
+                refused = f"no answer within {COMMAND_TIMEOUT_S:g} s"
+            if not _transient(refused) or self.clock.monotonic() + PAUSES_S[0] > deadline:
+                break
+            self.clock.sleep(PAUSES_S[0])
+        # A refusal may mean that Slurm requeued the job first (preemption with
+        # PreemptMode=REQUEUE): it passes through COMPLETING on its way back to the queue.
+        return None if self._on_its_way_back(job_id) else refused
+
+    def _on_its_way_back(self, job_id: str, wait_s: float = 10.0) -> bool:
+        deadline = self.clock.monotonic() + wait_s
+        while self.clock.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state in WAITING:
+                return True
+            if state not in ("COMPLETING", "RUNNING"):
+                return False
+            self.clock.sleep(0.5)
+        return False
+
+    def start_step(self, argv: list[str], *, env: Mapping[str, str]):
+        return self.runner.start(argv, env=env)
+
+
+def _transient(said: str) -> bool:
+    """A refusal that says nothing about the job: the controller did not answer."""
+    said = said.lower()
+    return any(s in said for s in TRANSIENT)
+
+
+# --- pure parsers ------------------------------------------------------------------------
 def parse_kv_line(line: str) -> dict[str, str]:
     """`scontrol show ... -o` prints one `Key=Value Key=Value` line per record."""
     out = {}
@@ -74,13 +260,6 @@ def parse_partitions(text: str) -> list[Partition]:
     return parts
 
 
-def partitions() -> list[Partition]:
-    proc = _run(["scontrol", "show", "partition", "-o"])
-    if proc.returncode != 0:
-        raise UserError(f"cannot ask Slurm for its partitions: {proc.stderr.strip() or proc.stdout.strip()}")
-    return parse_partitions(proc.stdout)
-
-
 def check_fits(parts: list[Partition], *, partition: str | None, nodes: int, time_min: int) -> Partition:
     """The login-node check: a job that could never start is an error now, not a job
     pending forever."""
@@ -107,20 +286,14 @@ def check_fits(parts: list[Partition], *, partition: str | None, nodes: int, tim
     return chosen
 
 
-def job_state(job_id: str) -> str | None:
-    """PENDING, RUNNING, COMPLETING, ... while Slurm remembers the job; None once it forgot."""
-    proc = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
-    state = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and state:
-        return state[0].strip()
-    proc = _run(["scontrol", "show", "job", job_id, "-o"])
-    if proc.returncode == 0:
-        return parse_kv_line(proc.stdout).get("JobState")
-    return None
+# --- the same calls with the real Slurm, for callers that hold no Slurm object -----------
+def partitions() -> list[Partition]:
+    return Slurm(retry_s=LOGIN_RETRY_S).partitions()
+
+
+def job_state(job_id: str, *, retry_s: float = LOGIN_RETRY_S) -> str | None:
+    return Slurm(retry_s=retry_s).job_state(job_id)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    proc = _run(["scontrol", "show", "hostnames", nodelist])
-    if proc.returncode != 0:
-        raise RuntimeError(f"scontrol show hostnames {nodelist}: {proc.stderr.strip()}")
-    return proc.stdout.split()
+    return Slurm().expand_nodelist(nodelist)

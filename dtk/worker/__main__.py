@@ -2,13 +2,14 @@ import os
 import sys
 
 from dtk.errors import UserError
+from dtk.worker.codes import EXIT_CONFIG
 from dtk.worker.main import main
 
 try:
     code = main(sys.argv[1:])
 except UserError as exc:
     print(f"error: {exc}", file=sys.stderr)
-    code = 2
+    code = EXIT_CONFIG
 # Everything that matters is on disk (the checkpoint committed, the summary written), and
 # the process group is destroyed. Leave without interpreter teardown: background threads
 # of torch's C++ side (gloo, async checkpoint staging) occasionally abort the process in

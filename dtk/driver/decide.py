@@ -1,0 +1,129 @@
+"""What the Slurm driver does after each start of the workers: the decision table, pure.
+
+The Supervisor gathers the facts of a start that ended (exit code, events, the nodes the
+job still holds, the workers' logs) and carries out the action; everything between is
+here, so every branch is a unit test (tests/test_supervisor.py).
+
+    how the start ended          Kind           Action
+    ---------------------------  -------------  ----------------------------------------------
+    exit 0                       FINISHED       FINISH: the workers wrote summary.json
+    a worker exited 2 (a         CONFIG_ERROR   FAIL at once with the worker's `error:` line:
+      configuration error)                        relaunching cannot fix a configuration
+    exit 3, a `preempted` event, STOPPED        REQUEUE when a checkpoint was committed since
+      or a signal to the driver                   the start; else FAIL (no progress: a requeue
+                                                  would stop at the same place forever)
+    a node left the job          NODE_FAILED    EXCLUDE the node(s) and start again: on the
+                                                  spares, else on fewer nodes; not counted
+                                                  against fault.max_restarts
+    any other exit               CRASHED        RELAUNCH from the last verified checkpoint,
+    no heartbeat in time         HUNG             up to fault.max_restarts times per
+                                                  allocation; then FAIL with the last cause
+
+    before a start                              Action
+    ------------------------------------------  ----------------------------------------------
+    too few usable nodes for any plan           REQUEUE with the exclusions (no progress
+      (fit_plan gives None)                       check: the allocation, not the run, failed)
+
+The order of the first table is the order of `classify`: a configuration error wins over
+a stop, a stop over a lost node, a lost node over a crash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
+
+
+class Kind(str, Enum):
+    FINISHED = "finished"
+    CONFIG_ERROR = "config_error"
+    STOPPED = "stopped"
+    NODE_FAILED = "node_failed"
+    CRASHED = "crashed"
+    HUNG = "hung"
+
+
+class Action(str, Enum):
+    FINISH = "finish"
+    FAIL = "fail"
+    REQUEUE = "requeue"
+    EXCLUDE = "exclude"
+    RELAUNCH = "relaunch"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the Supervisor saw when a worker step ended."""
+
+    code: int | None
+    """srun's exit code."""
+    workers_stopped: bool = False
+    """The workers wrote a `preempted` event during this start (they saved on a signal)."""
+    signalled: bool = False
+    """The driver itself received SIGTERM or USR2 during this start."""
+    lost: tuple[str, ...] = ()
+    """Nodes of this start that the job no longer holds."""
+    error_line: str | None = None
+    """A worker's `error:` line (a configuration error), with its rank."""
+    crash_cause: str = ""
+    """The first exception line in the ranks' logs, or how the step ended."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: Kind
+    code: int | None = None
+    lost: tuple[str, ...] = field(default_factory=tuple)
+    cause: str = ""
+    detected_at: float = 0.0
+
+
+def classify(facts: Facts, *, detected_at: float) -> Outcome:
+    """How a worker step that exited ended (a hang is found while watching, not here)."""
+    def outcome(kind: Kind, cause: str = "") -> Outcome:
+        return Outcome(kind, facts.code, facts.lost, cause, detected_at)
+
+    if facts.code == 0:
+        return outcome(Kind.FINISHED)
+    if facts.error_line or facts.code == EXIT_CONFIG:
+        return outcome(Kind.CONFIG_ERROR, facts.error_line or f"a worker exited with code {EXIT_CONFIG}"
+                       " (a configuration error); see the ranks' logs")
+    # Preemption signals srun too, so its exit code may say "terminated" although the
+    # workers agreed, saved and stopped: their `preempted` event is what counts.
+    if facts.code == EXIT_STOPPED or facts.workers_stopped or facts.signalled:
+        return outcome(Kind.STOPPED, "stopped on a signal")
+    if facts.lost:
+        return outcome(Kind.NODE_FAILED, f"node(s) {','.join(facts.lost)} left the job")
+    return outcome(Kind.CRASHED, facts.crash_cause)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    error: str = ""
+    """For FAIL: the one line the run's summary and the job log carry."""
+
+
+def decide(outcome: Outcome, *, job_id: str, relaunches: int, max_restarts: int, progressed: bool,
+           step: int) -> Decision:
+    """The action after a start: `relaunches` is how many crash or hang relaunches this
+    allocation made before it, `progressed` whether a checkpoint was committed since the
+    start, `step` the last checkpoint's."""
+    kind = outcome.kind
+    if kind is Kind.FINISHED:
+        return Decision(Action.FINISH)
+    if kind is Kind.CONFIG_ERROR:
+        return Decision(Action.FAIL, f"configuration error in job {job_id}, not relaunched: {outcome.cause}")
+    if kind is Kind.STOPPED:
+        if progressed:
+            return Decision(Action.REQUEUE)
+        return Decision(Action.FAIL, f"job {job_id} stopped again at step {step} without completing a checkpoint"
+                        " since its start; not requeued (is the time limit shorter than start-up plus a save?)")
+    if kind is Kind.NODE_FAILED:
+        return Decision(Action.EXCLUDE)
+    if relaunches < max_restarts:
+        return Decision(Action.RELAUNCH)
+    return Decision(Action.FAIL, f"{kind.value} {relaunches + 1} times in job {job_id}"
+                    f" (fault.max_restarts={max_restarts}); last cause: {outcome.cause}")
