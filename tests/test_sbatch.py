@@ -1,12 +1,16 @@
-"""The sbatch text is a pure function of the plan, checked against golden files.
+"""The sbatch text and the worker step's srun command are pure functions of the plan,
+checked against golden files, also for a run directory whose path has spaces and quotes.
 
 Regenerate after an intended change with `DTK_UPDATE_GOLDEN=1 python -m pytest tests/test_sbatch.py`
-and review the diff.
+and review the diff. Nothing here needs Slurm: the executor test submits through a fake
+`sbatch` on PATH, so this file runs (and never skips) on any machine.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,13 +18,18 @@ import pytest
 
 from conftest import dtk
 from dtk.config.compose import compose
+from dtk.driver.supervisor import srun_command
 from dtk.errors import UserError
 from dtk.launch import slurmctl
-from dtk.launch.sbatch import parse_extra, sbatch_text, submit_command, submitit_folder
+from dtk.launch.sbatch import make_executor, parse_extra, sbatch_text, submit_command, submitit_folder
 from dtk.plan.plan import make_plan
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = "/shared/runs"  # absolute, so the text does not depend on where the test runs
+# A project folder as people name them; run.root=runs is relative to it (submitit's
+# weird_tmp_path habit: the script must quote every path it writes).
+WEIRD_CWD = """/shared/Alice's project/my "big" runs"""
+WEIRD_NAMES = ["a_0", "a 0", 'a"=0"', "a'; echo foo", r"a\=0", r"a\=", "a$HOME`id`"]
 
 
 def normalize(text: str) -> str:
@@ -47,10 +56,53 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def golden_plan(name: str):
+    if name.startswith("weird_path"):
+        return make_plan(compose(["cluster=lab", "nodes=2", "tasks_per_node=1", "run.root=runs", "run.name=golden"]),
+                         cwd=WEIRD_CWD)
+    return make_plan(compose([*CASES[name.split(".")[0] + ".sbatch"], f"run.root={ROOT}", "run.name=golden"]))
+
+
+@pytest.mark.parametrize("name", [*sorted(CASES), "weird_path.sbatch"])
 def test_sbatch_matches_golden(name):
-    plan = make_plan(compose([*CASES[name], f"run.root={ROOT}", "run.name=golden"]))
-    check_golden(name, normalize(sbatch_text(plan)))
+    check_golden(name, normalize(sbatch_text(golden_plan(name))))
+
+
+@pytest.mark.parametrize("name", ["fsdp_16_nodes.srun", "lab_2_nodes.srun", "weird_path.srun"])
+def test_worker_step_srun_command_matches_golden(name):
+    """--cpus-per-task always (srun >= 22.05 does not inherit it); --gpu-bind from
+    cluster.gpu_bind (closest in conf/cluster/slurm.yaml, off on the lab)."""
+    plan = golden_plan(name)
+    nodes = [f"node{i}" for i in range(1, plan.nodes + 1)]
+    cmd = srun_command(plan, logs=Path(plan.run_dir) / "logs" / "start_00", nodes=nodes)
+    check_golden(name, normalize(shlex.join(cmd)) + "\n")
+    assert f"--cpus-per-task={plan.config.cluster.cpus_per_task}" in cmd
+    assert ("--gpu-bind=closest" in cmd) == (plan.config.cluster.gpus_per_node > 0)
+
+
+def bash(script: str) -> str:
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("weird", WEIRD_NAMES)
+def test_every_path_in_the_script_survives_the_shell(weird):
+    plan = make_plan(compose(["cluster=lab", "run.root=runs", "run.name=r"]), cwd=f"/shared/{weird}")
+    text = sbatch_text(plan)
+    # The setup lines and the command, run by bash, see exactly the paths of the plan.
+    setup = text.split("# setup\n", 1)[1].split("\n# command", 1)[0]
+    assert bash(setup + 'printf %s "$DTK_RUN_DIR"') == plan.run_dir
+    command = text.rstrip("\n").splitlines()[-1]
+    argv = bash(f"set -- {command.split(' ', 1)[1]}; printf '%s\\0' \"$@\"").split("\0")[:-1]
+    assert argv == ["-u", "-m", "submitit.core._submit", f"{plan.run_dir}/slurm/%j"]
+    # sbatch reads #SBATCH values with the shell's quoting rules.
+    output = next(ln for ln in text.splitlines() if ln.startswith("#SBATCH --output="))
+    assert shlex.split(output.removeprefix("#SBATCH --output=")) == [f"{plan.run_dir}/slurm/%j/%j_0_log.out"]
+
+
+def test_a_newline_in_the_run_directory_is_refused_before_anything_is_written():
+    plan = make_plan(compose(["cluster=lab", "run.root=runs", "run.name=r"]), cwd="/shared/a\n0")
+    with pytest.raises(UserError, match=r"run.root=runs: .*has a newline in its path"):
+        sbatch_text(plan)
 
 
 def test_dry_run_prints_the_fsdp_16_node_script_and_submits_nothing(tmp_path):
@@ -64,19 +116,31 @@ def test_dry_run_prints_the_fsdp_16_node_script_and_submits_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == [] and not Path(ROOT).exists()
 
 
-def test_executor_submits_the_same_command_the_dry_run_shows():
-    pytest.importorskip("submitit")
-    import shutil
+FAKE_SBATCH = """#!/bin/sh
+cp "$1" "$DTK_TEST_SUBMITTED"
+echo "Submitted batch job 7"
+"""
 
-    if shutil.which("srun") is None:
-        pytest.skip("submitit's Slurm executor needs srun on PATH")
-    from dtk.launch.sbatch import make_executor
 
-    plan = make_plan(compose(["cluster=lab", "nodes=2", f"run.root={ROOT}", "run.name=golden"]))
-    executor = make_executor(plan)
-    command = executor._submitit_command_str
-    assert command == submit_command(submitit_folder(plan) / "%j")
-    assert executor._make_submission_file_text(command, "uid") == sbatch_text(plan)
+def test_executor_submits_the_script_the_dry_run_shows(tmp_path, monkeypatch):
+    """A real submitit submission into a folder with spaces and quotes, to a fake sbatch
+    that keeps the script it is given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", "#!/bin/sh\nexit 0\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("DTK_TEST_SUBMITTED", str(tmp_path / "submitted.sh"))
+    project = tmp_path / "Alice's project" / 'my "big" runs'
+    plan = make_plan(compose(["cluster=lab", "nodes=2", "run.root=runs"]), cwd=project)
+
+    job = make_executor(plan).submit(print, plan.run_dir)
+    assert job.job_id == "7"
+    submitted = (tmp_path / "submitted.sh").read_text()
+    assert submitted == sbatch_text(plan)
+    assert submitted.rstrip("\n").endswith(submit_command(submitit_folder(plan) / "%j"))
+    assert (submitit_folder(plan) / "7" / "7_submitted.pkl").is_file()  # where _submit will look
 
 
 @pytest.mark.parametrize("overrides, needle", [

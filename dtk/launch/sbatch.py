@@ -1,8 +1,10 @@
 """Plan -> sbatch submission through submitit.
 
-The sbatch text is a pure function of the plan (`sbatch_text`), checked against golden
-files; the executor used for the real submission renders its script with that same
-function, so a dry run prints exactly what would be submitted.
+The sbatch text is a pure function of the plan (`sbatch_text`), rendered here and checked
+against golden files; the executor used for the real submission writes its script with
+that same function, so a dry run prints exactly what would be submitted. dtk renders the
+script itself rather than through submitit's private `_make_sbatch_string`, so a submitit
+release cannot change what is submitted.
 
 The batch script runs one process, the driver (`dtk.driver.supervisor.drive`), on the first node
 of the allocation (submitit's `use_srun=False`); the driver starts the worker step with srun
@@ -77,61 +79,73 @@ def parse_extra(flags: list[str]) -> dict[str, Any]:
     return out
 
 
-def sbatch_parameters(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str, Any]:
-    """submitit's `_make_sbatch_string` keyword arguments for this plan."""
+def sbatch_flags(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str, str | bool]:
+    """The `#SBATCH` flags of this plan: name -> value (True for a flag without one)."""
     c = plan.config.cluster
-    params: dict[str, Any] = {
-        "job_name": f"dtk-{plan.run_name}",
-        "nodes": plan.nodes + plan.spare_nodes,
-        "ntasks_per_node": plan.tasks_per_node,
-        "cpus_per_task": c.cpus_per_task,
-        "time": c.time_min,
+    folder = submitit_folder(plan) / "%j"
+    if "\n" in str(folder):  # it would end its #SBATCH line
+        raise UserError(f"run.root={plan.config.run.root}: the job's folder {str(folder)!r} has a newline"
+                        " in its path, which sbatch cannot take; choose a run.root (or cluster.log_dir) without one")
+    flags: dict[str, str | bool] = {
+        "job-name": f"dtk-{plan.run_name}",
+        "nodes": str(plan.nodes + plan.spare_nodes),
+        "ntasks-per-node": str(plan.tasks_per_node),
+        "cpus-per-task": str(c.cpus_per_task),
+        "time": str(c.time_min),
         # USR2 (not USR1, which NCCL may use) to the job steps, i.e. the workers, ahead of
         # the time limit: they agree at a step boundary, save, and the driver requeues.
-        "signal_delay_s": inputs.signal_lead_s,
-        "use_srun": False,
-        "stderr_to_stdout": True,
-        "setup": setup_lines(c.setup) + [f"export DTK_RUN_DIR={shlex.quote(plan.run_dir)}"],
+        "signal": f"USR2@{inputs.signal_lead_s}",
+        # Where submitit's entry point (`submit_command`) logs: the driver's output.
+        "output": f"{folder}/%j_0_log.out",
+        "open-mode": "append",
+        # Requeue: a preemption or a requeue by the driver puts the job back in the queue,
+        # where it finds its run directory (identity comes from the config) and resumes.
+        "requeue": True,
     }
     for key in ("partition", "account", "qos", "constraint"):
         if getattr(c, key):
-            params[key] = getattr(c, key)
+            flags[key] = getattr(c, key)
     if c.gpus_per_node:
-        params["gpus_per_node"] = c.gpus_per_node
+        flags["gpus-per-node"] = str(c.gpus_per_node)
     if c.mem_gb:
-        params["mem"] = f"{c.mem_gb}GB"
+        flags["mem"] = f"{c.mem_gb}GB"
     if c.exclusive:
-        params["exclusive"] = True
+        flags["exclusive"] = True
     if inputs.exclude:
-        params["exclude"] = ",".join(inputs.exclude)
+        flags["exclude"] = ",".join(inputs.exclude)
     if plan.config.submit.after:
         # A job this one depends on: it stays pending until that one completed successfully
         # (a job that requeues itself keeps its id, so a requeue is no success yet).
-        params["dependency"] = f"afterok:{plan.config.submit.after}"
-    # Requeue: a preemption or a requeue by the driver puts the job back in the queue, where
-    # it finds its run directory (identity comes from the config) and resumes. --no-kill: a
-    # failed node ends the worker step, not the job, and the driver carries on without it.
-    extra: dict[str, Any] = {"requeue": True}
+        flags["dependency"] = f"afterok:{plan.config.submit.after}"
     if plan.config.fault.survive_node_loss:
-        extra["no-kill"] = True
-    params["additional_parameters"] = {**extra, **parse_extra(c.sbatch_extra)}
-    return params
+        flags["no-kill"] = True  # a failed node ends the worker step, not the job: the driver goes on
+    return {**flags, **parse_extra(c.sbatch_extra)}
 
 
 def submit_command(folder: Path, python: str = sys.executable) -> str:
-    """The command submitit puts at the end of the script: unpickle and run the driver."""
+    """The command at the end of the script: submitit's entry point unpickles and runs the
+    driver (`dtk.driver.supervisor.drive`), once, on the batch host."""
     return f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
+def render_sbatch(flags: dict[str, str | bool], *, setup: list[str], command: str) -> str:
+    """A batch script: flags sorted by name, each value shell-quoted (sbatch reads `#SBATCH`
+    values with the shell's quoting rules, so a path with spaces or quotes survives), then
+    the setup lines and the command."""
+    lines = ["#!/bin/bash", "", "# Parameters"]
+    for name in sorted(flags):
+        value = flags[name]
+        lines.append(f"#SBATCH --{name}" if value is True else f"#SBATCH --{name}={shlex.quote(str(value))}")
+    lines += ["", "# setup", *setup, "", "# command", "export SUBMITIT_EXECUTOR=slurm", command, ""]
+    return "\n".join(lines)
 
 
 def sbatch_text(plan: Plan, inputs: SubmitInputs = SubmitInputs(), *, command: str | None = None) -> str:
     """The whole sbatch script: a pure function of the plan and the submission inputs.
     `command` defaults to what submitit's executor passes."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    folder = submitit_folder(plan) / "%j"
-    return _make_sbatch_string(
-        command=command or submit_command(folder), folder=folder, **sbatch_parameters(plan, inputs)
-    )
+    setup = setup_lines(plan.config.cluster.setup) + [f"export DTK_RUN_DIR={shlex.quote(plan.run_dir)}"]
+    command = command or submit_command(submitit_folder(plan) / "%j")
+    return render_sbatch(sbatch_flags(plan, inputs), setup=setup, command=command)
 
 
 def describe_submission(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> str:
@@ -139,14 +153,17 @@ def describe_submission(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> st
 
 
 def make_executor(plan: Plan, inputs: SubmitInputs = SubmitInputs()):
-    """The one place that builds the Slurm executor."""
+    """The one place that builds the Slurm executor. The script is dtk's own (`sbatch_text`);
+    submitit pickles the driver call, runs sbatch and parses the job id. Its parameters
+    below only keep its bookkeeping (tasks per job, time) in line with the script."""
     from submitit import SlurmExecutor
 
     class DtkSlurmExecutor(SlurmExecutor):
+        # The hook every submitit executor implements (PicklingExecutor's abstract method).
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return sbatch_text(plan, inputs, command=command)
 
-    folder = submitit_folder(plan) / "%j"
-    executor = DtkSlurmExecutor(folder=folder, max_num_timeout=0)
-    executor.update_parameters(**sbatch_parameters(plan, inputs))
+    executor = DtkSlurmExecutor(folder=submitit_folder(plan) / "%j", max_num_timeout=0)
+    executor.update_parameters(nodes=plan.nodes + plan.spare_nodes, ntasks_per_node=plan.tasks_per_node,
+                               time=plan.config.cluster.time_min)
     return executor
