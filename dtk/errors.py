@@ -14,8 +14,21 @@ class UserError(ValueError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes read like every other dtk error: one `error:` line
-    (no usage block), exit 2 through run_cli. Subparsers inherit it."""
+    """The parser of every `python -m dtk.*` command: usage mistakes read like every other
+    dtk error (one `error:` line, no usage block, exit 2 through run_cli); subparsers
+    inherit it. No abbreviated flags: the surface is exactly the flags declared, and
+    tests/test_cli.py freezes it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def add_overrides(self) -> None:
+        """Positional configuration overrides in Hydra's syntax, checked for their shape
+        here (`override`); parse with `parse_intermixed_args` so flags may come anywhere."""
+        self.add_argument("overrides", nargs="*", metavar="KEY=VALUE", type=override,
+                          help="configuration overrides: key=value, +key=value (add), ~key (remove), "
+                               "group=option (e.g. cluster=lab); the keys: python -m dtk.plan --help")
 
     def error(self, message: str) -> NoReturn:
         command = " ".join(self.prog.split()[:3])  # "python -m dtk.lab", also from "... dtk.lab up"
@@ -24,6 +37,17 @@ class ArgumentParser(argparse.ArgumentParser):
     def add_subparsers(self, **kwargs):
         kwargs.setdefault("parser_class", ArgumentParser)
         return super().add_subparsers(**kwargs)
+
+
+def override(text: str) -> str:
+    """One command-line override, checked for its shape only (Hydra parses the rest): a key,
+    then `=` and a value; `~key` alone removes a key."""
+    key, sep, _ = text.lstrip("+~").partition("=")
+    if sep and not key.strip():
+        raise argparse.ArgumentTypeError(f"override {text!r} has no key before '='; expected KEY=VALUE like train.steps=100")
+    if not sep and not (text.startswith("~") and key.strip()):
+        raise argparse.ArgumentTypeError(f"override {text!r} is not KEY=VALUE; expected like train.steps=100 or ~KEY")
+    return text
 
 
 def fail(message: str) -> NoReturn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -9,12 +10,10 @@ from typing import Any
 
 from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
-from dtk.errors import UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.rundir import RunDir
 
-USAGE = """usage: python -m dtk.status RUN_DIR [--json]
-
-State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
+DESCRIPTION = """State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
 step / total, loss, last complete checkpoint, restarts and every start with its job id and
 nodes, and the newest entries of the run root's audit log (who submitted, stopped, drilled,
 exported or deleted what, when). Slurm jobs are asked with squeue/scontrol; the rest comes
@@ -125,18 +124,20 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="python -m dtk.status", description=DESCRIPTION,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory (under run.root)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
 def main(argv: list[str]) -> int:
-    if not argv or any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0 if argv else 2
-    paths = [a for a in argv if a != "--json"]
-    if len(paths) != 1:
-        raise UserError(f"expected one RUN_DIR, got {len(paths)}: {' '.join(paths)}")
-    path = Path(paths[0])
-    if not path.is_dir():
-        raise UserError(f"RUN_DIR={path}: no such directory")
-    info = collect(RunDir(path))
-    print(json.dumps(info, indent=2) if "--json" in argv else render(info))
+    args = build_parser().parse_args(argv)
+    if not args.run_dir.is_dir():
+        raise UserError(f"RUN_DIR={args.run_dir}: no such directory")
+    info = collect(RunDir(args.run_dir))
+    print(json.dumps(info, indent=2) if args.json else render(info))
     return 0
 
 

@@ -1,18 +1,19 @@
-"""python -m dtk.submit [-m] [overrides...]: compose -> validate -> plan -> launch."""
+"""python -m dtk.submit [-m] [--config-dir DIR] [overrides...]: compose -> validate -> plan -> launch."""
 
 from __future__ import annotations
 
-from dtk.config.compose import compose, expand_sweep, pop_config_dirs, search_path
-from dtk.errors import run_cli
+import argparse
+
+from dtk.config.compose import CONFIG_DIR_FLAG, compose, expand_sweep, search_path
+from dtk.errors import ArgumentParser, run_cli
 from dtk.plan.plan import Plan, make_plan
 
-USAGE = """usage: python -m dtk.submit [-m|--multirun] [--config-dir DIR] [KEY=VALUE ...] [+scheme=NAME]
-
-Compose the job's configuration from conf/ and the overrides, check it, and launch it
+DESCRIPTION = """Compose the job's configuration from conf/ and the overrides, check it, and launch it
 (default: cluster=local, 2 worker processes on this machine). Config groups and Python
 modules of your own project folder (python -m dtk.init DIR) come first: from the current
-folder when it has a conf/, from --config-dir DIR, or from DTK_CONFIG_PATH=DIR1:DIR2.
+folder when it has a conf/, from --config-dir DIR, or from DTK_CONFIG_PATH=DIR1:DIR2."""
 
+EPILOG = """examples:
   python -m dtk.submit                                   train the default job here
   python -m dtk.submit +scheme=ddp tasks_per_node=4      4 workers, DDP
   python -m dtk.submit train.steps=50 submit.dry_run=true   show the launch, start nothing
@@ -21,6 +22,22 @@ folder when it has a conf/, from --config-dir DIR, or from DTK_CONFIG_PATH=DIR1:
 Running the same command again continues the same run (run.name is derived from the
 config). python -m dtk.plan --help lists every key with its meaning.
 """
+
+
+def add_config_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(CONFIG_DIR_FLAG, dest="config_dirs", action="append", default=[], metavar="DIR",
+                        help="a project folder (python -m dtk.init DIR) whose config groups and modules come first;"
+                             " repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="python -m dtk.submit", description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--multirun", action="store_true",
+                        help="a sweep: one job per combination of comma-separated values (Hydra's syntax)")
+    add_config_dir(parser)
+    parser.add_overrides()
+    return parser
 
 
 def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[tuple[list[str], Plan]]:
@@ -39,13 +56,9 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    config_dirs, argv = pop_config_dirs(argv)
-    multirun = any(a in ("-m", "--multirun") for a in argv)
-    overrides = [a for a in argv if a not in ("-m", "--multirun")]
-    planned = plan_points(overrides, multirun, config_dirs)
+    args = build_parser().parse_intermixed_args(argv)
+    multirun = args.multirun
+    planned = plan_points(args.overrides, multirun, args.config_dirs)
 
     from dtk.launch.launch import Launched, describe_launch, launch
 

@@ -146,8 +146,21 @@ def compose(overrides: list[str], *, search: SearchPath | None = None) -> Config
         typed = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         raise UserError(explain(exc)) from None
+    except ValueError as exc:  # Hydra's own check of a group's value, e.g. `cluster=1`
+        raise UserError(_bad_group_value(overrides, search or search_path(), exc)) from None
     assert isinstance(typed, Config)
     return finish(typed)
+
+
+def _bad_group_value(overrides: list[str], search: SearchPath, exc: ValueError) -> str:
+    """`cluster=1: cluster is a config group; choose one of: lab, local, slurm`."""
+    folders = (config_dir(), *search.config)
+    for text in overrides:
+        key, _, value = text.lstrip("+~").partition("=")
+        options = sorted({p.stem for f in folders for p in (f / key).glob("*.yaml")} if key else ())
+        if options and value not in options:
+            return f"{key}={value}: {key} is a config group; choose one of: {', '.join(options)}"
+    return " ".join(str(exc).split())
 
 
 def _reject_unknown_keys(node: Any, path: str = "") -> None:

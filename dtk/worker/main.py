@@ -19,6 +19,7 @@ from dtk.checkpoint.manager import CheckpointManager
 from dtk.data.loader import StepBatches, build_splits
 from dtk.dist.init import init_process_group, pick_device
 from dtk.dist.mesh import ParallelMesh, build_mesh
+from dtk.errors import ArgumentParser
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
 from dtk.plan.plan import Plan
@@ -195,10 +196,9 @@ def step_policies(
 def main(argv: list[str]) -> int:
     clock = StartupClock()
     clock.lap("import")
-    if len(argv) != 1:
-        print("usage: python -m dtk.worker RUN_DIR", file=sys.stderr)
-        return 2
-    run = RunDir(Path(argv[0]))
+    parser = ArgumentParser(prog="python -m dtk.worker", description="One worker process of a run; drivers start it.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    run = RunDir(parser.parse_args(argv).run_dir)
     env = read_env()
     # A driver that relaunches on fewer nodes hands the workers an adjusted plan.
     plan = Plan.from_json(Path(env.plan or run.plan_json).read_text())
