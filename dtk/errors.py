@@ -62,6 +62,14 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
         code = main(sys.argv[1:] if argv is None else argv)
     except UserError as exc:
         fail(str(exc))
+    except PermissionError as exc:
+        # A file this user may not read or write: under an access policy that is the
+        # policy speaking (docs/access.md), not a bug; say which file and who asked.
+        import getpass
+
+        fail(f"{exc.filename or 'a file'}: {exc.strerror or 'permission denied'} for user {getpass.getuser()};"
+             " under an access policy, reading runs takes the viewer role and changing them the maintainer role"
+             " (python -m dtk.access show POLICY says who holds which)")
     except BrokenPipeError:  # `python -m dtk.plan --help | head` is not an error
         sys.stderr.close()
         sys.exit(0)

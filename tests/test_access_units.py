@@ -138,3 +138,16 @@ def test_lab_partitions_admit_the_submitter_group_and_account():
                if ln.startswith("PartitionName="))
     assert "AccountingStorageType=accounting_storage/slurmdbd" in charged
     assert "AccountingStorageEnforce=associations" in charged and "accounting_storage/none" not in charged
+
+
+def test_a_file_the_user_may_not_read_is_one_error_line(capsys):
+    from dtk.errors import run_cli
+
+    def main(_argv):
+        raise PermissionError(13, "Permission denied", "/shared/team/runs/r/plan.json")
+
+    with pytest.raises(SystemExit) as done:
+        run_cli(main, [])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: /shared/team/runs/r/plan.json: Permission denied for user ")
