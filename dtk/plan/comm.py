@@ -12,14 +12,15 @@ activation forward and its gradient back.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from dtk.plan.degrees import Degrees
+from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.layout import coords, rank_layout, uses_fsdp, uses_zero1
 from dtk.plan.memory import Job, job_dims
 from dtk.plan.shape import ModelShape
 
-AXES = ("dp_replicate", "pp", "dp_shard", "tp")
+AXES = Axis.values()  # the grid's order, outermost first
 # Link speeds assumed to name the bottleneck (GB/s per device, one direction): NVLink 4
 # inside a node, one 400 Gb/s NIC per GPU across nodes. Only their ratio matters here.
 INTRA_NODE_GBPS = 450.0
@@ -32,7 +33,7 @@ def node_of(rank: int, tasks_per_node: int) -> int:
 
 def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
     """The process groups of one mesh axis: ranks that differ only in that coordinate."""
-    sizes = {"dp_replicate": d.dp_replicate, "pp": d.pp, "dp_shard": d.dp_shard, "tp": d.tp}
+    sizes = dataclasses.asdict(d)
     stride = 1
     for name in reversed(AXES):
         if name == axis:
@@ -124,6 +125,5 @@ def placement(d: Degrees, tasks_per_node: int) -> list[dict]:
     rows = []
     for rank in range(d.world):
         c = coords(rank, d)
-        rows.append({"rank": rank, "node": node_of(rank, tasks_per_node), "dp_replicate": c.dp_replicate,
-                     "pp": c.pp, "dp_shard": c.dp_shard, "tp": c.tp})
+        rows.append({"rank": rank, "node": node_of(rank, tasks_per_node), **dataclasses.asdict(c)})
     return rows

@@ -23,23 +23,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from dtk.plan.degrees import Degrees
+from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.shape import ModelShape, ParamTensor
 
-
-@dataclass(frozen=True)
-class Coords:
-    dp_replicate: int
-    pp: int
-    dp_shard: int
-    tp: int
+Coords = Degrees
+"""A rank's coordinate on each mesh axis: one field per Axis, like the degrees."""
 
 
 def coords(rank: int, d: Degrees) -> Coords:
-    rank, tp = divmod(rank, d.tp)
-    rank, shard = divmod(rank, d.dp_shard)
-    rep, pp = divmod(rank, d.pp)
-    return Coords(rep, pp, shard, tp)
+    """The grid of dtk.dist.mesh: the innermost axis changes fastest with the rank."""
+    values = {}
+    for axis in reversed(Axis):
+        rank, values[axis.value] = divmod(rank, d.of(axis))
+    return Coords(**values)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
