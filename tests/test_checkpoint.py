@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -306,7 +307,12 @@ def test_export_writes_a_plain_state_dict(saved, tmp_path):
     assert json.loads((tmp_path / "m.pt.json").read_text())["step"] == 2
 
 
-def test_minutes_interval_saves_when_the_time_has_come(tmp_path):
+def test_minutes_interval_saves_when_the_time_has_come(tmp_path, monkeypatch):
+    # The manager's clock is advanced by hand: a loaded machine must not decide the outcome.
+    from dtk.checkpoint import manager as manager_module
+
+    now = [1000.0]
+    monkeypatch.setattr(manager_module, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     model, optimizer, scheduler = make_parts()
@@ -318,8 +324,9 @@ def test_minutes_interval_saves_when_the_time_has_come(tmp_path):
     )
     ckpt.after_step(1)
     assert not run.checkpoint_steps()  # not yet: the clock starts at construction
-    time.sleep(0.08)
+    now[0] += 0.08
     ckpt.after_step(2)
+    now[0] += 0.03
     ckpt.after_step(3)  # the clock restarted at the save of step 2
     ckpt.close()
     assert [s for s, _, ok in run.checkpoint_steps() if ok] == [2]
