@@ -181,3 +181,16 @@ def test_partition_checks_before_submission():
         slurmctl.check_fits(parts, partition="short", nodes=1, time_min=60)
     with pytest.raises(UserError, match="DOWN"):
         slurmctl.check_fits(parts, partition="gone", nodes=1, time_min=10)
+
+
+def test_exclude_from_file_leaves_its_nodes_out_of_the_sbatch(tmp_path):
+    listed = tmp_path / "slow_nodes.txt"
+    listed.write_text("# written by python -m dtk.doctor\nnode3  # p2p 4.1x the median\n\nnode1\n")
+    proc = dtk("dtk.submit", "cluster=lab", "nodes=1", f"cluster.exclude_from={listed}", "submit.dry_run=true",
+               f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --exclude=node1,node3" in proc.stdout
+    missing = dtk("dtk.submit", "cluster=lab", f"cluster.exclude_from={tmp_path / 'nope.txt'}",
+                  f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: cluster.exclude_from=")
+    assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

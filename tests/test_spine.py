@@ -44,6 +44,11 @@ def test_default_job_leaves_a_complete_run_directory(reference):
     assert summary["final_loss"] == records[-1]["loss"]
     events = [json.loads(line)["event"] for line in (reference / "events.jsonl").read_text().splitlines()]
     assert events[0] == "submitted" and events[1] == "started" and events[-1] == "finished"
+    # The fabric, chosen before the process group: one node, so the loopback; the check recorded.
+    topology = json.loads((reference / "topology.json").read_text())
+    assert topology["choice"]["interface"] == "lo" and topology["env"][topology["nodes"][0]["node"]]["GLOO_SOCKET_IFNAME"] == "lo"
+    assert len(topology["layout"]["rank_nodes"]) == 2 and topology["transport_check"]["problems"] == []
+    assert "topology" in events and events.index("topology") < events.index("ready")
 
 
 def test_same_command_twice_gives_bitwise_identical_losses(reference, tmp_path):

@@ -85,6 +85,14 @@ class Backend(Choice):
     gloo = "gloo"
 
 
+class FabricRequire(Choice):
+    """What the transport check at start accepts (dtk.topology.nccl.REQUIRE)."""
+
+    auto = "auto"
+    ib = "ib"
+    any = "any"
+
+
 class DeviceKind(Choice):
     auto = "auto"
     cuda = "cuda"

@@ -20,6 +20,7 @@ from dtk.config.choices import (
     DataParallel,
     DeviceKind,
     Dtype,
+    FabricRequire,
     OptimizerName,
     PipelineSchedule,
     TpStyle,
@@ -56,6 +57,10 @@ class ClusterConfig:
     """Names of files in slurm_templates/setup/ whose lines run before the workers (module loads, NCCL env)."""
     log_dir: str | None = None
     """Where submitit puts the job's stdout/stderr. None: `<run dir>/slurm`."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set in every worker before the process group starts; NCCL_* / GLOO_* / MASTER_ADDR here win over what dtk detects (docs/topology.md)."""
+    exclude_from: str | None = None
+    """A file of node names to keep out of the job (sbatch --exclude), one per line, `#` comments: the list `python -m dtk.doctor` writes. None: none."""
 
 
 @dataclass
@@ -256,6 +261,14 @@ class DistConfig:
 
 
 @dataclass
+class FabricConfig:
+    require: FabricRequire = FabricRequire.auto
+    """Transport check at start (NCCL): `auto` stops the job when a node has InfiniBand / RoCE but NCCL chose TCP sockets, `ib` also when a node has no RDMA port or the report is missing, `any` accepts sockets."""
+    detect: bool = True
+    """Discover each node at start and set NCCL / gloo interfaces and the master address from it (topology.json). False: leave them to NCCL, gloo and the environment."""
+
+
+@dataclass
 class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
@@ -315,6 +328,8 @@ class Config:
     """torch.distributed settings."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Recovery from crashes, hangs, node failure and time limits."""
+    fabric: FabricConfig = field(default_factory=FabricConfig)
+    """Network fabric: discovery at start and the check that NCCL uses InfiniBand where there is one (docs/topology.md)."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory."""
     submit: SubmitConfig = field(default_factory=SubmitConfig)

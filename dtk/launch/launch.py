@@ -104,7 +104,25 @@ def submit_inputs(plan: Plan, run: RunDir):
         save_s=max(saves) if saves else None,
         step_s=statistics.median(steps) if steps else None,
     )
-    return SubmitInputs(exclude=tuple(read_exclusions(run)), signal_lead_s=lead)
+    listed = read_exclude_file(plan.config.cluster.exclude_from)
+    return SubmitInputs(exclude=tuple(sorted(set(read_exclusions(run)) | set(listed))), signal_lead_s=lead)
+
+
+def read_exclude_file(path: str | None) -> tuple[str, ...]:
+    """cluster.exclude_from: node names, one per line (`# why` after a name, or a line of
+    its own, is a comment), as `python -m dtk.doctor` writes them."""
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"cluster.exclude_from={path}: cannot read it ({exc.strerror or exc}); give a file of"
+                        " node names, one per line (python -m dtk.doctor writes one)") from None
+    names = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    bad = [n for n in names if n and not all(c.isalnum() or c in "-_.[],"  for c in n)]
+    if bad:
+        raise UserError(f"cluster.exclude_from={path}: {bad[0]!r} is not a node name; one name per line")
+    return tuple(n for n in names if n)
 
 
 @dataclass(frozen=True)

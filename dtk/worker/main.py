@@ -34,6 +34,7 @@ from dtk.train.startup import StartupClock
 from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
+from dtk.worker.fabric import after_process_group, before_process_group
 from dtk.worker.signals import StopFlag
 
 
@@ -49,7 +50,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     device = pick_device(cfg.dist.device, env)
     if device.type == "cpu":
         set_threads(cfg.train.threads, env)
+    # The fabric's variables (interfaces, HCAs, master address) must be set before the group starts.
+    env, fabric = before_process_group(plan, env, run, device=device)
     init_process_group(env, backend=cfg.dist.backend, device=device, timeout_s=cfg.dist.timeout_s)
+    after_process_group(fabric, plan, env, run, device=device)  # stops here when NCCL bypasses InfiniBand
     clock.lap("process_group")
     rank0 = env.rank == 0
     seed = cfg.train.seed
