@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dtk.config.compose import CONFIG_DIR_FLAG, compose, expand_sweep, search_path
-from dtk.errors import ArgumentParser, run_cli
+from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.plan.plan import Plan, make_plan
+
+if TYPE_CHECKING:
+    from dtk.plan.report import MemoryPlan
 
 DESCRIPTION = """Compose the job's configuration from conf/ and the overrides, check it, and launch it
 (default: cluster=local, 2 worker processes on this machine). Config groups and Python
@@ -40,41 +46,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[tuple[list[str], Plan]]:
-    """Compose and plan every point first, so one bad point stops the sweep before any launch."""
+@dataclass(frozen=True)
+class Point:
+    overrides: list[str]
+    plan: Plan
+    budget: MemoryPlan | None
+    """The memory budget (None: not judged, the model could not be counted)."""
+
+
+def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[Point]:
+    """Compose, plan and check every point first, so one bad point stops the sweep before any
+    launch. A point whose memory does not fit is refused (one error line, exit 2); in a
+    sweep it is skipped with one line and the rest go on."""
     from dtk.data.hdf5 import check_config
+    from dtk.plan.gate import check
 
     search = search_path(config_dirs or [])
     search.activate()
     points = expand_sweep(overrides) if multirun else [overrides]
-    planned = [(point, make_plan(compose(point, search=search), import_path=search.modules)) for point in points]
-    for _, plan in planned:
+    planned = [(point, compose(point, search=search)) for point in points]
+    planned = [(point, cfg, make_plan(cfg, import_path=search.modules)) for point, cfg in planned]
+    for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.
         check_config(plan.config.data, plan.config.model)
-    return planned
+    kept = []
+    for point, cfg, plan in planned:
+        checked = check(cfg, plan, search.config)
+        if checked.refusal and not multirun:
+            raise UserError(checked.refusal)
+        if checked.refusal:
+            print(f"skipped: {' '.join(point) or '(defaults)'}: {checked.refusal}", flush=True)
+            continue
+        if checked.note:
+            print(f"note: {checked.note}", file=sys.stderr, flush=True)
+        kept.append(Point(point, plan, checked.budget))
+    if not kept:
+        raise UserError(f"none of the sweep's {len(planned)} points fits; nothing submitted")
+    return kept
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_intermixed_args(argv)
     multirun = args.multirun
-    planned = plan_points(args.overrides, multirun, args.config_dirs)
+    points = plan_points(args.overrides, multirun, args.config_dirs)
 
     from dtk.launch.launch import Launched, describe_launch, launch
 
     results = []
-    for point, plan in planned:
+    for p in points:
         if multirun:
-            print(f"=== {' '.join(point) or '(defaults)'}", flush=True)
-        if plan.config.submit.dry_run:
-            print(describe_launch(plan))
+            print(f"=== {' '.join(p.overrides) or '(defaults)'}", flush=True)
+        if p.plan.config.submit.dry_run:
+            print(describe_launch(p.plan))
             results.append(Launched(0))
         else:
-            results.append(launch(plan))
+            results.append(launch(p.plan))
     if multirun:
         print(f"\n{'job':>10}  {'code':>4}  run directory")
-        for (_, plan), result in zip(planned, results, strict=True):
-            print(f"{result.job_id or '-':>10}  {result.code:>4}  {plan.run_dir}")
+        for p, result in zip(points, results, strict=True):
+            print(f"{result.job_id or '-':>10}  {result.code:>4}  {p.plan.run_dir}")
     return max(r.code for r in results)
 
 

@@ -61,6 +61,10 @@ class ClusterConfig:
     """Variables set in every worker before the process group starts; NCCL_* / GLOO_* / MASTER_ADDR here win over what dtk detects (docs/topology.md)."""
     exclude_from: str | None = None
     """A file of node names to keep out of the job (sbatch --exclude), one per line, `#` comments: the list `python -m dtk.doctor` writes. None: none."""
+    accelerator: str | None = None
+    """The GPU model, for the memory budget and MFU: h100-80gb, h100-pcie, h100-nvl, h200, a100-40gb, a100-80gb, b200, l40s (`python -m dtk.plan` lists them on a wrong name). None: unknown."""
+    device_memory_gb: float | None = None
+    """Memory per device in decimal GB; overrides the accelerator's figure (a MIG slice, a new part). None: from cluster.accelerator, or on the CPU the node's memory over its workers."""
 
 
 @dataclass
@@ -293,6 +297,30 @@ class RunConfig:
 
 
 @dataclass
+class PlanConfig:
+    """What-if inputs of the memory budget (python -m dtk.plan): plan a model that is not written yet."""
+
+    params: float | None = None
+    """Parameter count, e.g. 7.5e9: plan this many parameters instead of the model's. None: the model's own."""
+    layers: int | None = None
+    """Repeated blocks of the what-if model (FSDP units, pipeline stages, per-layer buffers)."""
+    hidden: int | None = None
+    """Hidden size of the what-if model (activations, gathered layers)."""
+    seq_len: int | None = None
+    """Sequence length of the what-if model (activations)."""
+    heads: int | None = None
+    """Attention heads of the what-if model (attention scores in activations)."""
+    vocab_size: int | None = None
+    """Vocabulary of the what-if model (embedding, output head and logits)."""
+    param_bytes: float | None = None
+    """Bytes per parameter held, to follow another framework's accounting (the ZeRO paper: 2). None: dtk's fp32 (4)."""
+    grad_bytes: float | None = None
+    """Bytes per gradient element (the ZeRO paper: 2). None: dtk's fp32 (4)."""
+    optimizer_bytes: float | None = None
+    """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
+
+
+@dataclass
 class SubmitConfig:
     dry_run: bool = False
     """Print what would be launched and exit without creating anything."""
@@ -300,6 +328,8 @@ class SubmitConfig:
     """Follow a Slurm job until it ends. None: no on Slurm; the local cluster always follows its workers."""
     after: str | None = None
     """Start only once this Slurm job (or these, joined by ':') completed successfully: sbatch --dependency=afterok:JOB. Slurm only."""
+    force: bool = False
+    """Submit even when the memory budget says the job does not fit on its devices."""
 
 
 @dataclass
@@ -334,6 +364,8 @@ class Config:
     """Run directory."""
     submit: SubmitConfig = field(default_factory=SubmitConfig)
     """Submission behaviour."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """What-if inputs of the memory budget (python -m dtk.plan); unset for a real model."""
     access: AccessConfig = field(default_factory=AccessConfig)
     """Who may submit, read and maintain runs (group `access`, `access=NAME`; docs/access.md). The default, `open`, checks nothing."""
     extra: dict[str, Any] = field(default_factory=dict)

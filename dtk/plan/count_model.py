@@ -23,6 +23,11 @@ from dtk.plan.shape import ModelShape, shape_from_counted, tp_dim_for
 COUNT_TIMEOUT_S = 60
 
 
+class NotCounted(UserError):
+    """The model could not be built on the meta device (or not in time): `python -m dtk.plan`
+    says so as an error; dtk.submit submits without the memory check, and says so."""
+
+
 def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> ModelShape:
     target = model._target_
     try:
@@ -31,13 +36,13 @@ def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> 
             capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
-        raise UserError(
+        raise NotCounted(
             f"model._target_={target}: building it on the meta device to count its parameters took over"
             f" {timeout_s:.0f} s; set plan.params (and plan.layers) to plan without building it"
         ) from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"model._target_={target}: cannot count its parameters on the meta device: {last}")
+        raise NotCounted(f"model._target_={target}: cannot count its parameters on the meta device: {last}")
     return shape_from_counted(json.loads(proc.stdout))
 
 

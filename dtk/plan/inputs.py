@@ -29,17 +29,9 @@ from dtk.plan.shape import ModelShape, builtin_shape, is_builtin, whatif_shape
 WHATIF_KEYS = ("params", "layers", "hidden", "seq_len", "heads", "vocab_size")
 
 
-def _undeclared(section: Any, key: str) -> Any:
-    """A key the budget reads that no schema declares yet (cluster.accelerator,
-    cluster.device_memory_gb, the plan.* what-if keys): composing refuses an undeclared
-    key, so until its schema field exists it is never set."""
-    return getattr(section, key, None)
-
-
 def plan_keys(cfg: Config) -> dict[str, Any]:
     """The plan.* what-if keys that are set."""
-    section = _undeclared(cfg, "plan")
-    return {k: v for k, v in vars(section).items() if v is not None} if section is not None else {}
+    return {k: v for k, v in dataclasses.asdict(cfg.plan).items() if v is not None}
 
 
 def device_kind(cfg: Config) -> str:
@@ -48,13 +40,13 @@ def device_kind(cfg: Config) -> str:
     if want in (DeviceKind.cuda, DeviceKind.cpu):
         return str(want)
     cluster = cfg.cluster
-    return "cuda" if (cluster.gpus_per_node or _undeclared(cluster, "accelerator")) else "cpu"
+    return "cuda" if (cluster.gpus_per_node or cluster.accelerator) else "cpu"
 
 
 def device_capacity(cfg: Config, device: str, tasks_per_node: int) -> tuple[int | None, str]:
     """Bytes of memory one worker may use, and where the figure comes from."""
     cluster = cfg.cluster
-    device_memory_gb, accelerator = _undeclared(cluster, "device_memory_gb"), _undeclared(cluster, "accelerator")
+    device_memory_gb, accelerator = cluster.device_memory_gb, cluster.accelerator
     if device_memory_gb:
         return round(device_memory_gb * 1e9), f"cluster.device_memory_gb={device_memory_gb}"
     if accelerator:

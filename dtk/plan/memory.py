@@ -71,14 +71,12 @@ def precision_for(scheme: dict[str, Any], device: str, plan: dict[str, Any] | No
         return base
     # Another framework's accounting: its parameter bytes are the copy compute uses (its
     # fp32 master copy, if any, is part of its optimizer bytes); no per-tensor extras.
-    param = given.get("param_bytes", base.param_bytes)
+    counted = {**{k: getattr(base, k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}, **given}
     return Precision(
-        param_bytes=param,
-        grad_bytes=given.get("grad_bytes", base.grad_bytes),
-        optimizer_bytes=given.get("optimizer_bytes", base.optimizer_bytes),
+        **counted,
         step_bytes=0,
         compute_bytes=compute,
-        gathered_bytes=param if "param_bytes" in given else compute,
+        gathered_bytes=counted["param_bytes"] if "param_bytes" in given else compute,
         reduce_bytes=base.reduce_bytes,
     )
 

@@ -10,6 +10,7 @@ that every row compares layouts of the same training job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,25 @@ def resolve_scheme(
     return scheme
 
 
+SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+@functools.lru_cache(maxsize=256)
+def _typed_layout(items: tuple[tuple[str, Any], ...]) -> SchemeConfig:
+    return typed(SchemeConfig, dict(items), prefix="scheme.")
+
+
+def checked_scheme(scheme: dict[str, Any]) -> SchemeConfig:
+    """`scheme` typed by SchemeConfig. Typing is slow (OmegaConf), and the search for the
+    smallest size that fits tries a scheme at hundreds of sizes, which differ only in their
+    integer degrees: the rest is typed once and the degrees set on a copy."""
+    sizes = {k: scheme[k] for k in SIZE_KEYS if k in scheme}
+    if not all(type(v) is int for v in sizes.values()):
+        return typed(SchemeConfig, scheme, prefix="scheme.")
+    rest = tuple(sorted((k, v) for k, v in scheme.items() if k not in SIZE_KEYS))
+    return dataclasses.replace(_typed_layout(rest), **sizes)
+
+
 def make_variant(
     key: str, scheme: dict[str, Any], *, nodes: int, tasks_per_node: int, global_batch: int,
     micro_batch: int | None, model: ModelConfig, blocks: int,
@@ -99,7 +119,7 @@ def make_variant(
     composed); it is typed by SchemeConfig for the checks, its values checked as a
     composed one's."""
     world = nodes * tasks_per_node
-    checked = typed(SchemeConfig, scheme, prefix="scheme.")
+    checked = checked_scheme(scheme)
     degrees = resolve_degrees(checked, world)
     if global_batch % degrees.dp:
         raise UserError(f"train.global_batch={global_batch} does not split over the data-parallel size {degrees.dp}")

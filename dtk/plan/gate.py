@@ -1,0 +1,76 @@
+"""The memory check before the queue: dtk.submit plans every job's memory and refuses one
+that cannot fit (exit 2), with the numbers and the smallest node count (and scheme) that
+fits; `submit.force=true` submits anyway. No torch (a user `_target_` model is counted in
+a subprocess, dtk.plan.count_model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtk.config.schema import Config
+from dtk.plan.budget import ORDER
+from dtk.plan.plan import Plan
+from dtk.plan.report import MemoryPlan, gb
+
+
+@dataclass(frozen=True)
+class Checked:
+    budget: MemoryPlan | None
+    """None when the model could not be counted (then nothing is judged)."""
+    refusal: str | None
+    """The one-line reason the job cannot fit; None when it fits, is not judged, or is forced."""
+    note: str | None = None
+    """Why the budget was not judged, to print before submitting."""
+
+
+def budget_of(cfg: Config, plan: Plan, config_dirs: tuple[Path, ...] = ()) -> MemoryPlan:
+    from dtk.plan.inputs import context
+    from dtk.plan.report import memory_plan
+
+    return memory_plan(context(cfg, plan, config_dirs=config_dirs), plan)
+
+
+def smallest(mp: MemoryPlan) -> str:
+    """The smallest node count that fits: with the job's scheme, and with any scheme when
+    another fits on fewer."""
+    parts = []
+    if mp.min_nodes:
+        parts.append(f"nodes={mp.min_nodes} with this scheme ({mp.key})")
+    sized = sorted((r.min_nodes, ORDER.index(k), k) for k, r in mp.rows.items() if r.min_nodes)
+    if sized and (not mp.min_nodes or sized[0][0] < mp.min_nodes):
+        nodes, _, key = sized[0]
+        row = mp.rows[key]
+        overrides = row.estimate.variant.overrides if row.estimate else [f"+scheme={key}"]
+        parts.append(f"nodes={nodes} with {' '.join(overrides)}")
+    if not parts:
+        return "no scheme fits on any node count tried (up to 4096 nodes)"
+    return "smallest that fits: " + "; ".join(parts)
+
+
+def refusal(mp: MemoryPlan) -> str:
+    b, v, ctx = mp.chosen.bytes, mp.chosen.variant, mp.ctx
+    parts = " + ".join(f"{k} {gb(getattr(b, k))}" for k in ("params", "grads", "optimizer", "activations", "buffers",
+                                                             "margin"))
+    text = (f"the job does not fit: {gb(b.total)} GB per device under {mp.key} on {v.nodes} node(s) x"
+            f" {v.tasks_per_node} = {parts} GB > {gb(ctx.capacity)} GB ({ctx.capacity_source}); {smallest(mp)}")
+    r = mp.recommended
+    if r.scheme:
+        text += f"; recommended: {' '.join(r.overrides)}"
+    return text + "; submit.force=true submits anyway (python -m dtk.plan shows the whole budget)"
+
+
+def check(cfg: Config, plan: Plan, config_dirs: tuple[Path, ...] = ()) -> Checked:
+    """The job's budget and, when it does not fit and is not forced, why it is refused."""
+    from dtk.plan.count_model import NotCounted
+
+    try:
+        mp = budget_of(cfg, plan, config_dirs)
+    except NotCounted as exc:
+        return Checked(None, None, f"memory not checked: {exc}")
+    if mp.fits is False and not cfg.submit.force:
+        return Checked(mp, refusal(mp))
+    note = None
+    if mp.fits is False:
+        note = f"submit.force=true: submitting although {refusal(mp).split(';')[0]}"
+    return Checked(mp, None, note)

@@ -1,0 +1,67 @@
+"""dtk.submit plans the memory first: a job that cannot fit is refused before the queue with
+the numbers and the smallest node count that fits; with that count it goes; submit.force
+submits anyway; a sweep skips the points that cannot fit. Dry runs on the lab cluster's
+config (nothing is started, no Slurm is asked)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+from conftest import REPO, dtk
+
+# 218M parameters on CPU workers with 2 GiB each (cluster.mem_gb=4 over 2 workers): FSDP
+# over one node does not fit, over a few it does.
+JOB = ["cluster=lab", "tasks_per_node=2", "cluster.mem_gb=4", "+scheme=fsdp", "model.dim=1024", "model.num_layers=16",
+       "model.num_heads=16", "model.vocab_size=8000", "model.seq_len=64", "train.global_batch=64",
+       "train.micro_batch=1", "submit.dry_run=true"]
+
+
+def test_submit_refuses_a_job_that_cannot_fit_and_names_the_node_count_that_does(tmp_path):
+    root = f"run.root={tmp_path / 'runs'}"
+    proc = dtk("dtk.submit", *JOB, "nodes=1", root, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip()
+    assert line.startswith("error: the job does not fit: ") and "\n" not in line and "Traceback" not in line
+    assert "GB per device under fsdp on 1 node(s)" in line and "> 2.15 GB (cluster.mem_gb=4" in line
+    nodes = int(re.search(r"nodes=(\d+) with this scheme \(fsdp\)", line).group(1))
+    assert nodes > 1
+    assert not (tmp_path / "runs").exists()
+
+    proc = dtk("dtk.submit", *JOB, f"nodes={nodes}", root, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"slurm: {nodes} node(s) x 2 worker(s)" in proc.stdout
+    # the count named is the smallest: every smaller count that can run this job is refused
+    for smaller in (n for n in range(2, nodes) if 64 % (2 * n) == 0):
+        proc = dtk("dtk.submit", *JOB, f"nodes={smaller}", root, cwd=tmp_path)
+        assert proc.returncode == 2 and "does not fit" in proc.stderr, smaller
+
+    forced = dtk("dtk.submit", *JOB, "nodes=1", "submit.force=true", root, cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert "note: submit.force=true: submitting although the job does not fit" in forced.stderr
+
+
+def test_sweep_skips_the_points_that_cannot_fit(tmp_path):
+    proc = dtk("dtk.submit", "-m", *JOB, "nodes=1,2,4", f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    skipped = [ln for ln in proc.stdout.splitlines() if ln.startswith("skipped: ")]
+    assert [re.search(r" nodes=(\d+)", ln.split(": the job")[0]).group(1) for ln in skipped] == ["1", "2"]
+    assert all("does not fit" in ln for ln in skipped)
+    submitted = [ln for ln in proc.stdout.splitlines() if ln.startswith("=== ")]
+    assert len(submitted) == 1 and " nodes=4" in submitted[0]
+
+
+# Rajbhandari et al. 2020, Figure 1: GB per device of model states, 7.5B parameters on 64 devices.
+ZERO_PAPER_GB = {"ddp": 120.0, "zero": 31.4, "zero2": 16.6, "fsdp": 1.9}
+
+
+def test_zero_paper_command_in_docs(tmp_path):
+    lines = [ln.strip() for ln in (REPO / "docs" / "planning.md").read_text().splitlines()]
+    command = next(ln for ln in lines if ln.startswith("python -m dtk.plan") and "plan.params=7.5e9" in ln)
+    proc = dtk(*shlex.split(command)[2:], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    schemes = json.loads(proc.stdout)["schemes"]
+    for key, paper in ZERO_PAPER_GB.items():
+        got = schemes[key]["model_states_bytes"] / 1e9
+        assert abs(got - paper) <= 0.02 * paper, (key, got, paper)
