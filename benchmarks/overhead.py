@@ -28,6 +28,7 @@ from dtk.models.build import build_model  # noqa: E402
 from dtk.train.loss import TokenCrossEntropy  # noqa: E402
 from dtk.train.metrics import MetricsLog  # noqa: E402
 from dtk.train.optim import build_optimizer, build_scheduler  # noqa: E402
+from dtk.train.task import LmTask  # noqa: E402
 from dtk.train.trainer import Trainer  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def time_dtk(args, steps: int, start: int, metrics_path: Path) -> list[float]:
     metrics = MetricsLog(metrics_path, world_size=1, restart=0, tokens_per_step=args.batch * args.seq_len,
                          total_steps=10**9, log_every=10**9)
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
-                      loss=TokenCrossEntropy(), grad_clip=grad_clip, mesh=ParallelMesh.single())
+                      task=LmTask(TokenCrossEntropy()), grad_clip=grad_clip, mesh=ParallelMesh.single())
     times = []
     for step in range(start, start + steps):
         t0 = time.perf_counter()
@@ -68,7 +69,8 @@ def time_plain(args, steps: int, start: int) -> list[float]:
     for micro in data:
         t0 = time.perf_counter()
         total = 0.0
-        for inputs, targets in micro:
+        for rows in micro:
+            inputs, targets = rows[:, :-1], rows[:, 1:]
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             (loss / len(micro)).backward()

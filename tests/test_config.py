@@ -114,14 +114,14 @@ BAD_INPUT = [
     (["optim.lr=-1"], "optim.lr=-1"),
     (["+scheme=pp", "scheme.pp_schedule=2f2b"], "scheme.pp_schedule=2f2b: expected one of gpipe, 1f1b, interleaved_1f1b"),
     (["model.tp_plan.output=colwise_outptu"], "model.tp_plan.output=colwise_outptu: expected one of colwise, rowwise,"),
-    (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5"),
+    (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5, user"),
 ]
 
 # Every closed-set key: a value outside its set stops while composing, naming the key, the
 # value and every allowed value (dtk/config/choices.py).
 BAD_CHOICES = [
     (["cluster.kind=pbs"], "cluster.kind=pbs: expected one of local, slurm"),
-    (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5"),
+    (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5, user"),
     (["data.kind=hdf5"], "data.kind=hdf5 contradicts the data group chosen (synthetic); choose the group instead: data=hdf5"),
     (["optim.name=sgd"], "optim.name=sgd: expected one of adamw"),
     (["+scheme=fsdp", "scheme.data_parallel=zero3"], "scheme.data_parallel=zero3: expected one of ddp, fsdp"),

@@ -16,6 +16,7 @@ from dtk.models.transformer import build
 from dtk.rundir import RunDir
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.policies import AgreedStop, ResumedEvent, StepPolicies, StopRequested
+from dtk.train.task import LmTask
 from dtk.train.trainer import Trainer
 from dtk.worker.env import DRIVER_ENV, driver_env, read_env
 
@@ -35,7 +36,7 @@ def tiny_trainer() -> Trainer:
     batches = StepBatches(data, seed=0, global_batch=4, micro_batch=2, dp_rank=0, dp_size=1, device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, loss=TokenCrossEntropy(),
+    return Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, task=LmTask(TokenCrossEntropy()),
                    grad_clip=1.0, mesh=ParallelMesh.single())
 
 

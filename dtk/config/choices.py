@@ -35,6 +35,14 @@ class ClusterKind(Choice):
 class DataKind(Choice):
     synthetic = "synthetic"
     hdf5 = "hdf5"
+    user = "user"
+
+
+class TaskForm(Choice):
+    """What a user's task callable (`task._target_`) is handed first (dtk/train/task.py)."""
+
+    outputs = "outputs"
+    model = "model"
 
 
 class OptimizerName(Choice):

@@ -6,7 +6,8 @@ their one shape after composition, so no consumer ever asks "which kind is this?
 
     model    a ModelConfig, whatever the model: `_target_`, the parallel keys, and the
              factory's keyword arguments as a dict (a user model's yaml has no schema)
-    data     the schema of its `kind` (SyntheticDataConfig, Hdf5DataConfig)
+    data     the schema of its `kind` (SyntheticDataConfig, Hdf5DataConfig, UserDataConfig; a
+             section with `_target_` and no kind is a user's)
     scheme   a SchemeConfig; a job without `+scheme=` gets the schema's (DDP)
 
 The plain form (`to_dict`) is what config.yaml and plan.json hold: the model flat, as its
@@ -22,7 +23,15 @@ from enum import Enum
 from typing import Any
 
 from dtk.config.choices import DataKind
-from dtk.config.schema import DATA_SCHEMAS, Config, ModelConfig, ModelParallelConfig, SchemeConfig, TransformerConfig
+from dtk.config.schema import (
+    DATA_SCHEMAS,
+    Config,
+    ModelConfig,
+    ModelParallelConfig,
+    SchemeConfig,
+    TransformerConfig,
+    UserDataConfig,
+)
 from dtk.errors import UserError
 
 PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelParallelConfig))
@@ -77,10 +86,25 @@ def data_config(data: Any) -> Any:
             )
         return data
     raw = dict(data)
-    kind = raw.get("kind")
+    kind = raw.get("kind", DataKind.user.value if "_target_" in raw else None)
     if kind not in DataKind.values():
         raise UserError(f"data.kind={kind}: expected one of {', '.join(DataKind.values())}")
+    if kind == DataKind.user:
+        return user_data_config(raw)
     return typed(DATA_SCHEMAS[DataKind(kind)], raw, prefix="data.")
+
+
+USER_DATA_KEYS = frozenset(f.name for f in dataclasses.fields(UserDataConfig))
+
+
+def user_data_config(raw: dict[str, Any]) -> UserDataConfig:
+    """A user's data section: the schema's keys, and every other key an argument of its
+    function (in `kwargs`, where the plain form keeps them)."""
+    rest = {k: v for k, v in raw.items() if k not in USER_DATA_KEYS and not k.startswith("_")}
+    known = {k: v for k, v in raw.items() if k in USER_DATA_KEYS}
+    known["kind"] = DataKind.user.value
+    known["kwargs"] = {**dict(known.get("kwargs") or {}), **rest}
+    return typed(UserDataConfig, known, prefix="data.")
 
 
 def typed(cls: type, raw: Mapping[str, Any], *, prefix: str = "") -> Any:

@@ -16,7 +16,6 @@ from dtk.config.choices import (
     ActivationCheckpoint,
     Backend,
     ClusterKind,
-    DataKind,
     DataParallel,
     DeviceKind,
     Dtype,
@@ -25,6 +24,10 @@ from dtk.config.choices import (
     PipelineSchedule,
     TpStyle,
 )
+from dtk.config.sections import (  # the data and task sections, part of this schema
+    DATA_SCHEMAS as DATA_SCHEMAS,
+)
+from dtk.config.sections import Hdf5DataConfig, SyntheticDataConfig, TaskConfig, UserDataConfig
 
 
 @dataclass
@@ -124,38 +127,6 @@ class ModelConfig(ModelParallelConfig):
     def vocab_size(self) -> int | None:
         """Token ids, when the factory takes `vocab_size` (the data must stay below it)."""
         return self.kwargs.get("vocab_size")
-
-
-@dataclass
-class SyntheticDataConfig:
-    kind: DataKind = DataKind.synthetic
-    """Data source: `synthetic` (generated Markov-chain tokens, learnable, no files)."""
-    num_samples: int = 8192
-    """Samples in one epoch."""
-    seed: int = 1234
-    """Seed of the generated token table (independent of train.seed)."""
-    branching: int = 4
-    """Likely successors per token; lower means an easier, lower-entropy language."""
-    eval_samples: int = 0
-    """Validation samples per evaluation (rounded down to whole global batches). 0: all of the validation split."""
-
-
-@dataclass
-class Hdf5DataConfig:
-    kind: DataKind = DataKind.hdf5
-    """Data source: `hdf5` (a dataset folder made by `python -m dtk.data prepare`)."""
-    path: str = MISSING
-    """The dataset folder (manifest.json + HDF5 shards); must be on storage every node sees."""
-    val_fraction: float = 0.05
-    """Share of the samples held out for validation, drawn with `split_seed`. Ignored when `val_shards` is set."""
-    split_seed: int = 0
-    """Seed of the train / validation split (independent of train.seed)."""
-    val_shards: list[str] = field(default_factory=list)
-    """Shard files (names in the manifest) that form the validation split, instead of a fraction."""
-    eval_samples: int = 1024
-    """Validation samples per evaluation (the first of the split, rounded down to whole global batches). 0: all."""
-    verify: bool = False
-    """Check every shard's checksum when a job opens the dataset (sizes are always checked)."""
 
 
 @dataclass
@@ -345,7 +316,9 @@ class Config:
     model: Any = MISSING
     """The model (group `model`); `_target_` names its factory. After compose(): a ModelConfig."""
     data: Any = MISSING
-    """Training data (group `data`). After compose(): a SyntheticDataConfig or Hdf5DataConfig."""
+    """Training data (group `data`). After compose(): a SyntheticDataConfig, Hdf5DataConfig or UserDataConfig."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The loss and evaluation metrics (group `task`): `lm` (next-token cross-entropy), or a callable of the user's."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule (group `optim`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -372,10 +345,6 @@ class Config:
     """Free-form values for user code; ignored by dtk."""
 
 
-# The schema of each data kind: `data.kind` names it.
-DATA_SCHEMAS: dict[DataKind, type] = {DataKind.synthetic: SyntheticDataConfig, DataKind.hdf5: Hdf5DataConfig}
-
-
 def register() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
@@ -386,6 +355,8 @@ def register() -> None:
     cs.store(group="model", name="transformer_schema", node=TransformerConfig)
     cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
     cs.store(group="data", name="hdf5_schema", node=Hdf5DataConfig)
+    cs.store(group="data", name="user_schema", node=UserDataConfig)
+    cs.store(group="task", name="task_schema", node=TaskConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)
     cs.store(group="checkpoint", name="checkpoint_schema", node=CheckpointConfig)
     cs.store(group="scheme", name="scheme_schema", node=SchemeConfig)

@@ -1,4 +1,9 @@
-"""Datasets of a `data` config, and per-rank batches for each step, read ahead in a thread."""
+"""Datasets of a `data` config, and per-rank batches for each step, read ahead in a thread.
+
+A batch is what the dataset's `get(ids)` returns, as tensors: dtk's token data a (batch,
+seq_len + 1) tensor of token ids (the task cuts inputs and targets from it), a user's
+dataset its items stacked (a tensor, or a tuple / dict of them; dtk.data.batch).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 
 from dtk.config.choices import DataKind
 from dtk.config.schema import ModelConfig
+from dtk.data.batch import as_torch, micro_batches, to_device
 from dtk.data.order import GlobalOrder, rank_share
 
 
@@ -23,8 +29,18 @@ class TokenDataset(Protocol):
 
 
 def build_splits(data: Any, *, model: ModelConfig) -> tuple[TokenDataset, TokenDataset]:
-    """(train, validation) datasets of the `data` section (SyntheticDataConfig or
-    Hdf5DataConfig), identical on every rank."""
+    """(train, validation) datasets of the `data` section (SyntheticDataConfig,
+    Hdf5DataConfig or UserDataConfig), identical on every rank. A user's training set
+    carries `split` (dtk.data.user.Split), which the worker writes to RUN_DIR/data.json."""
+    if data.kind == DataKind.user:
+        from dtk.data.user import build_user_splits
+
+        train, val, split = build_user_splits(
+            target=data._target_, kwargs=dict(data.kwargs), val_fraction=data.val_fraction,
+            split_seed=data.split_seed, version=data.version,
+        )
+        train.split = split
+        return train, val
     if data.kind == DataKind.synthetic:
         from dtk.data.synthetic import SyntheticTokens
 
@@ -52,7 +68,7 @@ def build_dataset(data: Any, *, model: ModelConfig) -> TokenDataset:
 
 
 class StepBatches:
-    """Micro-batches (inputs, targets) of this rank for each step. A loader thread reads the
+    """Micro-batches of this rank for each step, on its device. A loader thread reads the
     next `ahead` steps while the current one computes (reading is numpy gathers from memory
     or a memory-mapped file, which release the GIL for the copy)."""
 
@@ -80,12 +96,11 @@ class StepBatches:
         self._lock = threading.Lock()  # GlobalOrder caches permutations; one thread at a time
         self._ahead: dict[int, Future] = {}
 
-    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _load(self, step: int) -> list[Any]:
         with self._lock:
             ids = rank_share(self.order.global_batch(step, self.global_batch), self.dp_rank, self.dp_size)
-        rows = torch.from_numpy(self.dataset.get(ids))
-        micro = [rows[i : i + self.micro_batch] for i in range(0, len(rows), self.micro_batch)]
-        return [(m[:, :-1].to(self.device), m[:, 1:].to(self.device)) for m in micro]
+        batch = as_torch(self.dataset.get(ids))
+        return [to_device(m, self.device) for m in micro_batches(batch, self.micro_batch)]
 
     def global_hash(self, step: int) -> str:
         """Fingerprint of the global batch of `step`: equal across world sizes iff the order is."""
@@ -93,7 +108,7 @@ class StepBatches:
             ids = self.order.global_batch(step, self.global_batch)
         return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
-    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def get(self, step: int) -> list[Any]:
         pending = self._ahead.pop(step, None)
         batches = pending.result() if pending is not None else self._load(step)
         for stale in [s for s in self._ahead if s < step]:

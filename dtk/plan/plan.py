@@ -79,6 +79,8 @@ def semantic_hash(cfg: Config) -> str:
     """Hash of the semantic keys in their plain form (as config.yaml spells them)."""
     plain = to_dict(cfg)
     picked = {key: _get(plain, key) for key in SEMANTIC_KEYS}
+    if cfg.task._target_ is not None:  # a loss of the user's makes another run; task=lm keeps the old names
+        picked["task"] = {k: plain["task"][k] for k in ("_target_", "form", "inputs")}
     blob = json.dumps(picked, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:10]
 
@@ -172,6 +174,11 @@ def make_plan(cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
     check_scheme(scheme, degrees, cfg.model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    if degrees.pp > 1 and cfg.task._target_ is not None:
+        raise UserError(
+            f"scheme.pp={degrees.pp} with task._target_={cfg.task._target_}: a pipeline runs the token-LM task only"
+            " (token ids in, next-token cross-entropy on the last stage); use task=lm, or scheme.pp=1 (ddp, fsdp, tp)"
+        )
     digest = semantic_hash(cfg)
     name = cfg.run.name or f"{_model_name(cfg.model)}-{digest}"
     if "/" in name or name in (".", ".."):

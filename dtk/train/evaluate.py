@@ -1,12 +1,15 @@
-"""Validation loss every `train.eval_every` steps, logged to RUN_DIR/eval.jsonl by rank 0.
+"""Validation loss (and the task's metrics) every `train.eval_every` steps, logged to
+RUN_DIR/eval.jsonl by rank 0.
 
 The validation set is the first samples of the validation split, a whole number of global
 batches, each split over the data-parallel ranks like a training batch - so every rank
 runs the same number of forwards (FSDP and DDP need that) and the samples evaluated do
-not depend on the world size. The loss is the mean over every target token of them.
+not depend on the world size. The loss is the mean over every target token of them
+(token LM) or over every sample (a user's task, whose metrics are means over samples too).
 
-eval.jsonl holds one line per evaluation: step, val_loss, val_samples, seconds. It is a
-file of its own so that metrics.jsonl stays one record per training step.
+eval.jsonl holds one line per evaluation: step, val_loss, val_NAME for each metric of the
+task, val_samples, seconds. It is a file of its own so that metrics.jsonl stays one record
+per training step.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtk.data.batch import as_torch, micro_batches, to_device
 from dtk.data.order import rank_share
 from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
 from dtk.rundir import append_jsonl
-from dtk.train.loss import Loss
+from dtk.train.task import Task
 
 EVAL_LOG = "eval.jsonl"
 
@@ -35,7 +39,7 @@ class Evaluator:
         *,
         model: torch.nn.Module,
         dataset: Any,
-        loss: Loss,
+        task: Task,
         every: int,
         total_steps: int,
         max_samples: int,
@@ -47,7 +51,7 @@ class Evaluator:
         stop_requested: Callable[[], bool] | None,
     ) -> None:
         self.model = model
-        self.loss = loss
+        self.task = task
         self.dataset = dataset
         self.every = every
         self.total_steps = total_steps
@@ -72,43 +76,44 @@ class Evaluator:
         return self.every > 0 and (step % self.every == 0 or step == self.total_steps)
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Collective over the data-parallel group: the mean validation loss per token, or
-        None when a stop was agreed on part-way (the step's end then saves and stops)."""
+    def evaluate(self) -> dict[str, float] | None:
+        """Collective over the data-parallel group: {"val_loss": mean per token (or sample),
+        "val_NAME": each metric's mean}, or None when a stop was agreed on part-way (the
+        step's end then saves and stops)."""
         was_training = self.model.training
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
+        names = ["loss", *self.task.metrics]
+        total = torch.zeros(2 * len(names), dtype=torch.float64)  # per name: sum, count
         try:
             for start in range(0, self.num_samples, self.global_batch):
                 if self.stop_requested is not None and self.stop_requested():
                     return None
                 ids = rank_share(np.arange(start, start + self.global_batch), self.mesh.dp_rank, self.mesh.dp_size)
-                rows = torch.from_numpy(self.dataset.get(ids))
-                for i in range(0, len(rows), self.micro_batch):
-                    micro = rows[i : i + self.micro_batch].to(self.device)
-                    summed, count = self.loss.total(self.model(micro[:, :-1]), micro[:, 1:])
-                    total[0] += summed.double().cpu()
-                    total[1] += count
+                for micro in micro_batches(as_torch(self.dataset.get(ids)), self.micro_batch):
+                    sums, counts = self.task.sums(self.model, to_device(micro, self.device))
+                    for j, name in enumerate(names):
+                        total[2 * j] += sums[name].double().cpu()
+                        total[2 * j + 1] += counts[name]
         finally:
             self.model.train(was_training)
         if self.mesh.dp_group is not None:
             reduced = total.to(self.device)
             dist.all_reduce(reduced, group=self.mesh.dp_group)
             total = reduced.cpu()
-        return float(total[0] / total[1])
+        return {f"val_{name}": float(total[2 * j] / total[2 * j + 1]) for j, name in enumerate(names)}
 
     def after_step(self, step: int, _result: Any = None) -> float | None:
         if not self.due(step):
             return None
         t0 = time.perf_counter()
-        val_loss = self.evaluate()
-        if val_loss is None:
+        values = self.evaluate()
+        if values is None:
             return None
         seconds = time.perf_counter() - t0
         if self.log is not None:
             append_jsonl(
-                self.log,
-                {"step": step, "val_loss": val_loss, "val_samples": self.num_samples, "seconds": round(seconds, 4)},
+                self.log, {"step": step, **values, "val_samples": self.num_samples, "seconds": round(seconds, 4)}
             )
-            print(f"eval step {step} val_loss {val_loss:.4f} ({self.num_samples} samples, {seconds:.2f} s)", flush=True)
-        return val_loss
+            shown = " ".join(f"{k} {v:.4f}" for k, v in values.items())
+            print(f"eval step {step} {shown} ({self.num_samples} samples, {seconds:.2f} s)", flush=True)
+        return values["val_loss"]

@@ -1,6 +1,6 @@
 """The training loop: data -> forward/backward with accumulation -> step, then the step's
 policies in a fixed order (dtk.train.policies: metrics, heartbeat, resumed, evaluation,
-checkpoint, stop).
+checkpoint, stop). What a micro-batch's loss is, is the run's task (dtk.train.task).
 
 One optimizer step sees the whole global batch; this rank's share arrives as
 `grad_accum` micro-batches. Without a pipeline they are run one after another with the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from dtk.data.loader import StepBatches
 from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
-from dtk.train.loss import Loss
+from dtk.train.task import LmTask, Task
 
 if TYPE_CHECKING:
     from dtk.train.policies import StepPolicies
@@ -50,7 +50,7 @@ class StepResult:
 
 class Trainer:
     """Runs optimizer steps. Everything distributed is decided before it is built: it gets a
-    parallelized model (or a plain module), its own data share, the run's loss, and the mesh
+    parallelized model (or a plain module), its own data share, the run's task, and the mesh
     (the loss mean is over its data-parallel ranks, the sum over its pipeline stages)."""
 
     def __init__(
@@ -60,7 +60,7 @@ class Trainer:
         optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         scheduler,
         batches: StepBatches,
-        loss: Loss,
+        task: Task,
         grad_clip: float,
         mesh: ParallelMesh,
     ) -> None:
@@ -72,7 +72,7 @@ class Trainer:
         self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self.scheduler = scheduler
         self.batches = batches
-        self.loss = loss
+        self.task = task
         self.grad_clip = grad_clip
         self.mesh = mesh
         self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -94,24 +94,22 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.batches.device.type, dtype=dtype)
 
-    def _accumulate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _accumulate(self, micro: list[Any]) -> torch.Tensor:
         """Forward/backward of each micro-batch; returns the mean loss over them."""
-        total = torch.zeros((), device=micro[0][0].device)
+        total = torch.zeros((), device=self.batches.device)
         n = len(micro)
-        for i, (inputs, targets) in enumerate(micro):
+        for i, batch in enumerate(micro):
             with self._sync_context(i == n - 1):
-                with self._autocast():
-                    logits = self.model(inputs)
-                loss = self.loss(logits, targets)
+                loss = self.task(self.model, batch, self._autocast())
                 (loss / n).backward()
-            total += loss.detach()
+            total += loss.detach().float()
         return total / n
 
-    def _pipeline(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _pipeline(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step over all micro-batches; the mean loss on the last stage, 0 elsewhere."""
         pipe = self.parallel.pipeline
-        inputs = torch.cat([m[0] for m in micro])
-        targets = torch.cat([m[1] for m in micro])
+        assert isinstance(self.task, LmTask), "the plan refuses a pipeline for other tasks"
+        inputs, targets = self.task.split(torch.cat(micro))
         args = (inputs,) if pipe.has_first_stage else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if pipe.has_last_stage else {}

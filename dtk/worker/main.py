@@ -6,6 +6,7 @@ or an srun task) as `python -m dtk.worker RUN_DIR`; reads the plan the submitter
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -26,16 +27,19 @@ from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import HEARTBEAT, RunDir, read_jsonl, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
-from dtk.train.loss import Loss, TokenCrossEntropy
+from dtk.train.loss import TokenCrossEntropy
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
 from dtk.train.policies import AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.startup import StartupClock
+from dtk.train.task import Task, build_task
 from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.fabric import after_process_group, before_process_group
 from dtk.worker.signals import StopFlag
+
+DATA_SPLIT = "data.json"  # a user dataset's split: RUN_DIR/data.json
 
 
 def set_threads(requested: int, env: WorkerEnv) -> None:
@@ -59,7 +63,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     seed = cfg.train.seed
 
     mesh = build_mesh(plan.degrees, device.type)
-    loss = TokenCrossEntropy()  # the run's loss: the trainer, a pipeline's last stage and the evaluator use it
+    loss = TokenCrossEntropy()  # the token loss component: the LM task and a pipeline's last stage score with it
+    task = build_task(cfg.task, loss=loss)  # what a step computes: the trainer and the evaluator run it
     model = parallelize(
         build_model(cfg.model, device="meta", seed=seed),
         mesh=mesh,
@@ -77,6 +82,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
     )
     dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
+    if rank0 and hasattr(dataset, "split"):  # a user's dataset: how its split came about
+        write_json_atomic(run.path / DATA_SPLIT, dataclasses.asdict(dataset.split))
     clock.lap("model")
 
     checkpoints = CheckpointManager(
@@ -108,12 +115,12 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         optimizer=optimizers,
         scheduler=scheduler,
         batches=batches,
-        loss=loss,
+        task=task,
         grad_clip=cfg.optim.grad_clip,
         mesh=mesh,
     )
     policies = step_policies(
-        plan, env, run, model=model.parts[0], loss=loss, val_dataset=val_dataset, mesh=mesh, device=device,
+        plan, env, run, model=model.parts[0], task=task, val_dataset=val_dataset, mesh=mesh, device=device,
         checkpoints=checkpoints, start_step=start_step,
     )
     policies.heartbeat.after_step(start_step)
@@ -146,7 +153,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
 
 
 def step_policies(
-    plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, loss: Loss, val_dataset, mesh: ParallelMesh,
+    plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, task: Task, val_dataset, mesh: ParallelMesh,
     device: torch.device, checkpoints: CheckpointManager, start_step: int,
 ) -> StepPolicies:
     """What runs after every step (dtk.train.policies), made for this rank: global rank 0
@@ -174,7 +181,7 @@ def step_policies(
         evaluation=Evaluator(
             model=model,  # the plan rejects eval_every with a pipeline: the one part is the model
             dataset=val_dataset,
-            loss=loss,
+            task=task,
             every=cfg.train.eval_every,
             total_steps=plan.steps,
             max_samples=cfg.data.eval_samples,
