@@ -15,7 +15,9 @@ from pathlib import Path
 from dtk import audit
 from dtk.config.compose import to_yaml
 from dtk.errors import UserError
+from dtk.launch import runlock
 from dtk.launch.progress import Progress
+from dtk.launch.runlock import RunLock
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
 
@@ -37,7 +39,17 @@ def describe_launch(plan: Plan) -> str:
 
 
 def check_run_dir(plan: Plan, run: RunDir) -> None:
-    """A run directory holds one run: refuse to mix another config into it."""
+    """A run directory holds one run: refuse to mix another config into it, or to start it
+    over (checkpoint.resume=false) where its first save would delete committed checkpoints."""
+    if not plan.config.checkpoint.resume:
+        committed = [step for step, _, ok in run.checkpoint_steps() if ok]
+        if committed:
+            shown = ", ".join(map(str, committed[-3:]))
+            raise UserError(
+                f"checkpoint.resume=false: {run.path} holds committed checkpoints (step {shown}) that starting"
+                " over would delete; use another run.name to start a new run, or leave checkpoint.resume"
+                " unset to continue this one"
+            )
     if not run.plan_json.is_file():
         return
     try:
@@ -134,27 +146,39 @@ class Launched:
 def launch(plan: Plan) -> Launched:
     """Launch the plan on its cluster."""
     run = RunDir(Path(plan.run_dir))
+    from dtk.launch import slurmctl
+
     check_access(plan)  # first: an outsider may not even look into the run root
     check_run_dir(plan, run)
     audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":
-        from dtk.launch import slurmctl
-
         c = plan.config.cluster
         slurmctl.check_fits(slurmctl.partitions(), partition=c.partition, nodes=plan.nodes, time_min=c.time_min)
         check_dependencies(plan.config.submit.after, slurmctl.job_state)
-    if already_finished(plan, run):
-        summary = run.read_summary() or {}
-        print(f"run {run.path} already finished: step {summary.get('final_step')}, loss {summary.get('final_loss')}")
-        return Launched(0)
-    print(plan.describe(), flush=True)
-    if plan.cluster_kind == "slurm":
-        return _launch_slurm(plan, run)
-    return Launched(_launch_local(plan))
+    created = not run.path.exists()
+    # One writer per run directory: held until the local driver ends, or recorded as the
+    # Slurm job's once it is queued (dtk.launch.runlock).
+    with RunLock(run.path) as lock:
+        try:
+            lock.acquire(job_state=slurmctl.job_state)
+        except UserError:
+            if created:
+                shutil.rmtree(run.path, ignore_errors=True)
+            raise
+        check_run_dir(plan, run)  # again under the lock: the holder may have written since
+        if already_finished(plan, run):
+            summary = run.read_summary() or {}
+            print(f"run {run.path} already finished: step {summary.get('final_step')}, loss {summary.get('final_loss')}")
+            return Launched(0)
+        print(plan.describe(), flush=True)
+        if plan.cluster_kind == "slurm":
+            return _launch_slurm(plan, run, lock=lock, created=created)
+        return Launched(_launch_local(plan, lock=lock))
 
 
-def _launch_local(plan: Plan) -> int:
+def _launch_local(plan: Plan, *, lock: RunLock) -> int:
     run = prepare_run_dir(plan)
+    lock.record(kind="local", job_id=f"local-{os.getpid()}")
     run.event("submitted", cluster="local", world_size=plan.world_size, scheme=plan.scheme)
     audit.record(run.path.parent, "submit", run=plan.run_name, config_hash=plan.config_hash,
                  job_ids=[f"local-{os.getpid()}"], cluster="local")
@@ -169,13 +193,12 @@ def _launch_local(plan: Plan) -> int:
     return code
 
 
-def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
+def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: bool) -> Launched:
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     from dtk.driver.supervisor import drive
     from dtk.launch.sbatch import make_executor, submitit_folder
 
-    created = not run.path.exists()
     inputs = submit_inputs(plan, run)
     run = prepare_run_dir(plan)
     sbatch_stderr = io.StringIO()  # submitit echoes sbatch's stderr; it belongs in our one error line
@@ -188,6 +211,7 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
         said = sbatch_stderr.getvalue().strip() or str(getattr(exc, "stderr", "") or exc)
         detail = " ".join(said.replace("sbatch: error:", "").split())
         raise UserError(f"sbatch refused the job: {detail}") from None
+    lock.record(kind="slurm", job_id=job.job_id)
     run.event("submitted", cluster="slurm", job_id=job.job_id, world_size=plan.world_size, scheme=plan.scheme,
               signal_lead_s=inputs.signal_lead_s, exclude=list(inputs.exclude))
     audit.record(run.path.parent, "submit", run=plan.run_name, config_hash=plan.config_hash,
@@ -201,9 +225,7 @@ def _launch_slurm(plan: Plan, run: RunDir) -> Launched:
     return Launched(follow(plan, run, job.job_id), job.job_id)
 
 
-# Slurm states after which the job will not run again by itself. NODE_FAIL and PREEMPTED
-# are not here: a requeueable job goes back to PENDING after them.
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+ENDED = runlock.ENDED  # Slurm states after which the job will not run again by itself
 
 
 def follow(plan: Plan, run: RunDir, job_id: str, *, slurm=None, poll_s: float = 2.0) -> int:
