@@ -1,11 +1,13 @@
-"""python -m dtk.drill {preempt,timelimit,node-fail,crash,hang} RUN_DIR: inject a real fault
-into a live Slurm run, to see (and test) that it recovers.
+"""python -m dtk.drill {preempt,timelimit,node-fail,crash,hang,storage} RUN_DIR: inject a real
+fault into a live run (Slurm, or any run for storage), to see (and test) that it recovers.
 
     preempt     a high-priority job on the `high` partition takes the run's nodes
     timelimit   the job's time limit is cut so that it ends shortly after the signal lead
     node-fail   a node of the run (not the batch host) is set DOWN
     crash       one worker is killed with SIGKILL
     hang        one worker is stopped with SIGSTOP (a collective that never completes)
+    storage     RUN_DIR/checkpoints turns read-only for --hold seconds, then writable again
+                (root; the saves in between fail, training goes on: dtk.drill_storage)
 
 Afterwards `python -m dtk.status RUN_DIR` and events.jsonl show what happened.
 """
@@ -25,7 +27,7 @@ from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
 from dtk.rundir import RunDir
 
-DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang")
+DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang", "storage")
 
 
 def _last_start(run: RunDir) -> dict:
@@ -105,14 +107,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("kind", choices=DRILLS)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--rank", type=int, default=None, help="worker for crash/hang (default: the last rank)")
-    parser.add_argument("--hold", type=int, default=30, help="seconds the preempting job holds the nodes")
+    parser.add_argument("--hold", type=int, default=30,
+                        help="seconds the preempting job holds the nodes, or the storage stays read-only")
     args = parser.parse_args(argv)
     if not (args.run_dir / "plan.json").is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
     check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
     audit.check_writable(audit.run_root_of(run.path))
-    said = drill(args.kind, run, rank=args.rank, hold_s=args.hold)
+    if args.kind == "storage":
+        from dtk.drill_storage import storage_drill
+
+        said = storage_drill(run.checkpoints, hold_s=args.hold)
+    else:
+        said = drill(args.kind, run, rank=args.rank, hold_s=args.hold)
     job = next((str(e["job_id"]) for e in reversed(run.events_list()) if e.get("event") == "started"), None)
     audit.record_run(run.path, "drill", job_ids=[job] if job else [], kind=args.kind, said=said)
     print(said)

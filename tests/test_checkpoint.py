@@ -154,7 +154,7 @@ def test_resume_restores_the_random_stream(tmp_path, monkeypatch, restore):
     """After a resume the next random draw (a dropout mask, data noise) is the one the
     uninterrupted run makes; with the restore disabled it is not - what makes the end-to-end
     bitwise-resume tests (model.dropout > 0) fail when the RNG is not restored."""
-    from dtk.checkpoint import sharded
+    from dtk.checkpoint import load as loading
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
@@ -166,7 +166,7 @@ def test_resume_restores_the_random_stream(tmp_path, monkeypatch, restore):
     ckpt.close()
     uninterrupted = torch.rand(8)
     if not restore:
-        monkeypatch.setattr(sharded, "_set_rng_state", lambda state: None)
+        monkeypatch.setattr(loading, "set_rng_state", lambda state: None)
     torch.manual_seed(123)  # a fresh start seeds its own stream before resuming
     model, optimizer, scheduler = make_parts(seed=99)
     again = manager(run, model, optimizer, scheduler)

@@ -53,11 +53,15 @@ def test_fit_runs_the_policies_after_every_step_in_their_order():
 
 
 class FakeCheckpoints:
-    def __init__(self) -> None:
+    def __init__(self, *, fails: bool = False) -> None:
         self.calls: list = []
+        self.fails = fails
+        self.verified_step: int | None = 5
 
     def save(self, step: int) -> None:
         self.calls.append(("save", step))
+        if not self.fails:
+            self.verified_step = step
 
     def close(self) -> None:
         self.calls.append(("close",))
@@ -73,6 +77,22 @@ def test_an_agreed_stop_saves_commits_and_stops(tmp_path):
     assert checkpoints.calls == [("save", 7), ("close",)]  # committed before the stop
     (event,) = [e for e in run.events_list() if e["event"] == "preempted"]
     assert (event["step"], event["signal"], event["restart"]) == (7, "SIGUSR2", 2)
+    assert (event["saved"], event["checkpoint_step"]) == (True, 7)
+
+
+def test_a_stop_whose_save_failed_says_so(tmp_path):
+    """The driver requeues only when a checkpoint was committed since the start; the event
+    and the worker's line say the stop's own save failed, and which checkpoint is newest."""
+    run = RunDir(tmp_path)
+    stop = AgreedStop(agreed=lambda: int(signal.SIGTERM), checkpoints=FakeCheckpoints(fails=True), total_steps=10,
+                      run=run, restart=0)
+    with pytest.raises(StopRequested) as exc:
+        stop.after_step(7)
+    assert not exc.value.saved
+    assert str(exc.value) == ("stopped at step 7 on SIGTERM; its checkpoint could NOT be saved; the newest"
+                              " verified checkpoint is step 5")
+    (event,) = [e for e in run.events_list() if e["event"] == "preempted"]
+    assert (event["saved"], event["checkpoint_step"]) == (False, 5)
 
 
 def test_no_stop_without_a_signal_or_at_the_last_step(tmp_path):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 import time
 from typing import Any
 
+from dtk.checkpoint import load as loading
 from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
@@ -35,7 +37,8 @@ class CheckpointManager:
         self.every = checkpoint.every
         self.every_s = 60.0 * checkpoint.every_minutes
         self.keep = checkpoint.keep
-        self.resume_enabled = checkpoint.resume
+        self.max_failures = checkpoint.max_failures
+        self.failures = 0  # saves failed in a row (every rank counts the same: failures are agreed)
         self.parts = parts  # (model part, its optimizer): one pair, or one per pipeline stage held
         self.scheduler = scheduler
         self.rank = mesh.global_rank
@@ -53,19 +56,24 @@ class CheckpointManager:
         self.verified_step: int | None = None  # newest checkpoint known good: retention never deletes it
         self.rng_restored = False
         self._last_step: int | None = None  # the step of the newest save started by this process
+        self._inflight: int | None = None  # the step of the save not yet known committed or failed
+        self._rejected: set[int] = set()  # committed folders that failed verification on resume
 
     # --- resume -------------------------------------------------------------------------
 
     def resume(self) -> int:
         """Load the newest checkpoint that verifies and return its step (0: none, start fresh).
 
-        Folders are tried newest first; one that fails (no manifest, a missing, short or
-        changed file, a load error) is logged as `checkpoint_rejected` and the previous one
-        is tried. If committed checkpoints exist but none verifies, the job stops: starting
-        from scratch would silently throw away the run.
+        Folders are tried newest first; one that fails verification (no manifest, a missing,
+        short or changed file) is logged as `checkpoint_rejected` and the previous one is
+        tried. If committed checkpoints exist but none verifies, the job stops: starting
+        from scratch would silently throw away the run. A load that fails for another reason
+        (memory, I/O) stops the job on every rank with its cause (CheckpointLoadError) and
+        rejects nothing (dtk.checkpoint.load).
         """
-        if not self.resume_enabled:
-            return 0
+        # checkpoint.resume=false is refused at submission where committed checkpoints exist
+        # (dtk.launch.launch.check_run_dir), and the run lock keeps other jobs out: what is
+        # found here was written by this submission's own earlier starts, so it resumes.
         found = self.comm.broadcast(self.run.checkpoint_steps() if self.rank == 0 else None)
         reasons = []
         for step, path, committed in reversed(found):
@@ -73,13 +81,14 @@ class CheckpointManager:
             try:
                 if not committed:
                     raise Rejected("no manifest.json: the save did not finish, or the manifest was deleted")
-                manifest = ckpt.verify(self.comm, path)
+                manifest = loading.verify(self.comm, path)
                 self._check_identity(manifest, path)
                 state, self.rng_restored = self._load(path)
             except Rejected as exc:
                 self._reject(step, path, str(exc))
                 if committed:
                     reasons.append(f"step {step}: {exc}")
+                    self._rejected.add(step)  # a save of this step may replace it
                 continue
             self.scheduler.load_state_dict(state["scheduler"])
             assert state["samples_consumed"] == state["step"] * self.global_batch, "data position and step disagree"
@@ -99,15 +108,18 @@ class CheckpointManager:
             raise UserError(
                 f"checkpoints exist in {self.run.checkpoints} but none verifies ({'; '.join(reasons)});"
                 " the run stops instead of starting from scratch: restore a checkpoint,"
-                " or move the folder away (or set checkpoint.resume=false) to start over"
+                " or start a new run (another run.name)"
             )
         return 0
 
     def _load(self, path) -> tuple[dict[str, Any], bool]:
         try:
-            return ckpt.load(path, parts=self.parts, comm=self.comm)
-        except Exception as exc:  # DCP raises on every rank when one fails
-            raise Rejected(f"load failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+            return loading.load(path, parts=self.parts, comm=self.comm)
+        except loading.CheckpointLoadError as exc:  # every rank, same cause: the checkpoint is kept
+            raise loading.CheckpointLoadError(
+                f"{exc}; the checkpoint verified and is kept (not rejected): the job stops instead of"
+                " falling back to an older one. Fix the cause, then run the same command again"
+            ) from exc
 
     def _check_identity(self, manifest: dict[str, Any], path) -> None:
         """A checkpoint of another configuration or dataset is the user's problem, not a
@@ -148,9 +160,12 @@ class CheckpointManager:
 
     def save(self, step: int) -> None:
         """Start a checkpoint of `step` (asynchronous unless checkpoint.async_save=false). The
-        previous one is committed first. Saving a step already saved is a no-op."""
+        previous one is committed first. Saving a step already saved is a no-op. A save that
+        fails does not stop training (`checkpoint_failed`; the next interval tries again)
+        until checkpoint.max_failures failed in a row."""
         if step == self._last_step:
             return
+        self._settle()
         self._last_step = step
         path = self.run.checkpoint_dir(step)
         samples = step * self.global_batch  # the loader's whole state: global samples consumed
@@ -170,12 +185,50 @@ class CheckpointManager:
             **self.identity,
         }
         self._last_save_t = time.monotonic()
-        self._saver.start(path, parts=self.parts, trainer_state=state, header=header)
+        self._inflight = step
+        try:
+            self._saver.start(path, parts=self.parts, trainer_state=state, header=header,
+                              replace_committed=step in self._rejected)
+        except ckpt.SaveFailed as exc:
+            self._failed(str(exc))
+            return
+        if not self._saver.asynchronous:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Collective: wait for the save in flight and count how it ended."""
+        try:
+            self._saver.wait()
+        except ckpt.SaveFailed as exc:
+            self._failed(str(exc))
+            return
+        if self._inflight is not None:
+            self.verified_step, self._inflight, self.failures = self._inflight, None, 0
+
+    def _failed(self, reason: str) -> None:
+        step, self._inflight = self._inflight, None
+        self.failures += 1
+        if self.rank == 0:
+            try:  # torch words a full disk obscurely ("unexpected pos"): say how much room is left
+                reason += f" ({shutil.disk_usage(self.run.checkpoints).free / 2**20:.1f} MiB free on the checkpoint storage)"
+            except OSError:
+                pass
+            print(f"checkpoint of step {step} failed: {reason}", file=sys.stderr, flush=True)
+            try:
+                self.run.event("checkpoint_failed", step=step, reason=reason, failures_in_a_row=self.failures)
+            except OSError:  # the storage of the run directory itself is gone: the line above says it
+                pass
+        if self.failures >= self.max_failures:
+            raise UserError(
+                f"checkpoint.max_failures={self.max_failures}: {self.failures} saves in a row failed (the last, of"
+                f" step {step}: {reason}); the run stops. The newest verified checkpoint"
+                f" (step {self.verified_step or 'none'}) is intact: fix the checkpoint storage, then run the same"
+                " command again to resume from it"
+            )
 
     def _committed(self, manifest: dict[str, Any]) -> None:
         """Rank 0, in the finisher thread, right after the manifest of a save was written."""
         step = manifest["step"]
-        self.verified_step = step
         prune(self.run, keep=self.keep, current_step=step, protect=[step])
         self.run.event(
             "checkpoint_saved",
@@ -198,9 +251,12 @@ class CheckpointManager:
         return self._saver.busy
 
     def wait(self) -> None:
-        """Block until the save in flight is committed."""
-        self._saver.wait()
+        """Block until the save in flight is committed or counted as failed."""
+        self._settle()
 
     def close(self) -> None:
         """Commit the save still in flight; after this the manager saves nothing more."""
-        self._saver.close()
+        try:
+            self._settle()
+        finally:
+            self._saver.close()

@@ -32,8 +32,8 @@ same phases and waits for them.
 
 from __future__ import annotations
 
-import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,10 +43,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from dtk.checkpoint import manifest as mf
+from dtk.checkpoint.rng import save_rng
 from dtk.rundir import write_json_atomic
 
 TRAINER_STATE = "trainer.json"
@@ -118,6 +120,24 @@ class Comm:
         return bool(t.item())
 
 
+class SaveFailed(Exception):
+    """A save did not commit; every rank raises it with the same cause. The folder has no
+    manifest: it never counts, and the last committed checkpoint is untouched."""
+
+
+def cause(exc: BaseException, *, rank: int | None = None) -> str:
+    """`OSError: [Errno 28] No space left on device` in one line; for DCP's gathered
+    failure, the first rank's own exception."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank, exc = sorted(failures.items())[0]
+        if isinstance(exc, tuple):  # (exception, traceback) in some torch versions
+            exc = exc[0]
+    text = " ".join(str(exc).split())[:300]
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}{type(exc).__name__}: {text}"
+
+
 class Saver:
     """Writes checkpoints, at most one in flight. Every rank holds one; `start`, `wait` and
     `close` are collective."""
@@ -149,30 +169,47 @@ class Saver:
         if pending is not None:
             pending.result()
 
-    def start(self, path: Path, *, parts: Parts, trainer_state: dict[str, Any], header: dict[str, Any]) -> float:
+    def start(self, path: Path, *, parts: Parts, trainer_state: dict[str, Any], header: dict[str, Any],
+              replace_committed: bool = False) -> float:
         """Begin saving; returns the seconds training was blocked (including the wait for
-        the previous save)."""
+        the previous save). A folder of the same step left by a killed save is replaced; a
+        committed one only when `replace_committed` (it failed verification on resume).
+
+        A failure (no space, an I/O error, a read-only mount) raises SaveFailed on every
+        rank, here or from `wait`; the folder is left without a manifest, so it never counts."""
         t0 = time.perf_counter()
         self.wait()
         rank = self.comm.rank
-        if rank == 0:
-            if path.exists():  # left by a save that was killed before its manifest
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        self.comm.barrier()
-        torch.save(_rng_state(), path / rng_file(rank))
-        if rank == 0:
-            write_json_atomic(path / TRAINER_STATE, trainer_state)
+
+        def prepare() -> None:
+            if rank == 0:
+                if (path / mf.MANIFEST).exists() and not replace_committed:
+                    raise FileExistsError(f"{path} is a committed checkpoint; no save replaces it")
+                if path.exists():  # left by a save that was killed before its manifest
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+
+        self._agree(prepare, everyone=False)  # also the barrier: the folder exists before anyone writes
+
+        def write_small() -> None:
+            save_rng(path / rng_file(rank))
+            if rank == 0:
+                write_json_atomic(path / TRAINER_STATE, trainer_state)
+
+        self._agree(write_small)
         model_sd, optim_sd, _ = _state_dicts(parts)
         state = {"model": model_sd, "optim": optim_sd}
-        if self.asynchronous:
-            written = dcp.async_save(state, storage_writer=self._writer(path), process_group=self.comm.group,
-                                     async_stager=self._stager, no_dist=self.comm.group is None)
-        else:
-            dcp.save(state, storage_writer=self._writer(path), process_group=self.comm.group,
-                     no_dist=self.comm.group is None)
-            written = Future()
-            written.set_result(None)
+        try:  # DCP gathers every rank's write result: a failure raises on all of them
+            if self.asynchronous:
+                written = dcp.async_save(state, storage_writer=self._writer(path), process_group=self.comm.group,
+                                         async_stager=self._stager, no_dist=self.comm.group is None)
+            else:
+                dcp.save(state, storage_writer=self._writer(path), process_group=self.comm.group,
+                         no_dist=self.comm.group is None)
+                written = Future()
+                written.set_result(None)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise SaveFailed(cause(exc)) from exc
         blocked = time.perf_counter() - t0
         self._pending = self._finisher.submit(self._finish, path, written, header, t0, blocked)
         if not self.asynchronous:
@@ -180,19 +217,38 @@ class Saver:
             blocked = time.perf_counter() - t0
         return blocked
 
+    def _agree(self, fn: Callable[[], Any], *, everyone: bool = True) -> Any:
+        """Run `fn` (on every rank, or rank 0 alone), then agree: SaveFailed on every rank
+        when it failed anywhere. Returns rank 0's result on every rank."""
+        result, problem = None, None
+        if everyone or self.comm.rank == 0:
+            try:
+                result = fn()
+            except (Exception, CheckpointException) as exc:
+                problem = cause(exc, rank=self.comm.rank if self.comm.world_size > 1 else None)
+        if everyone:
+            problems = [p for p in self.comm.all_gather(problem) if p]
+            result = self.comm.broadcast(result)
+        else:
+            result, problem = self.comm.broadcast((result, problem))
+            problems = [problem] if problem else []
+        if problems:
+            raise SaveFailed(problems[0])
+        return result
+
     def _finish(
         self, path: Path, written: Future, header: dict[str, Any], t0: float, blocked: float
     ) -> dict[str, Any] | None:
-        written.result()
+        self._agree(written.result)
         # Every rank checksums a share of the files (the folder is on storage all ranks see).
         # rank 0 lists, so that every rank agrees on the shares even where listings lag.
-        names = self.comm.broadcast(mf.payload_files(path) if self.comm.rank == 0 else None)
-        mine = {name: mf.describe_file(path / name) for name in names[self.comm.rank :: self.comm.world_size]}
+        names = self._agree(lambda: mf.payload_files(path), everyone=False)
+        mine = names[self.comm.rank :: self.comm.world_size]
         files: dict[str, Any] = {}
-        for share in self.comm.all_gather(mine):
+        for share in self.comm.all_gather(self._local(lambda: {n: mf.describe_file(path / n) for n in mine})):
+            if isinstance(share, str):
+                raise SaveFailed(share)
             files.update(share)
-        if self.comm.rank != 0:
-            return None
         manifest = {
             "format": FORMAT_VERSION,
             **header,
@@ -202,9 +258,21 @@ class Saver:
             "blocked_seconds": round(time.perf_counter() - t0 if not self.asynchronous else blocked, 4),
             "time": round(time.time(), 3),
         }
-        mf.commit(path, manifest)  # the commit point
-        self.on_commit(manifest)
+        self._agree(lambda: mf.commit(path, manifest), everyone=False)  # the commit point
+        if self.comm.rank != 0:
+            return None
+        try:
+            self.on_commit(manifest)
+        except OSError as exc:  # the checkpoint is committed; pruning or the event could not be written
+            print(f"checkpoint {path.name} committed, then: {cause(exc)}", file=sys.stderr, flush=True)
         return manifest
+
+    def _local(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`, or the cause of its failure as a string (for gathering)."""
+        try:
+            return fn()
+        except (Exception, CheckpointException) as exc:
+            return cause(exc, rank=self.comm.rank if self.comm.world_size > 1 else None)
 
     def close(self) -> None:
         try:
@@ -213,72 +281,3 @@ class Saver:
             self._finisher.shutdown(wait=True)
             if self._stager is not None:
                 self._stager.close()
-
-
-def verify(comm: Comm, path: Path) -> dict[str, Any]:
-    """Collective: the manifest of a checkpoint whose files all match it, else mf.Rejected on
-    every rank. Ranks share the checksum reading."""
-    found: tuple[dict[str, Any] | None, str] = (None, "")
-    if comm.rank == 0:
-        try:
-            manifest = mf.read_manifest(path)
-            problems = mf.check_sizes(path, manifest)
-            found = (manifest, mf.summarize(problems)) if problems else (manifest, "")
-        except mf.Rejected as exc:
-            found = (None, str(exc))
-    manifest, reason = comm.broadcast(found)
-    if manifest is None or reason:
-        raise mf.Rejected(reason)
-    names = sorted(manifest["files"])
-    problems = mf.check_checksums(path, manifest, names[comm.rank :: comm.world_size])
-    every = [p for share in comm.all_gather(problems) for p in share]
-    if every:
-        raise mf.Rejected(mf.summarize(every))
-    return manifest
-
-
-def load(path: Path, *, parts: Parts, comm: Comm) -> tuple[dict[str, Any], bool]:
-    """Collective: load model and optimizer (resharded to the current layout); return the
-    trainer state and whether this rank's RNG was restored (only when the world size is
-    unchanged: a rank's stream means nothing to another layout)."""
-    model_sd, optim_sd, keys = _state_dicts(parts)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), process_group=comm.group, no_dist=comm.group is None)
-    for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
-        set_state_dict(
-            module,
-            optimizer,
-            model_state_dict={k: state["model"][k] for k in mkeys},
-            optim_state_dict={k: state["optim"][k] for k in okeys},
-            options=_OPTIONS,
-        )
-    trainer_state = json.loads((path / TRAINER_STATE).read_text())
-    restored = False
-    rng = path / rng_file(comm.rank)
-    if trainer_state["world_size"] == comm.world_size and rng.exists():
-        _set_rng_state(torch.load(rng, weights_only=False))
-        restored = True
-    return trainer_state, restored
-
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -158,11 +158,13 @@ class CheckpointConfig:
     keep: int = 2
     """Keep the newest this many complete checkpoints; older ones are deleted."""
     resume: bool = True
-    """Resume from the newest checkpoint of the run directory that verifies (manifest and checksums); stop if some exist and none does."""
+    """Resume from the newest checkpoint of the run directory that verifies (manifest and checksums); stop if some exist and none does. false: start over, refused where the run already holds committed checkpoints (use another run.name); restarts of the same submission still resume its own."""
     every_minutes: float = 0.0
     """Also save when this many minutes passed since the last save (ranks agree on the step). 0: off."""
     async_save: bool = True
     """Stage to CPU memory and write in the background while training continues; the next save waits for it."""
+    max_failures: int = 3
+    """The run stops with an error line once this many saves in a row failed (no space, an I/O error, a read-only mount); before that training goes on, each failure is a `checkpoint_failed` event and the next interval tries again."""
 
 
 @dataclass

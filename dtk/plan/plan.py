@@ -147,6 +147,7 @@ def make_plan(cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[
     if ckpt.every_minutes < 0:
         raise UserError(f"checkpoint.every_minutes={ckpt.every_minutes}: expected 0 (off) or more")
     _positive("checkpoint.keep", ckpt.keep)
+    _positive("checkpoint.max_failures", ckpt.max_failures)
     if not optim.lr > 0:
         raise UserError(f"optim.lr={optim.lr}: expected a positive learning rate")
     if optim.warmup_steps < 0:

@@ -86,12 +86,16 @@ class ResumedEvent:
 
 
 class StopRequested(Exception):
-    """Raised out of the loop once the agreed stop's checkpoint is committed."""
+    """Raised out of the loop once the agreed stop's checkpoint is committed, or known to
+    have failed (`saved` False; `verified` is then the newest checkpoint that did commit)."""
 
-    def __init__(self, step: int, signum: int) -> None:
-        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}")
+    def __init__(self, step: int, signum: int, *, saved: bool = True, verified: int | None = None) -> None:
+        how = "checkpoint committed" if saved else (
+            f"its checkpoint could NOT be saved; the newest verified checkpoint is step {verified or 'none'}")
+        super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}; {how}")
         self.step = step
         self.signum = signum
+        self.saved = saved
 
 
 class AgreedStop:
@@ -117,6 +121,9 @@ class AgreedStop:
             return
         self.checkpoints.save(step)  # a no-op when the step's save already started
         self.checkpoints.close()  # the stop is only safe once the save is committed
+        verified = self.checkpoints.verified_step
+        saved = verified == step  # a save that failed says so: the driver sees no new checkpoint
         if self.run is not None:
-            self.run.event("preempted", step=step, signal=signal.Signals(signum).name, restart=self.restart)
-        raise StopRequested(step, signum)
+            self.run.event("preempted", step=step, signal=signal.Signals(signum).name, restart=self.restart,
+                           saved=saved, checkpoint_step=verified)
+        raise StopRequested(step, signum, saved=saved, verified=verified)

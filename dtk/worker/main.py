@@ -129,6 +129,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         run.event("ready", step=start_step, restart=env.restart, **clock.ready_event())
     last = trainer.fit(start_step=start_step, total_steps=plan.steps, policies=policies)
     checkpoints.close()
+    if checkpoints.verified_step != plan.steps:  # the final save failed: the run is not done
+        raise RuntimeError(f"the final checkpoint (step {plan.steps}) could not be saved (checkpoint_failed in"
+                           f" events.jsonl); the newest verified checkpoint is step {checkpoints.verified_step}")
     batches.close()
 
     summary = {}
@@ -221,7 +224,7 @@ def main(argv: list[str]) -> int:
     try:
         train(plan, env, run, clock)
     except StopRequested as stop:
-        print(f"worker {env.rank}: {stop}; checkpoint committed", flush=True)
+        print(f"worker {env.rank}: {stop}", flush=True)
         return EXIT_STOPPED
     finally:
         if dist.is_initialized():

@@ -1,0 +1,106 @@
+"""Verify and load a checkpoint, with every rank agreeing on the outcome.
+
+Two ways a load can go wrong, and they end differently:
+
+- verification fails (no manifest, a missing, short or changed file): `mf.Rejected` - the
+  checkpoint is corrupt, the manager logs `checkpoint_rejected` and tries the previous one;
+- anything else (out of memory, an I/O error, a permission): `CheckpointLoadError` - the
+  checkpoint is fine and is kept; the job stops with the cause, since falling back to an
+  older checkpoint would throw work away and retention would later delete the good one.
+
+Each phase runs on every rank and then the ranks agree (a gather on the checkpoint's own
+group), so a failure on one rank is the same exception with the same cause on all of them:
+no rank falls through to another checkpoint or starts training while the others stop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+from dtk.checkpoint import manifest as mf
+from dtk.checkpoint.rng import set_rng_state
+from dtk.checkpoint.sharded import _OPTIONS, TRAINER_STATE, Comm, Parts, _state_dicts, cause, rng_file
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that verified could not be loaded; every rank raises it with one cause."""
+
+
+def _agree(comm: Comm, path: Path, fn: Callable[[], Any]) -> Any:
+    """`fn()` on every rank; CheckpointLoadError on all of them when it failed on any."""
+    result, problem = None, None
+    try:
+        result = fn()
+    except mf.Rejected as exc:  # a verification verdict, not an accident: agreed elsewhere
+        problem = ("rejected", str(exc))
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        problem = ("failed", cause(exc, rank=comm.rank if comm.world_size > 1 else None))
+    problems = [p for p in comm.all_gather(problem) if p]
+    rejected = [why for kind, why in problems if kind == "rejected"]
+    failed = [why for kind, why in problems if kind == "failed"]
+    if failed:
+        raise CheckpointLoadError(f"checkpoint {path.name} could not be read: {failed[0]}")
+    if rejected:
+        raise mf.Rejected(rejected[0])
+    return result
+
+
+def verify(comm: Comm, path: Path) -> dict[str, Any]:
+    """Collective: the manifest of a checkpoint whose files all match it, else mf.Rejected on
+    every rank (CheckpointLoadError when a file could not be read at all). Ranks share the
+    checksum reading."""
+
+    def read() -> dict[str, Any] | None:
+        if comm.rank != 0:
+            return None
+        manifest = mf.read_manifest(path)
+        problems = mf.check_sizes(path, manifest)
+        if problems:
+            raise mf.Rejected(mf.summarize(problems))
+        return manifest
+
+    manifest = comm.broadcast(_agree(comm, path, read))
+    names = sorted(manifest["files"])
+    problems = _agree(comm, path, lambda: mf.check_checksums(path, manifest, names[comm.rank :: comm.world_size]))
+    every = [p for share in comm.all_gather(problems) for p in share]
+    if every:
+        raise mf.Rejected(mf.summarize(every))
+    return manifest
+
+
+def load(path: Path, *, parts: Parts, comm: Comm) -> tuple[dict[str, Any], bool]:
+    """Collective: load model and optimizer (resharded to the current layout); return the
+    trainer state and whether this rank's RNG was restored (only when the world size is
+    unchanged: a rank's stream means nothing to another layout). CheckpointLoadError on
+    every rank when any rank failed."""
+    model_sd, optim_sd, keys = _agree(comm, path, lambda: _state_dicts(parts))
+    state = {"model": model_sd, "optim": optim_sd}
+    # DCP gathers every rank's read result: a failed read raises on all ranks.
+    _agree(comm, path, lambda: dcp.load(state, checkpoint_id=str(path), process_group=comm.group,
+                                        no_dist=comm.group is None))
+
+    def apply() -> tuple[dict[str, Any], bool]:
+        for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
+            set_state_dict(
+                module,
+                optimizer,
+                model_state_dict={k: state["model"][k] for k in mkeys},
+                optim_state_dict={k: state["optim"][k] for k in okeys},
+                options=_OPTIONS,
+            )
+        trainer_state = json.loads((path / TRAINER_STATE).read_text())
+        rng = path / rng_file(comm.rank)
+        if trainer_state["world_size"] == comm.world_size and rng.exists():
+            set_rng_state(torch.load(rng, weights_only=True))
+            return trainer_state, True
+        return trainer_state, False
+
+    return _agree(comm, path, apply)

@@ -1,0 +1,57 @@
+"""Each rank's random streams (Python, NumPy, torch, CUDA) in a checkpoint: plain tensors
+only, so the file loads with `torch.load(weights_only=True)` (nothing in a checkpoint is
+ever unpickled as arbitrary objects), written and fsynced before the manifest lists it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's random streams as plain tensors, so the file loads with weights_only=True
+    (no pickle of arbitrary objects is ever unpickled from a checkpoint)."""
+    import random
+
+    import numpy as np
+
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    assert kind == "MT19937", kind
+    state = {
+        "python_version": torch.tensor([version], dtype=torch.int64),
+        "python_words": torch.tensor(words, dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if gauss is None else gauss, gauss is not None], dtype=torch.float64),
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy_cached": torch.tensor([cached], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_rng(path: Path) -> None:
+    """Written and fsynced before the manifest can list it."""
+    with open(path, "wb") as fh:
+        torch.save(rng_state(), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    import random
+
+    import numpy as np
+
+    gauss, has = state["python_gauss"].tolist()
+    random.setstate((int(state["python_version"][0]), tuple(state["python_words"].tolist()), gauss if has else None))
+    pos, has_gauss = state["numpy_pos"].tolist()
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
+                         float(state["numpy_cached"][0])))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,70 @@
+"""The storage drill: make a run's checkpoint storage fail for real, then give it back.
+
+`python -m dtk.drill storage RUN_DIR --hold S` bind-mounts RUN_DIR/checkpoints onto itself
+read-only for S seconds (root only): every save in that time fails in the kernel with
+`Read-only file system` - mkdir, the shards, the manifest - while the checkpoints already
+committed stay readable and untouched. Then it unmounts, and the next save commits.
+What a vanished or full mount does to a save is the same path: the save's folder never
+gets its manifest (docs/recovery.md).
+
+No torch here: the drill runs next to a live job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from dtk.errors import UserError
+
+
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"mount {' '.join(args)}: {' '.join((proc.stderr or proc.stdout).split())}")
+
+
+def is_mountpoint(path: Path) -> bool:
+    return subprocess.run(["mountpoint", "-q", str(path)]).returncode == 0
+
+
+def break_storage(folder: Path) -> None:
+    """Make `folder` read-only for every process on this machine (a bind mount over itself)."""
+    if os.geteuid() != 0:
+        raise UserError("the storage drill makes a mount read-only and needs root (sudo)")
+    folder.mkdir(parents=True, exist_ok=True)
+    if is_mountpoint(folder):
+        raise UserError(f"{folder} is a mount point already (a drill still running?); not touching it")
+    _mount("--bind", str(folder), str(folder))
+    try:
+        _mount("-o", "remount,ro,bind", str(folder))
+    except UserError:
+        restore_storage(folder)
+        raise
+
+
+def restore_storage(folder: Path) -> None:
+    proc = subprocess.run(["umount", str(folder)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"umount {folder}: {' '.join(proc.stderr.split())}; restore it by hand: umount {folder}")
+
+
+def storage_drill(checkpoints: Path, *, hold_s: float) -> str:
+    """Break the storage, wait `hold_s` (SIGINT or SIGTERM end the wait early), restore it."""
+    break_storage(checkpoints)
+    t0 = time.monotonic()
+    previous = {sig: signal.signal(sig, lambda *_: (_ for _ in ()).throw(InterruptedError()))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(f"{checkpoints} is read-only for {hold_s:g} s", flush=True)
+        time.sleep(hold_s)
+    except InterruptedError:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        restore_storage(checkpoints)
+    return f"{checkpoints} was read-only for {time.monotonic() - t0:.1f} s and is writable again"

@@ -1,0 +1,181 @@
+"""Saves that fail for real - a read-only mount (the storage drill's), a full file system -
+do not stop training and never touch the last committed checkpoint: each is a
+`checkpoint_failed` event, the next save tries again and commits once the storage is back,
+and checkpoint.max_failures in a row stop the run with one error. A committed folder is
+never replaced by a save. One process, real files and mounts (root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import require
+from dtk.checkpoint import manifest as mf
+from dtk.checkpoint.manager import CheckpointManager
+from dtk.config.schema import CheckpointConfig
+from dtk.dist.mesh import ParallelMesh
+from dtk.drill_storage import break_storage, restore_storage
+from dtk.errors import UserError
+from dtk.rundir import RunDir
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def parts(seed: int = 0, width: int = 8):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(width, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return model, optimizer, scheduler
+
+
+def manager(run: RunDir, model, optimizer, scheduler, *, asynchronous: bool, max_failures: int = 3):
+    return CheckpointManager(
+        run, checkpoint=CheckpointConfig(every=1, keep=10, async_save=asynchronous, max_failures=max_failures),
+        parts=[(model, optimizer)], scheduler=scheduler, mesh=ParallelMesh.single(), global_batch=4,
+        total_steps=100, identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"})
+
+
+def step(model, optimizer, scheduler) -> None:
+    model(torch.randn(4, model.in_features)).square().mean().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def named(run: RunDir, name: str) -> list[dict]:
+    return [e for e in run.events_list() if e["event"] == name]
+
+
+@pytest.fixture
+def root_mounts():
+    require(os.geteuid() == 0, "mounts need root")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_saves_fail_on_a_read_only_mount_training_goes_on_and_the_next_save_commits(tmp_path, root_mounts,
+                                                                                      asynchronous):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = parts()
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=asynchronous)
+    step(model, optimizer, scheduler)
+    ckpt.save(1)
+    ckpt.wait()
+    break_storage(run.checkpoints)
+    try:
+        for n in (2, 3):
+            step(model, optimizer, scheduler)
+            ckpt.save(n)  # no exception: training goes on
+        ckpt.wait()
+        assert ckpt.failures == 2
+    finally:
+        restore_storage(run.checkpoints)
+    step(model, optimizer, scheduler)
+    ckpt.save(4)
+    held = [p.detach().clone() for p in model.parameters()]
+    ckpt.close()
+    failed = named(run, "checkpoint_failed")
+    assert [e["step"] for e in failed] == [2, 3] and [e["failures_in_a_row"] for e in failed] == [1, 2]
+    assert all("Read-only file system" in e["reason"] for e in failed), failed
+    assert ckpt.failures == 0 and ckpt.verified_step == 4
+    assert [s for s, _, ok in run.checkpoint_steps() if ok] == [1, 4]
+    assert mf.verify(run.checkpoint_dir(1))["step"] == 1
+    again = parts(seed=5)
+    fresh = manager(run, *again, asynchronous=asynchronous)
+    assert fresh.resume() == 4
+    fresh.close()
+    assert all(torch.equal(a, b) for a, b in zip(again[0].parameters(), held, strict=True))
+
+
+def test_max_failures_in_a_row_stop_the_run_with_one_error(tmp_path, root_mounts):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = parts()
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=False, max_failures=2)
+    ckpt.save(1)
+    break_storage(run.checkpoints)
+    try:
+        ckpt.save(2)
+        with pytest.raises(UserError) as exc:
+            ckpt.save(3)
+    finally:
+        restore_storage(run.checkpoints)
+        ckpt.close()
+    message = str(exc.value)
+    assert message.startswith("checkpoint.max_failures=2: 2 saves in a row failed (the last, of step 3: ")
+    assert "Read-only file system" in message and "newest verified checkpoint (step 1) is intact" in message
+    assert mf.verify(run.checkpoint_dir(1))["step"] == 1
+
+
+def test_a_full_file_system_fails_the_shard_writes_in_the_background_save(tmp_path, root_mounts):
+    """The folder and the small files fit, the shards do not: DCP's writer fails in its
+    thread; the failure arrives at the next wait (or save), agreed, and the folder stays uncommitted."""
+    run = RunDir(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "dtk-test", str(run.checkpoints)], check=True)
+    try:
+        filler = run.checkpoints / "filler"
+        free = os.statvfs(run.checkpoints).f_bavail * os.statvfs(run.checkpoints).f_frsize
+        filler.write_bytes(b"\0" * (free - (96 << 10)))  # 96 KiB left: RNG file and trainer.json fit
+        model, optimizer, scheduler = parts(width=128)  # ~200 KiB of weights and optimizer state
+        ckpt = manager(run, model, optimizer, scheduler, asynchronous=True)
+        ckpt.save(1)
+        assert ckpt.failures == 0  # the shards are written in the background: no failure yet
+        ckpt.wait()
+        assert ckpt.failures == 1
+        filler.unlink()
+        step(model, optimizer, scheduler)
+        ckpt.save(2)
+        ckpt.close()
+        (failed,) = named(run, "checkpoint_failed")
+        # torch words ENOSPC as "unexpected pos"; the free space says what happened
+        assert failed["step"] == 1 and "MiB free on the checkpoint storage" in failed["reason"], failed
+        assert [(s, ok) for s, _, ok in run.checkpoint_steps()] == [(2, True)]  # step 1 pruned, uncommitted
+    finally:
+        subprocess.run(["umount", str(run.checkpoints)], check=True)
+
+
+def test_a_committed_checkpoint_is_never_replaced_and_a_rejected_one_may_be(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = parts()
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=False)
+    for n in (1, 2):
+        step(model, optimizer, scheduler)
+        ckpt.save(n)
+    ckpt.close()
+    before = mf.verify(run.checkpoint_dir(2))
+    again = manager(run, *parts(seed=3), asynchronous=False)
+    assert again.resume() == 2
+    again._last_step = None  # a save of step 2 again, as a second writer would make
+    again.save(2)
+    again.close()
+    assert mf.verify(run.checkpoint_dir(2)) == before
+    (failed,) = named(run, "checkpoint_failed")
+    assert "is a committed checkpoint; no save replaces it" in failed["reason"]
+    # A committed folder that failed verification on resume is replaced by the next save of its step.
+    shard = max(run.checkpoint_dir(2).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    third = manager(run, *parts(seed=4), asynchronous=False)
+    assert third.resume() == 1
+    third.save(2)
+    third.close()
+    assert mf.verify(run.checkpoint_dir(2))["step"] == 2
+
+
+def test_the_storage_drill_needs_a_folder_that_is_not_mounted_already(tmp_path, root_mounts):
+    folder = Path(tmp_path / "ckpt")
+    break_storage(folder)
+    try:
+        with pytest.raises(UserError, match="is a mount point already"):
+            break_storage(folder)
+    finally:
+        restore_storage(folder)
+    (folder / "probe").write_text("writable again")
