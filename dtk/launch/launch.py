@@ -155,25 +155,34 @@ def launch(plan: Plan) -> Launched:
         c = plan.config.cluster
         slurmctl.check_fits(slurmctl.partitions(), partition=c.partition, nodes=plan.nodes, time_min=c.time_min)
         check_dependencies(plan.config.submit.after, slurmctl.job_state)
-    created = not run.path.exists()
+    created = _first_missing(run.path)  # what a refused launch removes again
     # One writer per run directory: held until the local driver ends, or recorded as the
     # Slurm job's once it is queued (dtk.launch.runlock).
     with RunLock(run.path) as lock:
         try:
             lock.acquire(job_state=slurmctl.job_state)
+            check_run_dir(plan, run)  # again under the lock: the holder may have written since
+            if already_finished(plan, run):
+                summary = run.read_summary() or {}
+                print(f"run {run.path} already finished: step {summary.get('final_step')},"
+                      f" loss {summary.get('final_loss')}")
+                return Launched(0)
+            print(plan.describe(), flush=True)
+            if plan.cluster_kind == "slurm":
+                return _launch_slurm(plan, run, lock=lock, created=created)
+            return Launched(_launch_local(plan, lock=lock))
         except UserError:
-            if created:
-                shutil.rmtree(run.path, ignore_errors=True)
+            if created is not None:  # a refused launch leaves no run behind
+                shutil.rmtree(created, ignore_errors=True)
             raise
-        check_run_dir(plan, run)  # again under the lock: the holder may have written since
-        if already_finished(plan, run):
-            summary = run.read_summary() or {}
-            print(f"run {run.path} already finished: step {summary.get('final_step')}, loss {summary.get('final_loss')}")
-            return Launched(0)
-        print(plan.describe(), flush=True)
-        if plan.cluster_kind == "slurm":
-            return _launch_slurm(plan, run, lock=lock, created=created)
-        return Launched(_launch_local(plan, lock=lock))
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (None: it all exists)."""
+    missing = None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing
 
 
 def _launch_local(plan: Plan, *, lock: RunLock) -> int:
@@ -193,7 +202,7 @@ def _launch_local(plan: Plan, *, lock: RunLock) -> int:
     return code
 
 
-def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: bool) -> Launched:
+def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: Path | None) -> Launched:
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     from dtk.driver.supervisor import drive
@@ -206,8 +215,8 @@ def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: bool) -> L
         with contextlib.redirect_stderr(sbatch_stderr):
             job = make_executor(plan, inputs).submit(drive, plan.run_dir)
     except (FailedJobError, FailedSubmissionError, subprocess.CalledProcessError) as exc:
-        if created:  # nothing half-written: a refused job leaves no run behind
-            shutil.rmtree(run.path, ignore_errors=True)
+        if created is not None:  # nothing half-written: a refused job leaves no run behind
+            shutil.rmtree(created, ignore_errors=True)
         said = sbatch_stderr.getvalue().strip() or str(getattr(exc, "stderr", "") or exc)
         detail = " ".join(said.replace("sbatch: error:", "").split())
         raise UserError(f"sbatch refused the job: {detail}") from None
