@@ -42,12 +42,12 @@ def tiny_trainer() -> Trainer:
 
 def test_fit_runs_the_policies_after_every_step_in_their_order():
     log: list = []
-    names = ["metrics", "heartbeat", "resumed", "evaluation", "checkpoint", "stop"]
+    names = ["metrics", "heartbeat", "resumed", "evaluation", "checkpoint", "stop", "profile"]
     policies = StepPolicies(**{name: Recorder(name, log) for name in names})
     trainer = tiny_trainer()
     result = trainer.fit(start_step=3, total_steps=5, policies=policies)
     trainer.batches.close()
-    order = ["metrics", "heartbeat", "resumed", "evaluation", "checkpoint", "heartbeat", "stop"]
+    order = ["metrics", "heartbeat", "resumed", "evaluation", "checkpoint", "heartbeat", "stop", "profile"]
     assert log == [(name, 4) for name in order] + [(name, 5) for name in order]
     assert result is not None and result.loss > 0
 

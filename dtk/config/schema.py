@@ -68,6 +68,8 @@ class ClusterConfig:
     """The GPU model, for the memory budget and MFU: h100-80gb, h100-pcie, h100-nvl, h200, a100-40gb, a100-80gb, b200, l40s (`python -m dtk.plan` lists them on a wrong name). None: unknown."""
     device_memory_gb: float | None = None
     """Memory per device in decimal GB; overrides the accelerator's figure (a MIG slice, a new part). None: from cluster.accelerator, or on the CPU the node's memory over its workers."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device in the dtype the matmuls run in, the denominator of MFU. None: the accelerator table's (dtk/plan/accelerators.py) for cluster.accelerator, else for the GPU's name; no MFU on the CPU."""
 
 
 @dataclass
@@ -220,7 +222,13 @@ class TrainConfig:
     seed: int = 0
     """Seed of model initialisation and data order."""
     log_every: int = 10
-    """Print a progress line every this many steps (metrics.jsonl gets every step)."""
+    """Every this many steps: a progress line, the metrics.jsonl records of the steps since the last (one per step), and the gathering of every rank's phase times (straggler check)."""
+    profile: bool = True
+    """Time each step's phases (data, forward, backward, optimizer, comm, checkpoint, straggler) into metrics.jsonl; marks are read once per train.log_every steps. False: no phases, no idle_share, no straggler check."""
+    system_every_s: float = 10.0
+    """Seconds between host and GPU load samples (CPU, memory, disk and network; GPU utilisation, memory and power through NVML) in system.jsonl, one sampler thread per node. 0: none."""
+    tensorboard: bool = False
+    """Also write the metrics' scalars as TensorBoard event files in `<run dir>/tensorboard` (needs the tensorboard package)."""
     threads: int = 0
     """torch intra-op threads per worker on CPU. 0: the machine's cores divided by the workers on it."""
     eval_every: int = 0
@@ -257,6 +265,8 @@ class FaultConfig:
     """Submit with --no-kill so that a failed node ends the worker step, not the job: the driver relaunches on the nodes left. False: Slurm requeues the whole job."""
     shrink: bool = True
     """After a node failure with no spare left, continue on fewer nodes (same global batch, more accumulation) when the scheme allows it."""
+    straggler_factor: float = 1.5
+    """A rank whose busy time per step (step time less waiting for others), over a train.log_every interval, exceeds the median rank's by this factor is flagged: a `straggler` event with its host. 0: never flagged."""
     signal_lead_floor_s: int = 60
     """Least lead time of the pre-time-limit signal; the lead grows with the measured checkpoint save and step time."""
 

@@ -74,3 +74,50 @@ def achieved(*, tokens_per_s: float, flops_per_token: float, num_devices: int, p
     if peak_tflops:
         out["mfu"] = round(tflops / peak_tflops, 5)
     return out
+
+
+# Device names as the driver reports them (torch.cuda.get_device_name) -> the accelerator
+# table's names; first match wins, so the more specific names come first.
+_DEVICE_NAMES = (
+    ("H200 NVL", "h200-nvl"), ("H200", "h200"),
+    ("H100 NVL", "h100-nvl"), ("H100 PCIE", "h100-pcie"), ("H100", "h100-80gb"),
+    ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
+    ("B200", "b200"), ("L40S", "l40s"), ("L4", "l4"), ("MI300X", "mi300x"),
+)
+
+
+def accelerator_of(device_name: str) -> str | None:
+    """The accelerator table's name for a device name (`NVIDIA H100 80GB HBM3` -> h100-80gb)."""
+    words = device_name.upper().replace("-", " ").split()
+    joined = " ".join(words)
+    for pattern, name in _DEVICE_NAMES:
+        if " ".join(pattern.replace("-", " ").split()) in joined and (pattern != "L4" or "L4" in words):
+            return name
+    return None
+
+
+def matmul_dtype_name(dtype: torch.dtype) -> str:
+    """The peak's dtype column for matmuls in `dtype` (float32 on tensor cores when TF32 is allowed)."""
+    if dtype == torch.bfloat16:
+        return "bfloat16"
+    if dtype == torch.float16:
+        return "float16"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "float32"
+
+
+def peak_tflops(*, override: float | None, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """Dense peak TFLOP/s of one device for matmuls in `dtype`, and where it comes from:
+    cluster.peak_tflops, else the accelerator table by the GPU's name. None on the CPU or
+    for a GPU the table does not know (the run then logs TFLOP/s without MFU)."""
+    from dtk.plan.accelerators import ACCELERATORS
+
+    if override:
+        return float(override), "cluster.peak_tflops"
+    if device.type != "cuda":
+        return None, "no peak on the CPU"
+    device_name = torch.cuda.get_device_name(device)
+    name = accelerator_of(device_name)
+    if name is None:
+        return None, f"{device_name} is not in the accelerator table; set cluster.peak_tflops"
+    column = matmul_dtype_name(dtype)
+    return ACCELERATORS[name].peak_tflops(column), f"{name} dense {column}"

@@ -1,4 +1,15 @@
-"""Per-step metrics: one JSON line per step in metrics.jsonl (global rank 0 only)."""
+"""Per-step metrics: one JSON line per step in metrics.jsonl (global rank 0 only).
+
+A step's record is kept until its logging interval ends (`train.log_every` steps, the last
+step, an agreed stop): then the profiler has read the interval's phase times, and the
+records are written with them, together (dtk.train.profile). A worker killed mid-interval
+loses the records of that interval's steps, which its restart computes again anyway.
+
+Each record: loss, learning rate, gradient norm, step time, throughput (samples/s,
+tokens/s), achieved TFLOP/s per device and MFU where the model's FLOPs and the device's
+peak are known, the step's `phases` and `idle_share` when profiled, `epoch_time_s` at a
+step that completes an epoch, and on an interval's last record the per-rank times (`ranks`).
+"""
 
 from __future__ import annotations
 
@@ -8,46 +19,135 @@ from pathlib import Path
 from typing import Any
 
 from dtk.rundir import append_jsonl
+from dtk.train.flops import achieved
+from dtk.train.straggler import Interval, idle_share
+
+
+class EpochClock:
+    """Seconds per epoch from the step times: at a step that crosses an epoch boundary, the
+    time of the steps since the previous boundary, scaled to one epoch's samples. Only for
+    epochs this process saw from their start (a resume mid-epoch skips the first)."""
+
+    def __init__(self, *, samples_per_epoch: int | None, global_batch: int) -> None:
+        self.samples_per_epoch = samples_per_epoch
+        self.global_batch = global_batch
+        self._seconds = 0.0
+        self._samples = 0
+        self._whole: bool | None = None
+
+    def add(self, step: int, seconds: float) -> float | None:
+        n, b = self.samples_per_epoch, self.global_batch
+        if not n:
+            return None
+        start, end = (step - 1) * b, step * b
+        if self._whole is None:
+            self._whole = start % n == 0
+        self._seconds += seconds
+        self._samples += b
+        if end // n == start // n and end % n:
+            return None
+        out = self._seconds * n / self._samples if self._whole else None
+        self._seconds, self._samples, self._whole = 0.0, 0, True
+        return out
 
 
 class MetricsLog:
-    """The metrics policy: one record per step and a progress line every `log_every` steps,
-    on global rank 0 (`path` None on the others: nothing)."""
+    """The metrics policy: keeps each step's record (global rank 0; `path` None on the
+    others: nothing), written by `write()` at the end of its interval."""
 
     def __init__(
-        self, path: Path | None, *, world_size: int, restart: int, tokens_per_step: int, total_steps: int,
+        self,
+        path: Path | None,
+        *,
+        world_size: int,
+        restart: int,
+        global_batch: int,
+        tokens_per_step: int,
+        total_steps: int,
         log_every: int,
+        samples_per_epoch: int | None,
+        flops_per_token: float | None,
+        peak_tflops: float | None,
+        tensorboard: Any = None,
     ) -> None:
         self.path = path
         self.world_size = world_size
         self.restart = restart
+        self.global_batch = global_batch
         self.tokens_per_step = tokens_per_step
         self.total_steps = total_steps
         self.log_every = log_every
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.tensorboard = tensorboard  # TensorBoardLog or None
+        self.epochs = EpochClock(samples_per_epoch=samples_per_epoch, global_batch=global_batch)
+        self._pending: list[tuple[int, float, Any]] = []
 
     def after_step(self, step: int, result: Any) -> None:
         if self.path is not None:
-            self.step(step, result)
+            self._pending.append((step, time.time(), result))
 
     def step(self, step: int, result: Any) -> None:
+        """Write one step's record now (no phases): for a loop that runs without the profiler."""
+        self.after_step(step, result)
+        self.write(None)
+
+    def record(self, step: int, at: float, result: Any, interval: Interval | None) -> dict[str, Any]:
+        profiled = interval is not None and step in interval.phases
+        step_time = interval.step_time_s[step] if profiled else result.step_time_s
+        per_s = 1.0 / max(step_time, 1e-9)
         record: dict[str, Any] = {
             "step": step,
-            "time": round(time.time(), 3),
-            "loss": result.loss,
+            "time": round(at, 3),
+            "loss": float(result.loss),
             "lr": result.lr,
-            "grad_norm": round(result.grad_norm, 6),
+            "grad_norm": round(float(result.grad_norm), 6),
             "world_size": self.world_size,
             "restart": self.restart,
-            "step_time_s": round(result.step_time_s, 6),
+            "step_time_s": round(step_time, 6),
             "data_wait_s": round(result.data_wait_s, 6),
-            "tokens_per_s": round(self.tokens_per_step / max(result.step_time_s, 1e-9), 1),
-            "batch_hash": result.batch_hash,
+            "samples_per_s": round(self.global_batch * per_s, 2),
+            "tokens_per_s": round(self.tokens_per_step * per_s, 1),
         }
-        append_jsonl(self.path, record)
+        if self.flops_per_token and self.tokens_per_step:
+            record.update(achieved(tokens_per_s=self.tokens_per_step * per_s, flops_per_token=self.flops_per_token,
+                                   num_devices=self.world_size, peak_tflops=self.peak_tflops))
+        if profiled:
+            phases = interval.phases[step]
+            record["phases"] = {p: round(v, 6) for p, v in phases.items()}
+            record["idle_share"] = round(idle_share(phases, step_time), 4)
+        epoch_s = self.epochs.add(step, step_time)
+        if epoch_s is not None:
+            record["epoch_time_s"] = round(epoch_s, 3)
+        record["batch_hash"] = result.batch_hash
+        return record
+
+    def write(self, interval: Interval | None) -> None:
+        """The records kept since the last write, with the interval's phases where it has them."""
+        pending, self._pending = self._pending, []
+        if self.path is None or not pending:
+            return
+        records = [self.record(step, at, result, interval) for step, at, result in pending]
+        if interval is not None:
+            records[-1]["ranks"] = {k: [round(x, 6) if isinstance(x, float) else x for x in v]
+                                    for k, v in interval.ranks.items()}
+        for record in records:
+            append_jsonl(self.path, record)
+            if self.tensorboard is not None:
+                self.tensorboard.add(record)
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+        last = records[-1]
+        step = last["step"]
         if step % self.log_every == 0 or step == self.total_steps:
+            idle = f", idle {100 * last['idle_share']:.1f}%" if "idle_share" in last else ""
             print(
-                f"step {step}/{self.total_steps} loss {result.loss:.4f} lr {result.lr:.2e}"
-                f" {result.step_time_s * 1000:.1f} ms/step",
+                f"step {step}/{self.total_steps} loss {last['loss']:.4f} lr {last['lr']:.2e}"
+                f" {last['step_time_s'] * 1000:.1f} ms/step{idle}",
                 file=sys.stdout,
                 flush=True,
             )
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ from dtk.train.phase_names import IDLE_PHASES, PHASES  # noqa: F401  (re-exporte
 
 LAPS = ("data", "forward", "backward", "sync", "optimizer", "comm", "checkpoint")
 """What one rank measures; the order of the gathered vectors."""
+NOT_STEP = "-"
+"""A lap that is no part of the step (an evaluation between two steps): dropped."""
 
 
 @dataclass
@@ -56,8 +59,11 @@ class _Step:
 class PhaseTimer:
     """Marks of the steps since the last `collect()`. Disabled, every call returns at once."""
 
-    def __init__(self, *, device: torch.device, enabled: bool = True) -> None:
+    def __init__(
+        self, *, device: torch.device, enabled: bool = True, overlapping: Callable[[], bool] | None = None
+    ) -> None:
         self.enabled = enabled
+        self.overlapping = overlapping  # whether a background checkpoint write is in flight
         self.cuda = device.type == "cuda"
         self.device = device
         self._steps: list[_Step] = []
@@ -77,6 +83,7 @@ class PhaseTimer:
         if not self.enabled:
             return
         self._current = _Step(step, [("", self._now())])
+        self._current.overlapped = self.overlapping is not None and self.overlapping()
         self._grads_seen = 0
 
     def lap(self, phase: str) -> None:
@@ -89,11 +96,6 @@ class PhaseTimer:
             cur.sync_at = None
             phase = "sync"
         cur.marks.append((phase, self._now()))
-
-    def overlapped(self) -> None:
-        """A background checkpoint write is in flight during this step."""
-        if self.enabled and self._current is not None:
-            self._current.overlapped = True
 
     def end(self) -> None:
         if not self.enabled or self._current is None:
@@ -139,9 +141,9 @@ class PhaseTimer:
         for s in steps:
             laps = dict.fromkeys(LAPS, 0.0)
             for (_, a), (phase, b) in itertools.pairwise(s.marks):
-                laps[phase] = laps.get(phase, 0.0) + max(0.0, self._seconds(a, b))
-            total = self._seconds(s.marks[0][1], s.marks[-1][1])
-            out.append(StepTimes(s.step, total, laps, s.overlapped))
+                if phase != NOT_STEP:
+                    laps[phase] += max(0.0, self._seconds(a, b))
+            out.append(StepTimes(s.step, sum(laps.values()), laps, s.overlapped))
         return attribute_overlap(out)
 
     def close(self) -> None:

@@ -1,18 +1,21 @@
 """What runs after every optimizer step, as named objects the trainer calls in a fixed,
 visible order (`Trainer.fit`):
 
-    metrics      metrics.jsonl and the progress line (rank 0)          dtk.train.metrics
+    metrics      the step's metrics.jsonl record, kept (rank 0)         dtk.train.metrics
     heartbeat    the file whose mtime tells the driver "alive" (rank 0) Heartbeat
     resumed      the `resumed` event, once, after a restart's first step ResumedEvent
     evaluation   validation loss every train.eval_every steps          dtk.train.evaluate
     checkpoint   a save every checkpoint.every steps or every_minutes  dtk.checkpoint.manager
     stop         a signal any rank received: agree, save, stop         AgreedStop
+    profile      every train.log_every steps: gather phase times, flag  dtk.train.profile
+                 stragglers, write the interval's metrics records
 
-Each has `after_step(step, result)`, where `step` counts completed optimizer steps. A new
-policy (phase timings, straggler detection, a checkpoint-failure budget) is one more field
-of StepPolicies and one more line in `Trainer.fit`, where its place in the order shows.
-Policies that are collective (evaluation, checkpoint, stop) run on every rank; the others
-do nothing on ranks that do not write.
+Each has `after_step(step, result)`, where `step` counts completed optimizer steps; the
+profile also has `flush()`, which an agreed stop calls before it leaves the loop. A new
+policy (a checkpoint-failure budget) is one more field of StepPolicies and one more line
+in `Trainer.fit`, where its place in the order shows. Policies that are collective
+(evaluation, checkpoint, stop, profile) run on every rank; the others do nothing on ranks
+that do not write.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class StepPolicies:
     evaluation: Policy
     checkpoint: Policy
     stop: Policy
+    profile: Policy
 
 
 class Heartbeat:

@@ -6,11 +6,17 @@ every rank. That is the profiler's only collective and its only host-device
 synchronisation, once per `train.log_every` steps. Rank 0 then has, per step, its phases
 with the exposed communication and straggler wait split out, per-rank means for the
 interval, and the ranks it flags (written to events.jsonl as `straggler`, with the host).
+
+As the `profile` policy (last in `Trainer.fit`'s order) it ends each logging interval on
+every rank: read the interval (nothing to read with train.profile=false) and hand it to
+the metrics log, which writes the interval's records with their phases.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +35,20 @@ class StepProfiler:
         straggler_factor: float,
         run: RunDir | None,
         rank: int,
+        log_every: int,
+        total_steps: int,
+        metrics: Any,
+        saving: Callable[[], bool] | None,
     ) -> None:
-        self.timer = PhaseTimer(device=device, enabled=enabled)
+        # `saving`: whether a background checkpoint write is in flight (it overlaps the step)
+        self.timer = PhaseTimer(device=device, enabled=enabled, overlapping=saving)
         self.enabled = enabled
         self.factor = straggler_factor
         self.run = run  # rank 0 writes the straggler events
         self.rank = rank
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self.metrics = metrics  # writes the interval's records (MetricsLog; rank 0 writes)
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._gather_device = device if self._distributed and dist.get_backend() == "nccl" else torch.device("cpu")
         self._hosts: list[str] | None = None
@@ -65,13 +79,25 @@ class StepProfiler:
         else:
             per_rank = [mine.cpu().tolist()]
         interval = combine([s.step for s in steps], per_rank, factor=self.factor, me=self.rank)
-        if interval.stragglers:
-            hosts = self.hosts()
-            if self.run is not None:
-                for s in interval.stragglers:
-                    self.run.event("straggler", step=steps[-1].step, host=hosts[s["rank"]], factor=self.factor, **s)
+        interval.ranks["hosts"] = self.hosts()
+        if interval.stragglers and self.run is not None:
+            for s in interval.stragglers:
+                self.run.event("straggler", step=steps[-1].step, host=interval.ranks["hosts"][s["rank"]],
+                               factor=self.factor, **s)
         return interval
+
+    # --- the policy --------------------------------------------------------------------------
+
+    def after_step(self, step: int, result: Any = None) -> None:
+        """Every `log_every` steps and at the last: the interval's records, with their phases."""
+        if step % self.log_every == 0 or step == self.total_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Collective: read the interval and write its records (also before an agreed stop)."""
+        interval = self.read()
+        if self.metrics is not None:
+            self.metrics.write(interval)
 
     def close(self) -> None:
         self.timer.close()
-

@@ -1,6 +1,12 @@
 """The training loop: data -> forward/backward with accumulation -> step, then the step's
 policies in a fixed order (dtk.train.policies: metrics, heartbeat, resumed, evaluation,
-checkpoint, stop). What a micro-batch's loss is, is the run's task (dtk.train.task).
+checkpoint, stop, profile). What a micro-batch's loss is, is the run's task (dtk.train.task).
+
+The phase timer (dtk.train.phases) takes a lap at each boundary of a step: data, forward,
+backward (and the gradient synchronisation after it), optimizer, comm, then the policies'
+checkpoint and the stop agreement. An evaluation between steps is no part of the step.
+Laps are marks only (CUDA events or clock readings); the profile policy reads them once
+per logging interval. Disabled (train.profile=false), every lap returns at once.
 
 One optimizer step sees the whole global batch; this rank's share arrives as
 `grad_accum` micro-batches. Without a pipeline they are run one after another with the
@@ -24,6 +30,8 @@ from dtk.data.loader import StepBatches
 from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
+from dtk.train.phases import NOT_STEP, PhaseTimer
+from dtk.train.policies import StopRequested
 from dtk.train.task import LmTask, Task
 
 if TYPE_CHECKING:
@@ -63,6 +71,7 @@ class Trainer:
         task: Task,
         grad_clip: float,
         mesh: ParallelMesh,
+        timer: PhaseTimer | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None)
@@ -76,6 +85,8 @@ class Trainer:
         self.grad_clip = grad_clip
         self.mesh = mesh
         self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        self.timer = timer if timer is not None else PhaseTimer(device=batches.device, enabled=False)
+        self.timer.watch_gradients(self._params)  # the moment the last gradient is ready: sync begins
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
@@ -101,7 +112,9 @@ class Trainer:
         for i, batch in enumerate(micro):
             with self._sync_context(i == n - 1):
                 loss = self.task(self.model, batch, self._autocast())
+                self.timer.lap("forward")
                 (loss / n).backward()
+                self.timer.lap("backward")
             total += loss.detach().float()
         return total / n
 
@@ -115,6 +128,7 @@ class Trainer:
         kwargs = {"target": targets, "losses": losses} if pipe.has_last_stage else {}
         with self._autocast():
             pipe.schedule.step(*args, **kwargs)
+        self.timer.lap("backward")  # the schedule interleaves forward and backward: one lap
         if not pipe.has_last_stage:
             return torch.zeros((), device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
@@ -135,8 +149,10 @@ class Trainer:
     def step(self, step: int) -> StepResult:
         """One optimizer step over the global batch of `step` (0-based)."""
         t0 = time.perf_counter()
+        self.timer.begin(step + 1)  # keyed as the records are: steps completed after it
         micro = self.batches.get(step)
         t_data = time.perf_counter() - t0
+        self.timer.lap("data")
         if self.parallel.pipeline is not None:
             local = self._pipeline(micro)
         else:
@@ -148,7 +164,9 @@ class Trainer:
         self.scheduler.step()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self.timer.lap("optimizer")
         loss_value = self._global_mean(local)
+        self.timer.lap("comm")
         return StepResult(
             loss=loss_value,
             lr=lr,
@@ -162,14 +180,27 @@ class Trainer:
         """Train steps [start_step, total_steps). After each, the policies run in this order;
         `step` is the number of optimizer steps completed."""
         result = None
+        lap = self.timer.lap
         for index in range(start_step, total_steps):
-            result = self.step(index)
+            result = self.step(index)  # laps: data, forward, backward (+ sync), optimizer, comm
             step = index + 1
-            policies.metrics.after_step(step, result)  # metrics.jsonl and the progress line
+            policies.metrics.after_step(step, result)  # the step's metrics.jsonl record, kept
             policies.heartbeat.after_step(step, result)  # the driver's liveness file
             policies.resumed.after_step(step, result)  # once after a restart: the recovery is over
+            lap("optimizer")  # (the bookkeeping above: microseconds)
             policies.evaluation.after_step(step, result)  # validation loss every train.eval_every
+            lap(NOT_STEP)
             policies.checkpoint.after_step(step, result)  # a save every checkpoint.every (or minutes)
+            lap("checkpoint")  # the blocking part of a save
             policies.heartbeat.after_step(step, result)  # an evaluation or a save may have been long
-            policies.stop.after_step(step, result)  # a signal on any rank: all agree, save, stop
+            try:
+                policies.stop.after_step(step, result)  # a signal on any rank: all agree, save, stop
+            except StopRequested:
+                lap("checkpoint")  # the stop's save, committed
+                self.timer.end()
+                policies.profile.flush()  # every rank stops at this step: its records are written first
+                raise
+            lap("comm")  # the stop agreement is a collective
+            self.timer.end()
+            policies.profile.after_step(step, result)  # every train.log_every steps: phases, ranks, records
         return result

@@ -23,16 +23,21 @@ from dtk.dist.mesh import ParallelMesh, build_mesh
 from dtk.errors import ArgumentParser
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
+from dtk.parallel.precision import resolve_dtype
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import HEARTBEAT, RunDir, read_jsonl, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
+from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
 from dtk.train.policies import AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
+from dtk.train.profile import StepProfiler
 from dtk.train.startup import StartupClock
+from dtk.train.system import SYSTEM_LOG, SystemSampler
 from dtk.train.task import Task, build_task
+from dtk.train.tensorboard import TensorBoardLog
 from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
@@ -110,6 +115,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         dp_size=mesh.dp_size,
         device=device,
     )
+    policies = step_policies(
+        plan, env, run, model=model.parts[0], task=task, val_dataset=val_dataset, mesh=mesh, device=device,
+        checkpoints=checkpoints, start_step=start_step, samples_per_epoch=len(dataset),
+    )
     trainer = Trainer(
         model=model,
         optimizer=optimizers,
@@ -118,16 +127,23 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         task=task,
         grad_clip=cfg.optim.grad_clip,
         mesh=mesh,
-    )
-    policies = step_policies(
-        plan, env, run, model=model.parts[0], task=task, val_dataset=val_dataset, mesh=mesh, device=device,
-        checkpoints=checkpoints, start_step=start_step,
+        timer=policies.profile.timer,
     )
     policies.heartbeat.after_step(start_step)
+    # One sampler per node, in a thread of its own: host and GPU load in system.jsonl.
+    sampler = None
+    if cfg.train.system_every_s > 0 and env.local_rank == 0:
+        sampler = SystemSampler(run.path / SYSTEM_LOG, interval_s=cfg.train.system_every_s, rank=env.rank).start()
 
     if rank0:
         run.event("ready", step=start_step, restart=env.restart, **clock.ready_event())
-    last = trainer.fit(start_step=start_step, total_steps=plan.steps, policies=policies)
+    try:
+        last = trainer.fit(start_step=start_step, total_steps=plan.steps, policies=policies)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        policies.metrics.close()
+        policies.profile.close()
     checkpoints.close()
     if checkpoints.verified_step != plan.steps:  # the final save failed: the run is not done
         raise RuntimeError(f"the final checkpoint (step {plan.steps}) could not be saved (checkpoint_failed in"
@@ -148,6 +164,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
             "config_hash": plan.config_hash,
             "data_version": dataset.version,
             "peak_memory_gib": peak_memory_gib(device),  # rank 0's GPU; None on the CPU
+            "flops_per_token": policies.metrics.flops_per_token,
+            "peak_tflops": policies.metrics.peak_tflops,
             "goodput": goodput_account(run.events_list(), list(read_jsonl(run.metrics)), end=time.time()),
         }
         write_json_atomic(run.summary, summary)
@@ -157,21 +175,31 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
 
 def step_policies(
     plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, task: Task, val_dataset, mesh: ParallelMesh,
-    device: torch.device, checkpoints: CheckpointManager, start_step: int,
+    device: torch.device, checkpoints: CheckpointManager, start_step: int, samples_per_epoch: int,
 ) -> StepPolicies:
     """What runs after every step (dtk.train.policies), made for this rank: global rank 0
     writes, every rank takes part in the collective ones."""
     cfg, rank0 = plan.config, env.rank == 0
     stop = StopFlag().install()
+    metrics = MetricsLog(
+        run.metrics if rank0 else None,
+        world_size=env.world_size,
+        restart=env.restart,
+        global_batch=plan.global_batch,
+        tokens_per_step=plan.global_batch * (cfg.model.seq_len or 0),
+        total_steps=plan.steps,
+        log_every=cfg.train.log_every,
+        samples_per_epoch=samples_per_epoch,
+        # Rank 0 writes the records: only it counts the model's FLOPs (a user model: one traced step on meta).
+        flops_per_token=flops_per_token(cfg.model) if rank0 else None,
+        peak_tflops=peak_tflops(
+            override=cfg.cluster.peak_tflops, device=device,
+            dtype=resolve_dtype(cfg.scheme.param_dtype, device, auto=torch.bfloat16),
+        )[0],
+        tensorboard=TensorBoardLog(run.path) if rank0 and cfg.train.tensorboard else None,
+    )
     return StepPolicies(
-        metrics=MetricsLog(
-            run.metrics if rank0 else None,
-            world_size=env.world_size,
-            restart=env.restart,
-            tokens_per_step=plan.global_batch * (cfg.model.seq_len or 0),
-            total_steps=plan.steps,
-            log_every=cfg.train.log_every,
-        ),
+        metrics=metrics,
         heartbeat=Heartbeat(run.path / HEARTBEAT if rank0 else None),
         resumed=ResumedEvent(
             run if rank0 else None,
@@ -203,6 +231,17 @@ def step_policies(
             total_steps=plan.steps,
             run=run if rank0 else None,
             restart=env.restart,
+        ),
+        profile=StepProfiler(
+            device=device,
+            enabled=cfg.train.profile,
+            straggler_factor=cfg.fault.straggler_factor,
+            run=run if rank0 else None,
+            rank=env.rank,
+            log_every=cfg.train.log_every,
+            total_steps=plan.steps,
+            metrics=metrics,
+            saving=lambda: checkpoints.saving,
         ),
     )
 
