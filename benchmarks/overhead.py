@@ -47,8 +47,9 @@ def setup(args):
 
 def time_dtk(args, steps: int, start: int, metrics_path: Path) -> list[float]:
     model, optimizer, scheduler, batches, grad_clip = setup(args)
-    metrics = MetricsLog(metrics_path, world_size=1, restart=0, tokens_per_step=args.batch * args.seq_len,
-                         total_steps=10**9, log_every=10**9)
+    metrics = MetricsLog(metrics_path, world_size=1, restart=0, global_batch=args.batch,
+                         tokens_per_step=args.batch * args.seq_len, total_steps=10**9, log_every=10**9,
+                         samples_per_epoch=len(batches.dataset), flops_per_token=None, peak_tflops=None)
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
                       task=LmTask(TokenCrossEntropy()), grad_clip=grad_clip, mesh=ParallelMesh.single())
     times = []
