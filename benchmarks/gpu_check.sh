@@ -2,15 +2,17 @@
 # One GPU, the real path: python -m dtk.submit with an NCCL world of 1, FSDP2 (fully_shard
 # on a one-rank mesh) + bf16 parameters (fp32 reduction and master weights) + torch.compile
 # per block, on a ~1.04B-parameter configuration of the built-in transformer.
-# Prints tokens/s, achieved TFLOP/s, MFU against the GPU's dense bf16 peak, and peak memory.
+# Prints tokens/s, achieved TFLOP/s and MFU as the run's metrics.jsonl logged them (the code
+# path of every run: dtk.train.flops), and peak memory.
 #
 #   bash benchmarks/gpu_check.sh [RUN_ROOT]
 #
 # Knobs (environment): MICRO (sequences per forward, default 4), ACCUM (micro-batches per
 # step, default 2), STEPS (default 40; the first 10 are warm-up and compile), AC (none,
 # selective or full; default none), PEAK_TFLOPS (the GPU's dense bf16 peak, when its name
-# is not in the table below). Needs about 35 GiB of GPU memory with the defaults and
-# finishes in well under 6 minutes on an H100 (the final checkpoint, 12.5 GB, included).
+# is not in dtk's accelerator table: passed as cluster.peak_tflops). Needs about 35 GiB of
+# GPU memory with the defaults and finishes in well under 6 minutes on an H100 (the final
+# checkpoint, 12.5 GB, included).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -41,6 +43,7 @@ timeout 340 "$PYTHON" -m dtk.submit \
     "${MODEL[@]}" \
     train.global_batch=$((MICRO * ACCUM)) train.micro_batch="$MICRO" train.steps="$STEPS" train.log_every=10 \
     optim.warmup_steps=5 checkpoint.every=0 data.num_samples=1024 \
+    ${PEAK_TFLOPS:+cluster.peak_tflops=$PEAK_TFLOPS} \
     run.root="$ROOT" run.name=gpu-check \
     || fail "the training run failed or ran past 340 s; its logs are in $ROOT/gpu-check/logs"
 echo "gpu_check: wall time $(( $(date +%s) - start )) s"
@@ -62,31 +65,22 @@ tokens_per_s = statistics.median(r["tokens_per_s"] for r in warm)
 
 dim, layers, vocab, seq = 2048, 18, 32000, int(os.environ["SEQ"])
 hidden = ffn_hidden_size(dim, 0)
-blocks = layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim)
-params = blocks + 2 * vocab * dim + seq * dim + dim
-matmul_params = blocks + vocab * dim  # the embeddings are lookups; the output head is a matmul
-# Per token: 6 FLOPs per matmul weight (forward 2, backward 4), and attention's
-# QK^T and AV: 12 * layers * dim * seq (full square, the usual convention).
-flops_per_token = 6 * matmul_params + 12 * layers * dim * seq
-achieved = tokens_per_s * flops_per_token / 1e12
-
-PEAKS = {  # dense bf16 TFLOP/s, from the vendors' data sheets
-    "B200": 2250, "H200": 989, "H100 SXM": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "GH200": 989,
-    "A100": 312, "L40S": 362, "L40": 181, "L4": 121, "A10G": 70, "A10": 125, "RTX 4090": 165, "RTX 6000 Ada": 364,
-}
-name = os.environ.get("GPU_NAME") or torch.cuda.get_device_name(0)
-peak = float(os.environ["PEAK_TFLOPS"]) if os.environ.get("PEAK_TFLOPS") else next(
-    (v for k, v in PEAKS.items() if k in name), None
-)
+params = layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + 2 * vocab * dim + seq * dim + dim
+# TFLOP/s and MFU as the worker logged them (dtk.train.flops: the analytic FLOPs per token,
+# the dense peak of the matmul dtype from cluster.peak_tflops or the accelerator table).
+flops_per_token = summary["flops_per_token"]
+tflops = statistics.median(r["tflops"] for r in warm)
+mfus = [r["mfu"] for r in warm if "mfu" in r]
+name = torch.cuda.get_device_name(0)
 print(f"device          {name}")
 print(f"model           {params / 1e9:.2f}B parameters, seq {seq}, {flops_per_token / 1e9:.2f} GFLOP per token")
 print(f"steps           {len(records)} (median over steps {warm[0]['step']}-{warm[-1]['step']})")
 print(f"tokens/s        {tokens_per_s:,.0f}")
-print(f"TFLOP/s         {achieved:.1f}")
-if peak:
-    print(f"MFU             {100 * achieved / peak:.1f}% of {peak:.0f} TFLOP/s dense bf16")
+print(f"TFLOP/s         {tflops:.1f}")
+if mfus:
+    print(f"MFU             {100 * statistics.median(mfus):.1f}% of {summary['peak_tflops']:.1f} TFLOP/s dense peak")
 else:
-    print("MFU             unknown: set PEAK_TFLOPS to this GPU's dense bf16 peak")
+    print("MFU             unknown: this GPU is not in dtk's accelerator table; set PEAK_TFLOPS")
 print(f"peak memory     {summary.get('peak_memory_gib')} GiB (torch.cuda.max_memory_allocated)")
 print(f"final loss      {summary.get('final_loss')}")
 EOF

@@ -53,13 +53,25 @@ def test_identical_runs_say_identical_and_another_lr_diverged(tmp_path):
         assert _png_curves(a / "report" / name) >= 1
     summary = json.loads((a / "summary.json").read_text())
     assert 0 < summary["goodput"]["goodput"] < 1
+    # A 2-process local run: every record has its phases, adding up to the step time.
+    records = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records:
+        assert set(r["phases"]) == {"data", "forward", "backward", "optimizer", "comm", "checkpoint", "straggler"}
+        assert sum(r["phases"].values()) == pytest.approx(r["step_time_s"], rel=0.05)
+        assert 0 <= r["idle_share"] <= 1 and r["tflops"] > 0 and "mfu" not in r  # no peak on the CPU
+    assert [r["step"] for r in records if "ranks" in r] == [6, 12]
+    # The saves at steps 6 and 12 block for a while; steps 1-5 had nothing to save.
+    before = max(r["phases"]["checkpoint"] for r in records[:5])
+    assert records[5]["phases"]["checkpoint"] > 10 * before and records[11]["phases"]["checkpoint"] > 10 * before
     ready = [json.loads(line) for line in (a / "events.jsonl").read_text().splitlines() if '"ready"' in line]
     assert ready and ready[0]["import_s"] > 0 and ready[0]["process_group_s"] >= 0
 
 
 def test_killed_and_resumed_run_shows_redone_work_and_restart_time(tmp_path):
     root = tmp_path / "runs"
-    job = ["train.steps=40", "checkpoint.every=10", "train.log_every=10", "train.global_batch=32", f"run.root={root}"]
+    # Records are written every train.log_every steps: those of steps 11..15 are on disk before the kill.
+    job = ["train.steps=40", "checkpoint.every=10", "train.log_every=5", "train.global_batch=32", f"run.root={root}"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     driver = subprocess.Popen([sys.executable, "-m", "dtk.submit", *job], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
