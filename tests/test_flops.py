@@ -78,6 +78,10 @@ def test_the_peak_comes_from_the_override_and_none_on_the_cpu():
     from dtk.train.flops import matmul_dtype_name, peak_tflops
 
     cpu = torch.device("cpu")
-    assert peak_tflops(override=400.0, device=cpu, dtype=torch.bfloat16) == (400.0, "cluster.peak_tflops")
-    assert peak_tflops(override=None, device=cpu, dtype=torch.bfloat16)[0] is None
+    assert peak_tflops(override=400.0, accelerator="h100-80gb", device=cpu, dtype=torch.bfloat16) == (
+        400.0, "cluster.peak_tflops")
+    assert peak_tflops(override=None, accelerator="h100-80gb", device=cpu, dtype=torch.bfloat16)[0] is None
+    gpu = torch.device("cuda")  # only its type is read when cluster.accelerator names the device
+    assert peak_tflops(override=None, accelerator="h100-80gb", device=gpu, dtype=torch.bfloat16)[0] == 989.5
+    assert peak_tflops(override=None, accelerator="a100-80gb", device=gpu, dtype=torch.float16)[0] == 312.0
     assert matmul_dtype_name(torch.bfloat16) == "bfloat16" and matmul_dtype_name(torch.float16) == "float16"

@@ -110,6 +110,7 @@ def one_run(rank: int, folder: Path, *, slow_data: bool, sleep_on_rank1: bool) -
     dist.barrier()
     policies.profile._last = time.perf_counter()
     trainer.fit(start_step=0, total_steps=STEPS, policies=policies)
+    metrics.close()
     batches.close()
     profile.close()
     if rank != 0:

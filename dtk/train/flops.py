@@ -105,19 +105,25 @@ def matmul_dtype_name(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "float32"
 
 
-def peak_tflops(*, override: float | None, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+def peak_tflops(
+    *, override: float | None, accelerator: str | None, device: torch.device, dtype: torch.dtype
+) -> tuple[float | None, str]:
     """Dense peak TFLOP/s of one device for matmuls in `dtype`, and where it comes from:
-    cluster.peak_tflops, else the accelerator table by the GPU's name. None on the CPU or
-    for a GPU the table does not know (the run then logs TFLOP/s without MFU)."""
-    from dtk.plan.accelerators import ACCELERATORS
+    cluster.peak_tflops, else the accelerator table's row of cluster.accelerator, else of
+    the GPU's name. None on the CPU or for a GPU the table does not know (the run then logs
+    TFLOP/s without MFU)."""
+    from dtk.plan.accelerators import ACCELERATORS, lookup
 
     if override:
         return float(override), "cluster.peak_tflops"
     if device.type != "cuda":
         return None, "no peak on the CPU"
+    column = matmul_dtype_name(dtype)
+    if accelerator:
+        row = lookup(accelerator)
+        return row.peak_tflops(column), f"cluster.accelerator={row.name} dense {column}"
     device_name = torch.cuda.get_device_name(device)
     name = accelerator_of(device_name)
     if name is None:
-        return None, f"{device_name} is not in the accelerator table; set cluster.peak_tflops"
-    column = matmul_dtype_name(dtype)
+        return None, f"{device_name} is not in the accelerator table; set cluster.accelerator or cluster.peak_tflops"
     return ACCELERATORS[name].peak_tflops(column), f"{name} dense {column}"

@@ -193,7 +193,7 @@ def step_policies(
         # Rank 0 writes the records: only it counts the model's FLOPs (a user model: one traced step on meta).
         flops_per_token=flops_per_token(cfg.model) if rank0 else None,
         peak_tflops=peak_tflops(
-            override=cfg.cluster.peak_tflops, device=device,
+            override=cfg.cluster.peak_tflops, accelerator=cfg.cluster.accelerator, device=device,
             dtype=resolve_dtype(cfg.scheme.param_dtype, device, auto=torch.bfloat16),
         )[0],
         tensorboard=TensorBoardLog(run.path) if rank0 and cfg.train.tensorboard else None,
