@@ -108,3 +108,29 @@ def test_missing_config_and_weights_are_user_errors(tmp_path):
         build_model(model_cfg(init_from=str(tmp_path)), device="meta", seed=0)
     with pytest.raises(UserError, match="max_position_embeddings=64"):
         build_model(model_cfg(config=str(tmp_path), seq_len=128), device="meta", seed=0)
+
+
+def test_model_hf_by_config_takes_the_models_own_plan_unless_the_yaml_gives_one(tmp_path):
+    from dtk.config.compose import compose
+    from dtk.errors import UserError
+    from dtk.models.build import ParallelSpec, build_model
+    from dtk.parallel.tp import check_tp_plan
+    from dtk.plan.plan import make_plan
+
+    tiny_config("llama", tmp_path)
+    job = ["model=hf", f"model.config={tmp_path}", "model.seq_len=16", "model.vocab_size=128"]
+    cfg = compose(job)
+    make_plan(cfg)
+    model = build_model(cfg.model, device="meta", seed=0)
+    spec = ParallelSpec.from_config(cfg.model).with_model_defaults(model)
+    assert spec.wrap_classes == ("LlamaDecoderLayer",) and spec.tp_plan == model.dtk_tp_plan
+    own = compose([*job, "model.wrap_classes=[LlamaMLP]", "+model.tp_plan={lm_head: colwise_output}"]).model
+    spec = ParallelSpec.from_config(own).with_model_defaults(model)
+    assert spec.wrap_classes == ("LlamaMLP",) and spec.tp_plan == {"lm_head": "colwise_output"}
+    # A style of transformers' that dtk has no equivalent of is refused when tp would use it.
+    with pytest.raises(UserError, match="model.tp_plan: the model's own plan gives lm_head the style local_rowwise"):
+        check_tp_plan(model, {**model.dtk_tp_plan, "lm_head": "unsupported:local_rowwise"})
+    with pytest.raises(UserError, match="model.vocab_size=512: the data's token ids must fit"):
+        build_model(compose([*job, "model.vocab_size=512"]).model, device="meta", seed=0)
+    with pytest.raises(UserError, match="scheme.pp=2 with model=hf"):
+        make_plan(compose([*job, "+scheme=pp", "tasks_per_node=2"]))

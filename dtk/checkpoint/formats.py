@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from dtk.errors import UserError
+from dtk.plan.plan import HF_TARGET
 
 FORMATS = ("torch", "safetensors", "hf")
-HF_TARGET = "dtk.models.hf.build"
 
 
 def _tmp(out: Path) -> Path:

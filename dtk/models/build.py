@@ -36,6 +36,15 @@ class ParallelSpec:
             wrap_classes=tuple(model.wrap_classes), tp_plan=dict(model.tp_plan), split_points=tuple(model.split_points)
         )
 
+    def with_model_defaults(self, model: nn.Module) -> ParallelSpec:
+        """A model may say how to parallelize itself (`dtk_wrap_classes`, `dtk_tp_plan` in
+        dtk's style names: a Hugging Face model reads them from its own class); the yaml's
+        `wrap_classes` and `tp_plan`, when given, win. A style dtk has no equivalent of stays
+        in the plan as `unsupported:NAME`, refused only if tensor parallelism uses it."""
+        wrap = self.wrap_classes or tuple(getattr(model, "dtk_wrap_classes", ()))
+        plan = self.tp_plan or dict(getattr(model, "dtk_tp_plan", {}))
+        return ParallelSpec(wrap_classes=wrap, tp_plan=plan, split_points=self.split_points)
+
 
 def locate(target: str) -> Callable[..., Any]:
     module_name, _, attr = target.rpartition(".")

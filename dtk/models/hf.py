@@ -162,14 +162,21 @@ def build(
     config: str | None = None,
     init_from: str | None = None,
     seq_len: int,
+    vocab_size: int | None = None,
     attn_implementation: str = "sdpa",
     config_overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
     """The factory of conf/model/hf.yaml: a transformers causal LM under the current device
-    (meta when dtk builds it for a job). `seq_len` is the data's sample length."""
+    (meta when dtk builds it for a job). `seq_len` is the data's sample length, `vocab_size`
+    the data's number of token ids (at most the model's)."""
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(config=config, init_from=init_from, overrides=config_overrides)
+    if vocab_size is not None and vocab_size > cfg.vocab_size:
+        raise UserError(
+            f"model.vocab_size={vocab_size}: the data's token ids must fit the model's vocabulary of"
+            f" {cfg.vocab_size} (config.json); use model.vocab_size <= {cfg.vocab_size}"
+        )
     if seq_len > getattr(cfg, "max_position_embeddings", seq_len):
         raise UserError(
             f"model.seq_len={seq_len} is longer than the model's max_position_embeddings={cfg.max_position_embeddings};"

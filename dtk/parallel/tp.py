@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtk.config.choices import TpStyle
+from dtk.errors import UserError
 from dtk.parallel.units import pattern_matches
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)
@@ -88,7 +89,12 @@ def check_tp_plan(model: nn.Module, tp_plan: dict[str, TpStyle]) -> None:
     were checked while composing)."""
     if not tp_plan:
         raise ValueError("scheme.tp > 1 needs model.tp_plan (module path pattern -> style); this model has none")
-    for pattern in tp_plan:
+    for pattern, style in tp_plan.items():
+        if style not in TpStyle.values():
+            raise UserError(
+                f"model.tp_plan: the model's own plan gives {pattern} the style {str(style).removeprefix('unsupported:')},"
+                f" which dtk has no equivalent of; give model.tp_plan in the model's yaml (styles: {', '.join(TpStyle.values())})"
+            )
         if not pattern_matches(model, pattern):
             raise ValueError(f"model.tp_plan pattern {pattern!r} matches no module of the model")
 
@@ -97,6 +103,6 @@ def apply_tp(module: nn.Module, *, mesh: DeviceMesh, tp_plan: dict[str, TpStyle]
     """Shard the matched modules of `module` (a whole model or one pipeline stage) in place."""
     for pattern, style in tp_plan.items():
         for _, target in pattern_matches(module, pattern):
-            parallel_style = make_style(style, target, sequence_parallel=sequence_parallel)
+            parallel_style = make_style(TpStyle(style), target, sequence_parallel=sequence_parallel)
             if parallel_style is not None:
                 parallelize_module(target, mesh, parallel_style)

@@ -21,6 +21,8 @@ DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs s
 
 # The keys that make a run what it is. Resubmitting with only other keys changed (nodes,
 # scheme, cluster, checkpoint interval, micro batch) continues the same run directory.
+HF_TARGET = "dtk.models.hf.build"  # model=hf (conf/model/hf.yaml)
+
 SEMANTIC_KEYS = ("model", "data", "optim", "train.steps", "train.global_batch", "train.seed")
 
 
@@ -175,6 +177,11 @@ def make_plan(cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
     check_scheme(scheme, degrees, cfg.model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    if degrees.pp > 1 and cfg.model._target_ == HF_TARGET:
+        raise UserError(
+            f"scheme.pp={degrees.pp} with model=hf: a Hugging Face model's forward does not skip the layers a"
+            " pipeline stage does not hold; use scheme.pp=1 (ddp, fsdp, tp, hsdp)"
+        )
     if degrees.pp > 1 and cfg.task._target_ is not None:
         raise UserError(
             f"scheme.pp={degrees.pp} with task._target_={cfg.task._target_}: a pipeline runs the token-LM task only"

@@ -70,11 +70,12 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     mesh = build_mesh(plan.degrees, device.type)
     loss = TokenCrossEntropy()  # the token loss component: the LM task and a pipeline's last stage score with it
     task = build_task(cfg.task, loss=loss)  # what a step computes: the trainer and the evaluator run it
+    meta_model = build_model(cfg.model, device="meta", seed=seed)
     model = parallelize(
-        build_model(cfg.model, device="meta", seed=seed),
+        meta_model,
         mesh=mesh,
         scheme=cfg.scheme,
-        spec=ParallelSpec.from_config(cfg.model),
+        spec=ParallelSpec.from_config(cfg.model).with_model_defaults(meta_model),
         device=device,
         materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=seed),
         loss_fn=loss,
