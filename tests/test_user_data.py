@@ -86,3 +86,27 @@ def test_not_a_dataset_is_a_user_error():
         build_user_splits(target="builtins.object", kwargs={}, val_fraction=0.1, split_seed=0, version=None)
     with pytest.raises(UserError, match="cannot import it"):
         build_user_splits(target="no_such_module.fn", kwargs={}, val_fraction=0.1, split_seed=0, version=None)
+
+
+def test_the_loader_gives_each_rank_its_share_of_the_same_global_batches_on_1_2_and_4_ranks():
+    """dtk's loader (read-ahead, micro-batches) over a configured user dataset: the ranks'
+    micro-batches of a step, put together, are the one-rank batch, sample for sample."""
+    from dtk.config.compose import compose
+    from dtk.data.loader import StepBatches, build_splits
+
+    cfg = compose(["data=user", "data._target_=test_user_data.items", "+data.kwargs.n=100", "data.val_fraction=0.2"])
+    train, _ = build_splits(cfg.data, model=cfg.model)
+
+    def pixels(dp_size: int, rank: int, step: int) -> list[int]:
+        batches = StepBatches(train, seed=5, global_batch=16, micro_batch=2, dp_rank=rank, dp_size=dp_size,
+                              device=torch.device("cpu"))
+        try:
+            return [int(v) for images, _labels in batches.get(step) for v in images[:, 0, 0]]
+        finally:
+            batches.close()
+
+    for step in (0, 3, 9):  # 9 crosses an epoch: 16 x 10 > 80 samples
+        alone = pixels(1, 0, step)
+        assert len(alone) == 16
+        for dp_size in (2, 4):
+            assert [v for r in range(dp_size) for v in pixels(dp_size, r, step)] == alone
