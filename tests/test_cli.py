@@ -32,6 +32,8 @@ FROZEN: dict[str, list[str]] = {
     "dtk.data info": ["path"],
     "dtk.data prepare": ["--force", "--input", "--out", "--samples-per-shard", "--seq-len"],
     "dtk.data verify": ["path"],
+    "dtk.doctor": ["KEY=VALUE ..."],
+    "dtk.doctor.worker": ["OUT"],
     "dtk.drill": ["--hold", "--rank", "kind {preempt,timelimit,node-fail,crash,hang,storage}", "run_dir"],
     "dtk.handover": ["--out", "RUN_DIR"],
     "dtk.init": ["--name", "DIR"],

@@ -57,12 +57,15 @@ def test_two_node_job_trains_to_completion_and_records_lineage(lab, tmp_path):
     assert len(started) == 1
     assert started[0]["job_id"] == job and started[0]["restart"] == 0
     assert sorted(started[0]["nodes"]) == ["node1", "node2"]
-    # Each node's record gathered before the process group; the lab's nodes share one network
-    # stack (no --netns), so no interface tells them apart and the master is node1 by name.
+    # Each node's record gathered before the process group: two nodes, so not the loopback but
+    # an interface both have (the lab's nodes share this machine's), the master on its address.
     topology = json.loads((run / "topology.json").read_text())
     assert [n["node"] for n in topology["nodes"]] == started[0]["nodes"]
     assert topology["layout"]["rank_nodes"] == started[0]["nodes"] and topology["choice"]["backend"] == "gloo"
-    assert topology["choice"]["master_addr"] == started[0]["nodes"][0] and topology["choice"]["interface"] is None
+    iface = topology["choice"]["interface"]
+    first = next(i for i in topology["nodes"][0]["interfaces"] if i["name"] == iface)
+    assert first["kind"] != "loopback" and topology["env"][started[0]["nodes"][1]]["GLOO_SOCKET_IFNAME"] == iface
+    assert topology["choice"]["master_addr"] == first["ipv4"][0].split("/")[0]
     info = status(run)
     assert info["state"] == "finished" and info["step"] == 20 and info["job_ids"] == [job]
     assert info["final_loss"] == losses(run)[20]

@@ -254,6 +254,24 @@ class FabricConfig:
 
 
 @dataclass
+class DoctorConfig:
+    min_mb: float = 1.0
+    """Smallest all-reduce message of the doctor's sweep, in MB."""
+    max_mb: float = 1024.0
+    """Largest all-reduce message of the sweep, in MB (1 GB, as nccl-tests sweeps); capped by max_mb_cpu on the CPU."""
+    max_mb_cpu: float = 64.0
+    """Largest message on the CPU (gloo): a 1 GB gloo sweep on a small machine takes minutes and its memory."""
+    repeats: int = 5
+    """Timed repetitions per message size (after one warm-up); the median is reported."""
+    p2p_mb: float = 64.0
+    """Message size of the point-to-point test between each ordered pair of nodes, in MB."""
+    slow_factor: float = 1.5
+    """A node is flagged slow when its p2p send or receive bandwidth, or its matmul throughput, is this many times below the median of the nodes."""
+    matmul_n: int = 1024
+    """Matrix size n of the per-device n x n x n matrix-multiply throughput test."""
+
+
+@dataclass
 class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
@@ -345,6 +363,8 @@ class Config:
     """Recovery from crashes, hangs, node failure and time limits."""
     fabric: FabricConfig = field(default_factory=FabricConfig)
     """Network fabric: discovery at start and the check that NCCL uses InfiniBand where there is one (docs/topology.md)."""
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    """What `python -m dtk.doctor` measures and when it calls a node slow (docs/topology.md)."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory."""
     submit: SubmitConfig = field(default_factory=SubmitConfig)

@@ -1,0 +1,137 @@
+"""python -m dtk.doctor [overrides]: a short job on the chosen cluster that measures the
+fabric (per node topology, all-reduce per process group, p2p between nodes, matmul per
+device), flags slow nodes and writes report.md and exclude.txt. No torch here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dtk.config.compose import compose
+from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.launch.launch import read_exclude_file
+from dtk.plan.plan import DEFAULT_CPU_TASKS
+
+EPILOG = """examples:
+  python -m dtk.doctor                              2 ranks on this machine
+  python -m dtk.doctor cluster=lab nodes=3 tasks_per_node=1
+  python -m dtk.submit cluster=lab cluster.exclude_from=runs/doctor-.../exclude.txt
+
+The sweep sizes, repeats and the slow-node factor are the doctor.* keys (python -m dtk.plan --help).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="python -m dtk.doctor", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            description="Measure the fabric of a cluster with a short job: each node's topology, an"
+                                        " all-reduce sweep per process group (time, algbw, busbw), point-to-point"
+                                        " bandwidth between nodes, matmul throughput per device; flag nodes slower"
+                                        " than the median and write the list dtk.submit cluster.exclude_from= reads.")
+    parser.add_overrides()
+    return parser
+
+
+def request(cfg, *, gpus: bool) -> dict:
+    doc = cfg.doctor
+    cap = doc.max_mb if gpus else min(doc.max_mb, doc.max_mb_cpu)
+    if doc.min_mb <= 0 or doc.min_mb > cap:
+        raise UserError(f"doctor.min_mb={doc.min_mb:g}: must be > 0 and <= the largest size {cap:g} MB"
+                        f" (doctor.max_mb{'' if gpus else ' / doctor.max_mb_cpu'})")
+    if doc.repeats < 1 or doc.slow_factor <= 1 or doc.matmul_n < 1:
+        raise UserError(f"doctor.repeats={doc.repeats}, doctor.slow_factor={doc.slow_factor:g},"
+                        f" doctor.matmul_n={doc.matmul_n}: need repeats >= 1, slow_factor > 1, matmul_n >= 1")
+    sizes, size = [], doc.min_mb
+    while size <= cap * (1 + 1e-9):
+        sizes.append(size)
+        size *= 4
+    return {"sizes_mb": sizes, "repeats": doc.repeats, "p2p_mb": min(doc.p2p_mb, cap), "matmul_n": doc.matmul_n,
+            "slow_factor": doc.slow_factor, "backend": cfg.dist.backend.value, "device": cfg.dist.device.value,
+            "timeout_s": cfg.dist.timeout_s, "startup_timeout_s": cfg.fault.startup_timeout_s,
+            "cluster_env": {k: str(v) for k, v in cfg.cluster.env.items()}}
+
+
+def sbatch_script(cfg, *, out: Path, nodes: int, tasks: int, exclude: tuple[str, ...]) -> str:
+    c = cfg.cluster
+    flags = ["--job-name=dtk-doctor", f"--nodes={nodes}", f"--ntasks-per-node={tasks}",
+             f"--cpus-per-task={c.cpus_per_task}", f"--time={min(c.time_min, 30)}", f"--output={out}/slurm-%j.out"]
+    for name, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos),
+                        ("constraint", c.constraint)):
+        if value:
+            flags.append(f"--{name}={value}")
+    if c.gpus_per_node:
+        flags.append(f"--gpus-per-node={c.gpus_per_node}")
+    if c.exclusive:
+        flags.append("--exclusive")
+    if exclude:
+        flags.append(f"--exclude={','.join(exclude)}")
+    lines = ["#!/bin/bash", *(f"#SBATCH {f}" for f in flags),
+             # rank 0's rendezvous port, from the job id: two doctors on one host do not collide
+             "export DTK_MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+             f"srun --kill-on-bad-exit=1 --output={shlex.quote(str(out))}/rank_%t.log {shlex.quote(sys.executable)}"
+             f" -m dtk.doctor.worker {shlex.quote(str(out))}"]
+    return "\n".join(lines) + "\n"
+
+
+def _run_local(out: Path, world: int) -> int:
+    from dtk.driver.local import free_port
+    from dtk.worker.env import driver_env, rank_env
+
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ) | rank_env(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                                          node_rank=0)
+        env |= driver_env(master_addr="127.0.0.1", master_port=port, restart=0, plan="", recovery_from=None)
+        with open(out / f"rank_{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "dtk.doctor.worker", str(out)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return max(p.wait() for p in procs)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    cfg = compose(args.overrides)
+    slurm = cfg.cluster.kind.value == "slurm"
+    if not slurm and cfg.nodes != 1:
+        raise UserError(f"nodes={cfg.nodes}: the local cluster is this one machine; use cluster=lab or cluster=slurm")
+    tasks = cfg.tasks_per_node or cfg.cluster.gpus_per_node or DEFAULT_CPU_TASKS
+    req = request(cfg, gpus=bool(cfg.cluster.gpus_per_node))
+    exclude = read_exclude_file(cfg.cluster.exclude_from) if slurm else ()
+    out = Path(cfg.run.root).absolute() / f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True)
+    (out / "request.json").write_text(json.dumps(req, indent=1) + "\n")
+    print(f"doctor: {cfg.nodes} node(s) x {tasks} rank(s), all-reduce {req['sizes_mb'][0]:g}-{req['sizes_mb'][-1]:g} MB;"
+          f" output in {out}", flush=True)
+    if slurm:
+        script = out / "doctor.sbatch"
+        script.write_text(sbatch_script(cfg, out=out, nodes=cfg.nodes, tasks=tasks, exclude=exclude))
+        proc = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], capture_output=True, text=True)
+        code = proc.returncode
+        if code and not (out / "doctor.json").exists() and "rank_0.log" not in os.listdir(out):
+            raise UserError(f"sbatch refused the doctor's job: {' '.join(proc.stderr.split())}")
+    else:
+        code = _run_local(out, tasks)
+    if code or not (out / "doctor.json").exists():
+        logs = sorted(out.glob("rank_*.log"))
+        tail = next((ln for log in logs for ln in reversed(log.read_text(errors="replace").splitlines())
+                     if "Error" in ln), "")
+        raise UserError(f"the doctor's job failed (exit {code}); {tail.strip()[:300] or 'see the rank logs'} in {out}")
+    results = json.loads((out / "doctor.json").read_text())
+    for g in results["groups"]:
+        last = g["rows"][-1]
+        print(f"  all-reduce {g['group']:<36} {last['size_mb']:>6g} MB  {last['time_ms']:9.2f} ms"
+              f"  busbw {last['busbw_gbs']:.3f} GB/s")
+    for f in results["flagged"]:
+        print(f"  slow node {f['node']}: {f['why']}")
+    print(f"report   {out / 'report.md'}\nexclude  {out / 'exclude.txt'} ({len(results['flagged'])} node(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
