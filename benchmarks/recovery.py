@@ -10,11 +10,19 @@ finish. Per drill it prints the median of:
   lost        steps computed before the fault that had to be computed again
               (last step logged before the fault - step resumed from)
 
-next to the run's median step time and checkpoint save time. Targets: recovery <= 30 s
+next to the run's median step time and checkpoint save time. The `grow` drill sets a node
+of a 2-node job DOWN while the third node is busy (no spare): the job goes on on 1 node;
+the node is resumed at once, and the job grows back to 2. Its extra figures:
+
+  returned_s  node resumed -> the driver's `node_returned` (its health job passed)
+  grow_s      node resumed -> first completed step on 2 nodes again (the grown start's `resumed`)
+  grow_lost   steps lost by growing back (stop step - step resumed from): 0 expected
+
+Targets: recovery <= 30 s
 after node failure, crash or hang; 0 steps lost on preempt and timelimit; at most one
 checkpoint interval lost otherwise.
 
-    python benchmarks/recovery.py [--repeats 3] [--drills crash,hang,...] [--every 20]
+    python benchmarks/recovery.py [--repeats 3] [--drills crash,hang,...,grow] [--every 20]
 """
 
 from __future__ import annotations
@@ -56,7 +64,55 @@ def wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def grow(root: Path, args) -> dict:
+    hold = subprocess.run(["sbatch", "--parsable", "-w", "node3", "-N1", "--job-name=dtk-bench-hold",
+                           "--output=/dev/null", "--wrap=sleep 900"], capture_output=True, text=True).stdout.strip()
+    victim = None
+    try:
+        proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32",
+                   f"train.steps={args.steps * 5}", f"checkpoint.every={args.every}", f"run.root={root}")
+        if proc.returncode != 0:
+            raise SystemExit(proc.stdout + proc.stderr)
+        job = proc.stdout.split("submitted job ", 1)[1].split()[0]
+        (run,) = [p for p in root.iterdir() if p.is_dir()]
+        wait(lambda: any(m["step"] >= args.at for m in metrics(run)), 180, f"step {args.at}")
+        victim = [e for e in events(run) if e["event"] == "started"][0]["nodes"][-1]
+        t_drill = time.time()
+        out = dtk("dtk.drill", "node-fail", str(run))
+        if out.returncode != 0:
+            raise SystemExit(out.stdout + out.stderr)
+        wait(lambda: any(e["event"] == "node_failed" for e in events(run)), 120, "node_failed")
+        t_back = time.time()
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+        wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
+             600, f"job {job} to end")
+    finally:
+        subprocess.run(["scancel", hold], capture_output=True)
+        if victim:
+            subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+    evs = events(run)
+    first = {name: next((e for e in evs if e["event"] == name), None) for name in ("node_failed", "node_returned", "grown")}
+    if None in first.values():
+        raise SystemExit(f"grow: missing events {first} ({run})")
+    shrunk = next(e for e in evs if e["event"] == "resumed" and e["time"] >= first["node_failed"]["time"])
+    regrown = next(e for e in evs if e["event"] == "resumed" and e["time"] >= first["grown"]["time"])
+    stop = [e for e in evs if e["event"] == "preempted"][-1]
+    saves = [e["seconds"] for e in evs if e["event"] == "checkpoint_saved"]
+    return {
+        "detect_s": first["node_failed"]["time"] - t_drill,
+        "recovery_s": shrunk["recovery_s"],
+        "lost": 0.0,
+        "step_s": statistics.median(m["step_time_s"] for m in metrics(run)),
+        "save_s": statistics.median(saves),
+        "returned_s": first["node_returned"]["time"] - t_back,
+        "grow_s": regrown["time"] - t_back,
+        "grow_lost": stop["step"] - regrown["step"],
+    }
+
+
 def one(kind: str, root: Path, args) -> dict:
+    if kind == "grow":
+        return grow(root, args)
     extra = ["spare_nodes=1"] if kind == "node-fail" else []
     if kind == "timelimit":
         extra += ["fault.signal_lead_floor_s=30"]
@@ -126,7 +182,9 @@ def main() -> None:
     print(f"{'drill':<10} {'detect_s':>9} {'recovery_s':>11} {'lost':>5} {'step_s':>7} {'save_s':>7}")
     for kind, m in rows:
         print(f"{kind:<10} {m['detect_s']:>9.1f} {m['recovery_s']:>11.1f} {m['lost']:>5.0f}"
-              f" {m['step_s']:>7.3f} {m['save_s']:>7.3f}")
+              f" {m['step_s']:>7.3f} {m['save_s']:>7.3f}"
+              + (f"  returned_s {m['returned_s']:.1f} grow_s {m['grow_s']:.1f} grow_lost {m['grow_lost']:.0f}"
+                 if "grow_s" in m else ""))
 
 
 if __name__ == "__main__":

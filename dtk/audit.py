@@ -25,7 +25,7 @@ from typing import Any
 from dtk.errors import UserError
 
 AUDIT_FILE = "audit.jsonl"
-ACTIONS = ("submit", "stop", "cancel", "requeue", "drill", "export", "delete_checkpoint")
+ACTIONS = ("submit", "stop", "cancel", "requeue", "drill", "export", "delete_checkpoint", "readmit")
 
 
 def audit_path(run_root: Path) -> Path:

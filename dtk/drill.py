@@ -2,7 +2,8 @@
 fault into a live run (Slurm, or any run for storage), to see (and test) that it recovers.
 
     preempt     a high-priority job on the `high` partition takes the run's nodes
-    timelimit   the job's time limit is cut so that it ends shortly after the signal lead
+    timelimit   the job's time limit is cut so that it ends shortly after the signal lead;
+                once the workers stopped, the limit is given back (the command waits)
     node-fail   a node of the run (not the batch host) is set DOWN
     crash       one worker is killed with SIGKILL
     hang        one worker is stopped with SIGSTOP (a collective that never completes)
@@ -15,10 +16,12 @@ Afterwards `python -m dtk.status RUN_DIR` and events.jsonl show what happened.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from dtk import audit
@@ -66,6 +69,47 @@ def _signal_worker(run: RunDir, start: dict, rank: int | None, sig: signal.Signa
     return f"sent {sig.name} to rank {rank} (pid {pid} on {host})"
 
 
+def _job_field(job: str, key: str) -> str:
+    info = slurmctl.parse_kv_line(subprocess.run(["scontrol", "show", "job", job, "-o"],
+                                                 capture_output=True, text=True).stdout)
+    return info.get(key, "")
+
+
+def _timelimit(run: RunDir, job: str, *, poll_s: float = 1.0) -> str:
+    """Cut the job's time limit to end shortly after the signal lead, wait until the fault
+    was delivered (the workers stopped on the signal, or the job left RUNNING), then give
+    the job its limit back, so that the requeued job is not cut again. Slurm keeps time
+    limits in whole minutes: what it set is read back and printed, not what was asked."""
+    original = _job_field(job, "TimeLimit")
+    elapsed_s = (slurmctl.parse_time_min(_job_field(job, "RunTime") or "0:0:0") or 0) * 60
+    lead_s = int(next((e.get("signal_lead_s", 60) for e in reversed(run.events_list())
+                       if e.get("event") == "submitted"), 60))
+    minutes = math.ceil((elapsed_s + lead_s + 15) / 60)
+    seen = len(run.events_list())
+    _scontrol("update", f"JobId={job}", f"TimeLimit={minutes}")
+    cut = _job_field(job, "TimeLimit")
+    print(f"job {job} time limit cut from {original} to {cut} (run time {elapsed_s / 60:.1f} min,"
+          f" signal lead {lead_s} s); waiting for the stop", flush=True)
+    deadline = time.monotonic() + (minutes * 60 - elapsed_s) + 180
+    while time.monotonic() < deadline:
+        new = run.events_list()[seen:]
+        if any(e.get("event") in ("preempted", "requeued", "failed") for e in new):
+            break
+        if slurmctl.job_state(job) != "RUNNING":
+            break
+        time.sleep(poll_s)
+    else:
+        print(f"job {job} did not stop within {deadline:.0f} s of the cut", flush=True)
+    if slurmctl.job_state(job) is None:
+        return f"job {job} is gone; nothing to restore (its limit was {original})"
+    try:
+        _scontrol("update", f"JobId={job}", f"TimeLimit={original}")
+    except UserError as exc:
+        raise UserError(f"{exc}; job {job} keeps the cut limit {cut}: restore it as an operator with"
+                        f" `scontrol update JobId={job} TimeLimit={original}`") from None
+    return f"job {job} time limit restored: Slurm shows {_job_field(job, 'TimeLimit')} (was {original})"
+
+
 def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) -> str:
     start = _last_start(run)
     job = str(start["job_id"])
@@ -80,14 +124,7 @@ def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) 
             raise UserError(f"could not submit the preempting job: {proc.stderr.strip()}")
         return f"high-priority job {proc.stdout.strip()} takes {','.join(nodes)} for {hold_s} s; job {job} is preempted"
     if kind == "timelimit":
-        info = slurmctl.parse_kv_line(subprocess.run(["scontrol", "show", "job", job, "-o"],
-                                                     capture_output=True, text=True).stdout)
-        elapsed = slurmctl.parse_time_min(info.get("RunTime", "0:0:0")) or 0
-        lead_s = int(next((e.get("signal_lead_s", 60) for e in reversed(run.events_list())
-                           if e.get("event") == "submitted"), 60))
-        limit_s = int(elapsed * 60) + lead_s + 15
-        _scontrol("update", f"JobId={job}", f"TimeLimit={limit_s // 60}:{limit_s % 60:02d}")
-        return f"job {job} time limit cut to {limit_s // 60}:{limit_s % 60:02d} (signal lead {lead_s} s)"
+        return _timelimit(run, job)
     if kind == "node-fail":
         if len(nodes) < 2:
             raise UserError(f"job {job} runs on one node ({nodes[0]}), its batch host; node-fail needs a second node")

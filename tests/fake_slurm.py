@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ class Script:
     """Lines rank 0 writes to its log."""
     unkillable: bool = False
     """srun does not end when its step is cancelled (the driver must kill srun)."""
+    resumed: bool = False
+    """Write the `resumed` event of this start once it runs (its first step after a restart)."""
 
 
 class FakeStep:
@@ -85,6 +88,8 @@ class FakeStep:
         self.signalled = False
         self.killed = False
         self.env: dict[str, str] = {}
+        self.stop_signals: list[str] = []
+        self.resumed_written = False
 
     def _beat(self) -> None:
         s, now = self.script, self.fake.clock.time()
@@ -116,6 +121,14 @@ class FakeStep:
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
+        if self.script.resumed and not self.resumed_written:
+            self.resumed_written = True
+            self.run.event("resumed", step=max(self.run.latest_metrics(), default=0),
+                           restart=self.fake.num_starts - 1)
+        if self.stop_signals:  # the workers agree, save and stop (exit 3)
+            self.script.checkpoint, self.script.preempted = True, True
+            self._end(3)
+            return self.returncode
         if self.script.driver_signal and not self.signalled:
             self.signalled = True
             self.fake.deliver(self.script.driver_signal)
@@ -141,6 +154,27 @@ class FakeStep:
             self.returncode = -9
 
 
+class HealthJob:
+    """A returning node's health job (srun of its own): passes after a second, writing its
+    heartbeat as the probe would, unless told to fail."""
+
+    def __init__(self, argv: list[str], clock: FakeClock, passes: bool, env) -> None:
+        self.argv, self.clock, self.passes, self.env = argv, clock, passes, dict(env)
+        self.node = next(a for a in argv if a.startswith("--nodelist=")).split("=", 1)[1]
+        self.t0 = clock.time()
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.clock.time() - self.t0 >= 1.0:
+            if self.passes:
+                Path(self.argv[-2]).write_text(json.dumps({"node": self.node, "time": self.clock.time()}))
+            self.returncode = 0 if self.passes else 1
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
 class FakeSlurm:
     """One job, `job_id`, holding `nodes`; answers like Slurm 22.05. `fail_next[cmd] = n`
     makes the next n calls of `cmd` (`squeue`, `scontrol`, or two words: `scontrol requeue`)
@@ -156,6 +190,11 @@ class FakeSlurm:
         self.update_refusal: str | None = None
         self.state_after_refusal: str | None = None
         self.excluded: list[str] = []
+        self.held = False
+        self.health_jobs: list[HealthJob] = []
+        self.health_passes = True
+        self.end_time: float | None = None  # the job's time limit, in the fake clock
+        self.node_states: dict[str, str] = {n: "allocated" for n in nodes}
         self.signal_handler: Callable[[int], None] | None = None
 
     @property
@@ -179,20 +218,36 @@ class FakeSlurm:
                 return subprocess.CompletedProcess(argv, 1, "", SOCKET_TIMEOUT + "\n")
         return subprocess.CompletedProcess(argv, *self._answer(argv))
 
-    def start(self, argv: list[str], *, env) -> FakeStep:
+    def start(self, argv: list[str], *, env) -> FakeStep | HealthJob:
         assert argv[0] == "srun", argv
+        if "--job-name=dtk-health" in argv:
+            job = HealthJob(argv, self.clock, self.health_passes, env)
+            self.health_jobs.append(job)
+            return job
         assert self.scripts, f"start {self.num_starts} has no script"
         step = FakeStep(self, self.scripts.pop(0), argv)
         step.env = dict(env)
         self.steps.append(step)
         return step
 
+    def _end_time(self) -> str:
+        if self.end_time is None:
+            return "Unknown"
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.end_time))
+
     def _answer(self, argv: list[str]) -> tuple[int, str, str]:
         job = self.job_id
         gone = self.state is None
         match argv:
             case ["scontrol", "show", "job", j, "-o"] if j == job and not gone:
-                return 0, f"JobId={job} JobState={self.state} NodeList={','.join(self.nodes) or '(null)'}\n", ""
+                return 0, (f"JobId={job} JobState={self.state} NodeList={','.join(self.nodes) or '(null)'}"
+                           f" ExcNodeList={','.join(self.excluded) or '(null)'} Partition=debug"
+                           f" EndTime={self._end_time()}\n"), ""
+            case ["sinfo", "-h", "-N", "-o", "%N %T", *_]:
+                return 0, "".join(f"{n} {s}\n" for n, s in self.node_states.items()), ""
+            case ["scancel", signal_flag, step] if signal_flag.startswith("--signal=") and signal_flag != "--signal=KILL":
+                self.steps[int(step.split(".")[1])].stop_signals.append(signal_flag.split("=", 1)[1])
+                return 0, "", ""
             case ["scontrol", "show", "hostnames", nodelist]:
                 return 0, "\n".join(nodelist.split(",")) + "\n", ""
             case ["squeue", "-h", "-j", j, "-o", "%T"] if j == job and not gone:
@@ -208,12 +263,17 @@ class FakeSlurm:
             case ["scontrol", "update", j, exc] if j == f"JobId={job}" and exc.startswith("ExcNodeList="):
                 if self.update_refusal:
                     return 1, "", self.update_refusal + "\n"
-                self.excluded = exc.split("=", 1)[1].split(",")
+                if self.state != "PENDING":  # as Slurm: only a pending job takes ExcNodeList
+                    return 1, "", f"Job is no longer pending execution for job {job}\n"
+                self.excluded = [n for n in exc.split("=", 1)[1].split(",") if n]
                 return 0, "", ""
-            case ["scontrol", "requeue", j] if j == job:
+            case ["scontrol", "requeue" | "requeuehold" as how, j] if j == job:
                 if self.requeue_refusal:
                     self.state = self.state_after_refusal or self.state
                     return 1, "", self.requeue_refusal + "\n"
-                self.state = "PENDING"
+                self.state, self.held = "PENDING", how == "requeuehold"
+                return 0, "", ""
+            case ["scontrol", "release", j] if j == job:
+                self.held = False
                 return 0, "", ""
         raise AssertionError(f"the fake Slurm does not know {argv}")

@@ -40,6 +40,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.lab down": ["--force"],
     "dtk.lab status": [],
     "dtk.lab up": ["--access", "--force", "--no-install", "--nodes", "--timeout"],
+    "dtk.nodes": ["--json", "--readmit", "RUN_DIR"],
     "dtk.plan": ["--config-dir", "--json", "KEY=VALUE ..."],
     "dtk.plan.count_model": ["(no arguments)"],
     "dtk.report": ["--baseline", "--json", "--no-plots", "--out", "--tolerance", "RUN_DIR ..."],

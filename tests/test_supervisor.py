@@ -17,6 +17,7 @@ import pytest
 from dtk.config.compose import compose
 from dtk.config.schema import Config
 from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
+from dtk.driver.exclusions import add_exclusions, read_exclusions, readmit
 from dtk.driver.supervisor import DriverFailed, Supervisor, drive
 from dtk.launch.slurmctl import RETRY_S, Slurm, SlurmUnavailable
 from dtk.plan.plan import make_plan
@@ -156,11 +157,119 @@ def test_too_few_nodes_left_requeues_with_the_lost_node_excluded(tmp_path, base_
     assert requeued["detected_at"] == job.clock.start + 5  # when the step's end was seen, in the driver's clock
 
 
+def test_the_exclusion_is_set_while_the_job_is_held_and_checked_before_the_release(tmp_path, base_config):
+    # Slurm refuses ExcNodeList while the job runs (the fake too): requeue held, update,
+    # read it back, release.
+    job = Job(tmp_path, base_config, [Script(exit=137, steps=25, checkpoint=True, lose=("node2",))], shrink=False)
+    assert job.sup.drive() == EXIT_STOPPED
+    telling = [c[:2] + c[3:] for c in job.fake.calls if c[0] == "scontrol" and c[1] in ("requeue", "requeuehold",
+                                                                                         "update", "release")]
+    assert telling == [["scontrol", "requeuehold"], ["scontrol", "update", "ExcNodeList=node2"],
+                       ["scontrol", "release"]]
+    assert job.fake.excluded == ["node2"] and not job.fake.held and job.fake.state == "PENDING"
+
+
+def test_a_readmitted_node_is_cleared_from_the_job_at_the_next_requeue(tmp_path, base_config):
+    job = Job(tmp_path, base_config, [Script(exit=EXIT_STOPPED, steps=30, checkpoint=True, preempted=True)])
+    job.fake.excluded = ["node3"]  # set at an earlier requeue
+    add_exclusions(job.run, ["node3"], job_id="41", reason="node(s) node3 left the job")
+    readmit(job.run, "node3", by="root", reason="repaired")
+    assert job.sup.drive() == EXIT_STOPPED
+    assert job.fake.excluded == [] and not job.fake.held and job.events("requeued")[0]["exclude"] == []
+
+
+def test_the_requeue_keeps_the_nodes_of_cluster_exclude_from_out_too(tmp_path, base_config):
+    listed = tmp_path / "bad_nodes.txt"
+    listed.write_text("node9  # no InfiniBand\n")
+    cfg = copy.deepcopy(base_config)
+    cfg.cluster.exclude_from = str(listed)
+    job = Job(tmp_path, cfg, [Script(exit=137, steps=25, checkpoint=True, lose=("node2",))], shrink=False)
+    assert job.sup.drive() == EXIT_STOPPED
+    assert job.fake.excluded == ["node2", "node9"] and job.events("requeued")[0]["exclude"] == ["node2", "node9"]
+
+
+def test_an_unchanged_exclusion_is_a_plain_requeue(tmp_path, base_config):
+    job = Job(tmp_path, base_config, [Script(exit=EXIT_STOPPED, steps=30, checkpoint=True, preempted=True)])
+    add_exclusions(job.run, ["node3"], job_id="41", reason="node(s) node3 left the job")
+    job.fake.excluded = ["node3"]
+    assert job.sup.drive() == EXIT_STOPPED
+    assert job.requeue_calls() == [["scontrol", "requeue", "42"]] and job.fake.excluded == ["node3"]
+
+
 def test_a_refused_exclusion_is_reported_and_the_job_still_requeued(tmp_path, base_config, capsys):
     job = Job(tmp_path, base_config, [Script(exit=137, steps=25, checkpoint=True, lose=("node2",))], shrink=False)
     job.fake.update_refusal = "slurm_update error: Invalid node name specified"
     assert job.sup.drive() == EXIT_STOPPED and job.fake.state == "PENDING"
     assert "driver: Slurm refused to exclude node2: slurm_update error: Invalid node name" in capsys.readouterr().err
+
+
+def shrunk_job(tmp_path, base_config, second: Script) -> Job:
+    """node2 fails, the job goes on on node1; node2 is back in service 30 s later."""
+    job = Job(tmp_path, base_config, [Script(exit=137, steps=25, checkpoint=True, lose=("node2",)), second])
+    job.fake.node_states = {"node1": "allocated", "node2": "down*", "node3": "allocated"}
+    t_back = job.clock.time() + 30
+
+    def node2_returns() -> None:
+        if job.clock.time() >= t_back and job.fake.node_states["node2"] == "down*":
+            job.fake.node_states["node2"] = "idle"
+
+    job.clock.on_sleep.append(node2_returns)
+    return job
+
+
+def test_a_shrunk_job_grows_back_once_the_node_returns_and_passes_its_health_job(tmp_path, base_config):
+    job = shrunk_job(tmp_path, base_config, Script(exit=None, steps=10, resumed=True))
+    assert job.sup.drive() == EXIT_STOPPED
+    (health,) = job.fake.health_jobs
+    assert "--nodelist=node2" in health.argv and "SLURM_JOB_ID" not in health.env
+    (readmitted,) = job.events("node_readmitted")
+    assert readmitted["nodes"] == ["node2"] and readmitted["by"] == "driver"
+    (entry,) = json.loads((job.run.path / "excluded_nodes.json").read_text())
+    assert entry["readmitted"]["reason"] == "back in service (idle) and its health job passed"
+    (returned,) = job.events("node_returned")
+    assert returned["nodes"] == ["node2"] and (returned["world_size"], returned["to_world_size"]) == (1, 2)
+    assert job.fake.steps[1].stop_signals == ["USR2"]  # the workers stop at a step boundary and save
+    (requeued,) = job.events("requeued")
+    assert requeued["reason"] == "grow back to 2 nodes" and requeued["exclude"] == [] and requeued["step"] == 35
+    # The next allocation has both nodes again: the run goes on at its full size.
+    fake = FakeSlurm(job.clock, ["node1", "node2"], [Script(exit=0, steps=5)])
+    environ = dict(job.environ, SLURM_RESTART_COUNT="1")
+    assert Supervisor(job.run, job.plan, "42", slurm=Slurm(fake, job.clock), environ=environ).drive() == 0
+    (grown,) = job.events("grown")
+    assert (grown["from_world_size"], grown["world_size"], grown["nodes"]) == (1, 2, ["node1", "node2"])
+
+
+def test_a_node_that_fails_its_health_job_stays_excluded_and_the_job_stays_shrunk(tmp_path, base_config):
+    job = shrunk_job(tmp_path, base_config, Script(exit=0, after_s=100, steps=10, resumed=True))
+    job.fake.health_passes = False
+    assert job.sup.drive() == 0
+    assert job.fake.health_jobs and job.events("health_failed")[0]["nodes"] == ["node2"]
+    assert not job.events("node_returned") and not job.events("node_readmitted")
+    assert read_exclusions(job.run) == ["node2"]
+
+
+def test_the_driver_stops_the_workers_when_the_time_left_falls_to_save_step_and_margin(tmp_path, base_config):
+    # A measured save of 50 s: the sbatch signal's 60 s floor would leave too little;
+    # the driver stops the workers at 50 + 30 s before the end itself.
+    job = Job(tmp_path, base_config, [Script(exit=None, steps=10)])
+    job.run.event("checkpoint_saved", step=0, seconds=50.0)
+    job.fake.end_time = job.clock.time() + 200
+    assert job.sup.drive() == EXIT_STOPPED
+    (near,) = job.events("time_limit_near")
+    assert near["need_s"] == 80.0 and 79.0 <= near["left_s"] <= 80.0
+    assert job.fake.steps[0].stop_signals == ["USR2"]
+    assert job.events("requeued")[0]["reason"] == f"time limit in {near['left_s']:.0f} s, a stop needs 80 s"
+
+
+def test_before_any_save_the_stop_is_sized_from_the_planned_checkpoint_and_the_storage(tmp_path, base_config):
+    from dtk.driver.timeleft import needed_s, planned_checkpoint_bytes, save_estimate_s
+
+    job = Job(tmp_path, base_config, [])
+    assert planned_checkpoint_bytes(job.plan) > 0
+    estimate = save_estimate_s(job.plan, job.run.path)
+    assert estimate is not None and estimate > 0 and not list(job.run.path.glob(".throughput_probe*"))
+    assert needed_s(job.run, estimate_s=estimate) == estimate + 30
+    assert needed_s(job.run, estimate_s=None) is None  # then the sbatch signal alone
 
 
 def test_a_crash_is_relaunched_from_the_last_checkpoint(tmp_path, base_config):

@@ -32,6 +32,7 @@ same phases and waits for them.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -54,6 +55,9 @@ from dtk.rundir import write_json_atomic
 TRAINER_STATE = "trainer.json"
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
 FORMAT_VERSION = mf.FORMAT_VERSION
+COMMIT_DELAY_ENV = "DTK_TEST_COMMIT_DELAY_S"
+"""Seconds rank 0 waits before each commit: for tests of a save that outlasts the time-limit
+signal's lead (tests/test_faults.py). Unset in real runs."""
 
 Parts = list[tuple[torch.nn.Module, torch.optim.Optimizer]]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -249,6 +253,8 @@ class Saver:
             if isinstance(share, str):
                 raise SaveFailed(share)
             files.update(share)
+        if self.comm.rank == 0 and os.environ.get(COMMIT_DELAY_ENV):  # a test hook: a slow save
+            time.sleep(float(os.environ[COMMIT_DELAY_ENV]))
         manifest = {
             "format": FORMAT_VERSION,
             **header,

@@ -25,7 +25,8 @@ from dtk.driver.exclusions import add_exclusions, read_exclusions
 from dtk.driver.local import free_port
 from dtk.driver.logs import config_error_line, failure_cause
 from dtk.driver.record import record_failure
-from dtk.driver.resize import fit_plan
+from dtk.driver.resize import GrowWatch, fit_plan
+from dtk.driver.timeleft import TimeLeft
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
 from dtk.plan.plan import Plan
 from dtk.rundir import HEARTBEAT, RunDir
@@ -86,6 +87,9 @@ class Supervisor:
         self.fault = plan.config.fault
         self.relaunches = 0  # after crashes and hangs, in this allocation
         self.signalled = 0  # SIGTERM (preemption) or USR2 seen by the driver itself
+        self.grow: GrowWatch | None = None  # while running on fewer nodes than the plan
+        self.stop_reason = ""  # set once the driver stopped the workers itself (to grow back, before the limit)
+        self.time_left = TimeLeft(run=run, slurm=self.slurm, job_id=job_id, plan=plan)
 
     def note_signal(self, signum: int, _frame=None) -> None:
         """Replaces submitit's handlers in this process: USR2 there would end the driver,
@@ -116,6 +120,7 @@ class Supervisor:
         logs.mkdir(parents=True, exist_ok=True)
         plan_file = logs / "plan.json"
         plan_file.write_text(plan.to_json())
+        before = [e for e in self.run.events_list() if e.get("event") in ("started", "node_returned")]
         self.run.event(
             "started",
             restart=restart,
@@ -125,6 +130,9 @@ class Supervisor:
             world_size=plan.world_size,
             batch_host=socket.gethostname(),
         )
+        if before and before[-1]["event"] == "node_returned":  # this start is the grow-back
+            self.run.event("grown", job_id=self.job_id, nodes=nodes, from_world_size=before[-1]["world_size"],
+                           world_size=plan.world_size)
         seen_events = len(self.run.events_list())
         env = {k: v for k, v in self.environ.items() if k not in _LOCAL_ONLY}
         env.update(
@@ -172,6 +180,9 @@ class Supervisor:
                 silent, limit = now - started, self.fault.startup_timeout_s
             else:
                 silent, limit = now - beat, self.fault.hang_timeout_s
+            if self.grow is not None and not self.stop_reason:
+                self._grow_back(nodes)
+            self._stop_before_the_limit()
             if silent > limit and proc.poll() is None:
                 self.run.event("hang_detected", job_id=self.job_id, nodes=nodes, step=self._last_step(),
                                silent_s=round(silent, 1), limit_s=limit)
@@ -190,8 +201,11 @@ class Supervisor:
             plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault.shrink)
             if plan is None:
                 return self._requeue(reason=f"{len(usable)} usable node(s) left, {self.plan.nodes} needed",
-                                     exclude=sorted(excluded), detected_at=recovery_from)
+                                     detected_at=recovery_from)
             step_at_start = latest_checkpoint_step(self.run)
+            self.grow = (GrowWatch(run=self.run, slurm=self.slurm, plan=self.plan, environ=self.environ,
+                                   partition=self.plan.config.cluster.partition)
+                         if plan.nodes < self.plan.nodes else None)
             outcome = self.start(plan, usable[: plan.nodes], recovery_from)
             step = latest_checkpoint_step(self.run)
             decision = decide(outcome, job_id=self.job_id, relaunches=self.relaunches,
@@ -201,7 +215,7 @@ class Supervisor:
             if decision.action is Action.FAIL:
                 self._fail(decision.error, step=self._last_step())
             if decision.action is Action.REQUEUE:
-                return self._requeue(reason="stopped on a signal", exclude=sorted(excluded),
+                return self._requeue(reason=self.stop_reason or "stopped on a signal",
                                      detected_at=self._last_event_time("preempted"))
             recovery_from = outcome.detected_at
             if decision.action is Action.EXCLUDE:
@@ -213,6 +227,33 @@ class Supervisor:
             self.relaunches += 1
             self.run.event("relaunched", job_id=self.job_id, cause=outcome.kind.value, detail=outcome.cause,
                            step=self._last_step(), resume_from=step, attempt=self.relaunches)
+
+    def _stop_before_the_limit(self) -> None:
+        """Stop the workers (they save) once the time left falls to what a stop needs;
+        at most once per allocation."""
+        if self.time_left is None or self.stop_reason or not self.time_left.poll():
+            return
+        t = self.time_left
+        self.time_left = None
+        self.stop_reason = f"time limit in {t.left_s:.0f} s, a stop needs {t.need_s:.0f} s"
+        self.run.event("time_limit_near", job_id=self.job_id, step=self._last_step(), left_s=round(t.left_s, 1),
+                       need_s=round(t.need_s, 1))
+        self.slurm.signal_steps(self.job_id, "USR2")
+
+    def _grow_back(self, nodes: list[str]) -> None:
+        """Running shrunk: once this start trained a step (its `resumed` event) and enough
+        nodes are back, stop the workers at the next step boundary (they save), so that
+        the job requeues at its full size."""
+        restart = self.run.starts() - 1
+        if not self.grow.due() or not any(e.get("event") == "resumed" and e.get("restart") == restart
+                                          for e in self.run.events_list()):
+            return
+        back = self.grow.poll(nodes)
+        if back:
+            self.stop_reason = f"grow back to {self.plan.nodes} nodes"
+            self.run.event("node_returned", job_id=self.job_id, nodes=back, step=self._last_step(),
+                           world_size=len(nodes) * self.plan.tasks_per_node, to_world_size=self.plan.world_size)
+            self.slurm.signal_steps(self.job_id, "USR2")
 
     def _last_step(self) -> int:
         done = self.run.latest_metrics()
@@ -235,18 +276,27 @@ class Supervisor:
                 return float(e.get("detected_at") or e["time"])
         return 0.0
 
-    def _requeue(self, *, reason: str, exclude: list[str], detected_at: float) -> int:
-        """Put the job back in the queue, with the exclusions."""
-        if exclude:
-            refused = self.slurm.exclude_nodes(self.job_id, exclude)
-            if refused:
-                print(f"driver: Slurm refused to exclude {','.join(exclude)}: {refused}", file=sys.stderr, flush=True)
+    def _requeue(self, *, reason: str, detected_at: float) -> int:
+        """Put the job back in the queue, its ExcNodeList set to the run's exclusions as
+        they are now plus cluster.exclude_from (and only those: a node given back meanwhile
+        may be allocated again)."""
+        from dtk.errors import UserError
+        from dtk.launch.launch import read_exclude_file
+
+        try:
+            listed = read_exclude_file(self.plan.config.cluster.exclude_from)
+        except UserError:  # checked at submission; unreadable from here: the run's own list
+            listed = ()
+        exclude = sorted(set(read_exclusions(self.run)) | set(listed))
         self.run.event("requeued", job_id=self.job_id, step=latest_checkpoint_step(self.run), reason=reason,
                        exclude=exclude, detected_at=detected_at)
-        # The job becomes PENDING again; scontrol ends this batch script while doing it.
-        refused = self.slurm.requeue(self.job_id)
+        # The job becomes PENDING again; Slurm sends this batch script SIGTERM (ignored here).
+        refused, not_excluded = self.slurm.requeue_excluding(self.job_id, exclude)
         if refused:
             self._fail(f"scontrol requeue {self.job_id} failed: {refused}")
+        if not_excluded:
+            print(f"driver: Slurm refused to exclude {','.join(exclude) or 'no node'}: {not_excluded}",
+                  file=sys.stderr, flush=True)
         return EXIT_STOPPED
 
 

@@ -141,6 +141,15 @@ class Slurm:
             return None
         return self.expand_nodelist(nodelist)
 
+    def job_end_time(self, job_id: str) -> float | None:
+        """When the job's time limit ends it (Slurm's EndTime, in this machine's clock);
+        None without a limit or once Slurm forgot the job."""
+        info = self.job_info(job_id) or {}
+        try:
+            return time.mktime(time.strptime(info.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:  # Unknown, or no such field
+            return None
+
     def expand_nodelist(self, nodelist: str) -> list[str]:
         """`node[1-3],gpu07` -> its host names (Slurm's own expansion: no slurmctld involved)."""
         proc = self.runner.run(["scontrol", "show", "hostnames", nodelist])
@@ -158,19 +167,57 @@ class Slurm:
         for step in self.step_ids(job_id):
             self.runner.run(["scancel", "--signal=KILL", step])
 
-    def exclude_nodes(self, job_id: str, nodes: list[str]) -> str | None:
-        """Keep `nodes` out of the job's next allocation; None when done, else Slurm's refusal."""
-        proc = self.query(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
-                          final=lambda p: not _transient(_said(p)))
-        return None if proc.returncode == 0 else _said(proc)
+    def excluded(self, job_id: str) -> list[str]:
+        """The job's ExcNodeList (expanded)."""
+        info = self.job_info(job_id) or {}
+        value = info.get("ExcNodeList", "(null)")
+        return [] if value in ("(null)", "") else self.expand_nodelist(value)
 
-    def requeue(self, job_id: str) -> str | None:
-        """Put the job back in the queue; None when that happened, else why not. scontrol
-        ends the batch script while requeueing, so a caller there may not see the answer."""
+    def set_excluded(self, job_id: str, nodes: list[str]) -> str | None:
+        """Set the ExcNodeList of a pending job (an empty list clears it) and check that
+        it took; None when done, else why not. Slurm refuses it while the job runs."""
+        proc = self.query(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
+                          final=lambda p: p.returncode > 0 and not _transient(_said(p)))
+        if proc.returncode != 0:
+            return _said(proc)
+        now = self.excluded(job_id)
+        return None if sorted(now) == sorted(nodes) else f"ExcNodeList is {','.join(now) or '(null)'} after the update"
+
+    def requeue_excluding(self, job_id: str, nodes: list[str]) -> tuple[str | None, str | None]:
+        """Requeue a running job so that its next allocation avoids `nodes` (and only
+        those). Slurm takes ExcNodeList only from a pending job, so when it must change:
+        requeue the job held (it cannot start yet), set ExcNodeList, check it, release the
+        job; the release happens whatever came before it (a job left held never runs
+        again). Returns (why the requeue failed, why the exclusion did not take), None
+        for what worked."""
+        if sorted(self.excluded(job_id)) == sorted(nodes):
+            return self.requeue(job_id), None
+        refused = self.requeue(job_id, hold=True)
+        if refused:
+            return refused, None
+        try:
+            return None, self.set_excluded(job_id, nodes)
+        finally:
+            self.query(["scontrol", "release", job_id], final=lambda p: p.returncode > 0 and not _transient(_said(p)))
+
+    def node_states(self, partition: str | None = None) -> dict[str, str]:
+        """Node -> Slurm's state as sinfo prints it (`idle`, `allocated`, `down*`, `drained`)."""
+        argv = ["sinfo", "-h", "-N", "-o", "%N %T"] + ([f"--partition={partition}"] if partition else [])
+        return dict(line.split(None, 1) for line in self.query(argv).stdout.splitlines() if line.strip())
+
+    def signal_steps(self, job_id: str, signum_name: str) -> None:
+        """Send the job's worker steps a signal (`USR2`): the driver's own stop."""
+        for step in self.step_ids(job_id):
+            self.runner.run(["scancel", f"--signal={signum_name}", step])
+
+    def requeue(self, job_id: str, *, hold: bool = False) -> str | None:
+        """Put the job back in the queue (held: until `scontrol release`); None when that
+        happened, else why not. Requeueing sends the batch script SIGTERM (the driver
+        ignores it); a command of the driver running at that moment may die of it."""
         deadline = self.clock.monotonic() + self.retry_s
         while True:
             try:
-                proc = self.runner.run(["scontrol", "requeue", job_id])
+                proc = self.runner.run(["scontrol", "requeuehold" if hold else "requeue", job_id])
                 if proc.returncode == 0:
                     return None
                 refused = _said(proc)
@@ -198,9 +245,17 @@ class Slurm:
         return self.runner.start(argv, env=env)
 
 
+IN_SERVICE = ("idle", "mixed", "allocated", "completing")
+"""sinfo states of a node that Slurm schedules jobs on (no `*`: it answers; not down,
+drained or draining)."""
+
+
 def _transient(said: str) -> bool:
-    """A refusal that says nothing about the job: the controller did not answer."""
+    """A refusal that says nothing about the job: the controller did not answer, or the
+    command was killed by a signal (the SIGTERM of a requeue reaches the driver's children)."""
     said = said.lower()
+    if said.startswith("exit code -"):
+        return True
     return any(s in said for s in TRANSIENT)
 
 

@@ -1,0 +1,128 @@
+"""python -m dtk.nodes RUN_DIR [--readmit NODE] [--json]: the nodes a run keeps out, and
+giving one back.
+
+A node that failed under a run is excluded from its later allocations (the driver writes
+`excluded_nodes.json`; every requeue sets the job's ExcNodeList from it). This lists each
+exclusion with its reason and time, and Slurm's view of the node now. `--readmit NODE`
+gives the node back: safe while the run's driver is live (the file is changed under its
+lock); a pending job of the run has its ExcNodeList updated at once, a running one at its
+next requeue. Check first that Slurm has the node in service (`sinfo -N -n NODE -o %T`:
+idle, mixed or allocated); a node down or drained is resumed by the operator, see
+docs/recovery.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from dtk import audit
+from dtk.access.check import check_action
+from dtk.driver.exclusions import read_entries, read_exclusions, readmit
+from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.rundir import RunDir
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _slurm():
+    """The real Slurm, or None where there are no Slurm commands."""
+    import shutil
+
+    from dtk.launch.slurmctl import LOGIN_RETRY_S, Slurm
+
+    return Slurm(retry_s=LOGIN_RETRY_S) if shutil.which("sinfo") else None
+
+
+def _node_states(slurm) -> dict[str, str]:
+    from dtk.launch.slurmctl import SlurmUnavailable
+
+    if slurm is None:
+        return {}
+    try:
+        return slurm.node_states()
+    except SlurmUnavailable:
+        return {}
+
+
+def _last_job(run: RunDir) -> str | None:
+    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") in ("submitted", "started") and e.get("job_id")]
+    jobs = [j for j in jobs if j.isdigit()]
+    return jobs[-1] if jobs else None
+
+
+def listing(run: RunDir, slurm=None) -> list[dict]:
+    states = _node_states(slurm)
+    return [dict(e, slurm_state=states.get(e["node"], "?")) for e in read_entries(run)]
+
+
+def render(entries: list[dict]) -> str:
+    now = [e for e in entries if "readmitted" not in e]
+    back = [e for e in entries if "readmitted" in e]
+    lines = [f"{len(now)} node(s) excluded" + (":" if now else "")]
+    for e in now:
+        lines.append(f"  {e['node']:<12} since {_when(e['time'])}  job {e['job_id']}  slurm: {e['slurm_state']}"
+                     f"  reason: {e['reason']}")
+    if back:
+        lines.append("re-admitted:")
+        for e in back:
+            r = e["readmitted"]
+            lines.append(f"  {e['node']:<12} excluded {_when(e['time'])} ({e['reason']}); back {_when(r['time'])}"
+                         f" by {r['by']}: {r['reason']}")
+    return "\n".join(lines)
+
+
+def readmit_node(run: RunDir, node: str, slurm=None) -> str:
+    """Give `node` back to the run; the one line that says what was done."""
+    from dtk.launch.slurmctl import SlurmUnavailable
+
+    user = audit.current_user()["name"]
+    readmit(run, node, by=user, reason="dtk.nodes --readmit")
+    run.event("node_readmitted", nodes=[node], by=user, reason="dtk.nodes --readmit")
+    said = f"{node} re-admitted to {run.path.name}"
+    job = _last_job(run)
+    if slurm is None or job is None:
+        return said + "; the next submission no longer excludes it"
+    try:
+        state = slurm.job_state(job)
+        if state == "PENDING":
+            refused = slurm.set_excluded(job, read_exclusions(run))
+            return said + (f"; job {job} is pending and Slurm refused the update ({refused})" if refused
+                           else f"; pending job {job} may now be given it")
+    except SlurmUnavailable as exc:
+        return said + f"; Slurm did not answer ({exc}): the next requeue or submission no longer excludes it"
+    if state in ("RUNNING", "COMPLETING", "CONFIGURING"):
+        return said + f"; job {job} is {state}: its next requeue no longer excludes it"
+    return said + "; the next submission no longer excludes it"
+
+
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python -m dtk.nodes", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    parser.add_argument("--readmit", metavar="NODE", help="give NODE back to the run")
+    parser.add_argument("--json", action="store_true", help="every entry as JSON")
+    args = parser.parse_args(argv)
+    if not (args.run_dir / "plan.json").is_file():
+        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
+    run = RunDir(args.run_dir)
+    slurm = _slurm()
+    if args.readmit:
+        check_action(run.path, "submitter", doing=f"readmit node {args.readmit}")
+        audit.check_writable(audit.run_root_of(run.path))
+        said = readmit_node(run, args.readmit, slurm)
+        job = _last_job(run)
+        audit.record_run(run.path, "readmit", job_ids=[job] if job else [], node=args.readmit, said=said)
+        print(said)
+        return 0
+    entries = listing(run, slurm)
+    print(json.dumps(entries, indent=2) if args.json else render(entries))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
