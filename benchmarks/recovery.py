@@ -67,6 +67,8 @@ def wait(predicate, timeout: float, what: str) -> None:
 def grow(root: Path, args) -> dict:
     hold = subprocess.run(["sbatch", "--parsable", "-w", "node3", "-N1", "--job-name=dtk-bench-hold",
                            "--output=/dev/null", "--wrap=sleep 900"], capture_output=True, text=True).stdout.strip()
+    wait(lambda: subprocess.run(["squeue", "-h", "-j", hold, "-o", "%T"], capture_output=True,
+                                text=True).stdout.strip() == "RUNNING", 30, "the job holding node3")
     victim = None
     try:
         proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32",
