@@ -48,7 +48,7 @@ def test_each_rank_sets_its_nodes_ports_and_the_nccl_report_file(tmp_path):
     assert fabric.env["NCCL_DEBUG"] == "INFO" and fabric.env["NCCL_DEBUG_FILE"] == str(fabric.nccl_log)
     doc = json.loads(json.dumps(fabric.document()))
     assert [n["node"] for n in doc["nodes"]] == ["gpu-a01", "gpu-a02"]
-    assert doc["layout"]["rank_nodes"] == ["gpu-a01"] * 8 + ["gpu-a02"] * 8
+    assert doc["rank_nodes"] == doc["layout"]["rank_nodes"] == ["gpu-a01"] * 8 + ["gpu-a02"] * 8
     assert doc["env"]["gpu-a01"]["NCCL_IB_HCA"] == "=mlx5_0:1,mlx5_1:1,mlx5_2:1"
     assert any("NCCL_IB_HCA" in line and "detected" in line for line in doc["describe"])
 

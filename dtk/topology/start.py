@@ -72,6 +72,10 @@ class StartFabric:
     """What was set in this process's environment (the choice, and NCCL's report file)."""
     nccl_log: Path | None
     """Where NCCL reports for this rank; None: NCCL_DEBUG set by hand, or not NCCL."""
+    rank_nodes: tuple[str, ...] = ()
+    """Global rank -> node as this start runs (node-rank order, consecutive ranks per node).
+    The layout's own order keeps nodes of one switch together; the two differ only when
+    Slurm reports switches and allocated the nodes in another order."""
 
     def document(self) -> dict[str, Any]:
         """topology.json: what each node has, what was chosen on each and why, the layout."""
@@ -79,6 +83,7 @@ class StartFabric:
             "nodes": [n.to_dict() for n in self.nodes],
             "choice": self.choice.to_dict(),
             "env": {n.node: self.choice.env_for(n.node) for n in self.nodes},
+            "rank_nodes": list(self.rank_nodes),
             "layout": self.layout.to_dict(),
             "describe": self.choice.describe() + self.layout.describe(),
         }
@@ -87,7 +92,7 @@ class StartFabric:
         """The details of the `topology` event: enough to see what the start ran on."""
         return {"transport": self.choice.transport, "interface": self.choice.interface,
                 "master_addr": self.choice.master_addr, "env": self.choice.env_for(self.nodes[0].node),
-                "rank_nodes": list(self.layout.rank_nodes)}
+                "rank_nodes": list(self.rank_nodes)}
 
 
 def decide(nodes: list[NodeTopology], *, node_rank: int, rank: int, backend: str, degrees: dict[str, int],
@@ -102,7 +107,8 @@ def decide(nodes: list[NodeTopology], *, node_rank: int, rank: int, backend: str
         nccl_log = report_dir / f"{node}.rank{rank}.log"
         env |= {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(nccl_log)}
     layout = plan_layout(nodes, degrees=degrees, tasks_per_node=tasks_per_node)
-    return StartFabric(tuple(nodes), node, choice, layout, env, nccl_log)
+    rank_nodes = tuple(n.node for n in nodes for _ in range(tasks_per_node))
+    return StartFabric(tuple(nodes), node, choice, layout, env, nccl_log, rank_nodes)
 
 
 def write_document(path: Path, document: dict[str, Any]) -> None:
