@@ -69,7 +69,8 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.
-        check_config(plan.config.data, plan.config.model)
+        check_config(plan.config.data, plan.config.model, eval_every=plan.config.train.eval_every,
+                     global_batch=plan.global_batch)
     kept = []
     for point, cfg, plan in planned:
         checked = check(cfg, plan, search.config)

@@ -4,6 +4,7 @@ except the real CLI for the contract checks."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +116,17 @@ BAD_INPUT = [
     (["+scheme=pp", "scheme.pp_schedule=2f2b"], "scheme.pp_schedule=2f2b: expected one of gpipe, 1f1b, interleaved_1f1b"),
     (["model.tp_plan.output=colwise_outptu"], "model.tp_plan.output=colwise_outptu: expected one of colwise, rowwise,"),
     (["data.kind=csv"], "data.kind=csv: expected one of synthetic, hdf5, user"),
+    # Every value a worker would otherwise find only after the queue wait:
+    (["optim.name=sgd"], "optim.name=sgd: expected one of adamw"),
+    (["+scheme=fsdp", "scheme.activation_checkpoint=some"], "scheme.activation_checkpoint=some: expected one of"),
+    (["+scheme=fsdp", "scheme.param_dtype=fp8"], "scheme.param_dtype=fp8: expected one of"),
+    (["model._target_=nosuch.module.build"], "model._target_=nosuch.module.build: no module nosuch.module on the Python"),
+    (["train.micro_batch=0"], "train.micro_batch=0: expected a positive count of samples"),
+    (["optim.grad_clip=-1"], "optim.grad_clip=-1.0: expected 0 (no clipping) or a positive norm"),
+    (["checkpoint.every_minutes=-1"], "checkpoint.every_minutes=-1.0: expected 0 (off) or more"),
+    (["checkpoint.max_failures=0"], "checkpoint.max_failures=0: expected a positive integer"),
+    (["train.eval_every=10", "data.eval_samples=3"],
+     "train.eval_every=10: the validation split has 512 samples (evaluating at most 3), fewer than one global batch"),
 ]
 
 # Every closed-set key: a value outside its set stops while composing, naming the key, the
@@ -209,3 +221,11 @@ def test_plan_help_lists_keys_with_docs():
     proc = dtk("dtk.plan", "--help")
     assert proc.returncode == 0
     assert "train.global_batch" in proc.stdout and "Samples per optimizer step" in proc.stdout
+
+
+def test_an_unwritable_run_root_is_one_error_line_and_nothing_written(tmp_path):
+    proc = dtk("dtk.submit", "run.root=/proc/sys/dtk-nope", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: run.root=/proc/sys/dtk-nope: cannot create a run directory there (")
+    assert not Path("/proc/sys/dtk-nope").exists() and list(tmp_path.iterdir()) == []

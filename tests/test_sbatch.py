@@ -181,6 +181,9 @@ def test_partition_checks_before_submission():
         slurmctl.check_fits(parts, partition="short", nodes=1, time_min=60)
     with pytest.raises(UserError, match="DOWN"):
         slurmctl.check_fits(parts, partition="gone", nodes=1, time_min=10)
+    # Spare nodes are asked for too: 2 + 1 spare do not fit a partition of 2.
+    with pytest.raises(UserError, match=r"nodes=2 \+ spare_nodes=1 = 3: partition short has only 2 node"):
+        slurmctl.check_fits(parts, partition="short", nodes=2, time_min=10, spare_nodes=1)
 
 
 def test_exclude_from_file_leaves_its_nodes_out_of_the_sbatch(tmp_path):

@@ -29,6 +29,7 @@ import numpy as np
 from dtk.config.choices import DataKind
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
+from dtk.plan.plan import check_eval_split
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -206,10 +207,17 @@ def check_model(dataset: Hdf5Tokens, model: ModelConfig) -> None:
         )
 
 
-def check_config(data: Any, model: ModelConfig) -> None:
-    """What the submitting machine can check before a job is queued (reads the manifest)."""
+def check_config(data: Any, model: ModelConfig, *, eval_every: int = 0, global_batch: int = 1) -> None:
+    """What the submitting machine can check before a job is queued (reads the manifest):
+    the dataset fits the model, and its validation split holds one global batch when
+    train.eval_every asks for evaluations (a user's dataset: its workers check that)."""
+    if data.kind == DataKind.synthetic:
+        from dtk.data.synthetic import VALIDATION_SAMPLES
+
+        check_eval_split(VALIDATION_SAMPLES, every=eval_every, max_samples=data.eval_samples, global_batch=global_batch)
     if data.kind != DataKind.hdf5:
         return
     dataset = Hdf5Tokens(data.path)
     check_model(dataset, model)
-    split(dataset, val_fraction=data.val_fraction, seed=data.split_seed, val_shards=data.val_shards)
+    _, val = split(dataset, val_fraction=data.val_fraction, seed=data.split_seed, val_shards=data.val_shards)
+    check_eval_split(len(val), every=eval_every, max_samples=data.eval_samples, global_batch=global_batch)

@@ -64,6 +64,22 @@ def check_run_dir(plan: Plan, run: RunDir) -> None:
         )
 
 
+def check_run_root(root: Path) -> None:
+    """run.root must take a run directory: tried for real (a folder made and removed where the
+    first existing part of the path is), since permissions alone do not tell (root, ACLs,
+    a read-only mount)."""
+    import tempfile
+
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dtk-probe-", dir=existing))
+    except OSError as exc:
+        raise UserError(f"run.root={root}: cannot create a run directory there ({exc.strerror or exc} in {existing});"
+                        " choose a folder you can write, on storage every node sees") from None
+
+
 def check_access(plan: Plan) -> None:
     """The access policy's checks (the submitter's role, the Slurm keys it fixes, the run
     root), then the umask that makes the run's files group-writable (docs/access.md)."""
@@ -150,10 +166,12 @@ def launch(plan: Plan) -> Launched:
 
     check_access(plan)  # first: an outsider may not even look into the run root
     check_run_dir(plan, run)
+    check_run_root(run.path.parent)
     audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":
         c = plan.config.cluster
-        slurmctl.check_fits(slurmctl.partitions(), partition=c.partition, nodes=plan.nodes, time_min=c.time_min)
+        slurmctl.check_fits(slurmctl.partitions(), partition=c.partition, nodes=plan.nodes, time_min=c.time_min,
+                            spare_nodes=plan.spare_nodes)
         check_dependencies(plan.config.submit.after, slurmctl.job_state)
     created = _first_missing(run.path)  # what a refused launch removes again
     # One writer per run directory: held until the local driver ends, or recorded as the

@@ -315,9 +315,10 @@ def parse_partitions(text: str) -> list[Partition]:
     return parts
 
 
-def check_fits(parts: list[Partition], *, partition: str | None, nodes: int, time_min: int) -> Partition:
+def check_fits(parts: list[Partition], *, partition: str | None, nodes: int, time_min: int,
+               spare_nodes: int = 0) -> Partition:
     """The login-node check: a job that could never start is an error now, not a job
-    pending forever."""
+    pending forever. The job asks for its spare nodes too."""
     names = ", ".join(p.name for p in parts) or "none"
     if partition is None:
         chosen = next((p for p in parts if p.default), None)
@@ -328,9 +329,10 @@ def check_fits(parts: list[Partition], *, partition: str | None, nodes: int, tim
         if chosen is None:
             raise UserError(f"cluster.partition={partition}: no such partition (available: {names})")
     where = f"partition {chosen.name}"
-    if nodes > chosen.total_nodes:
+    if nodes + spare_nodes > chosen.total_nodes:
+        asked = f"nodes={nodes} + spare_nodes={spare_nodes} = {nodes + spare_nodes}" if spare_nodes else f"nodes={nodes}"
         raise UserError(
-            f"nodes={nodes}: {where} has only {chosen.total_nodes} node(s); ask for at most {chosen.total_nodes}"
+            f"{asked}: {where} has only {chosen.total_nodes} node(s); ask for at most {chosen.total_nodes}"
         )
     if chosen.max_time_min is not None and time_min > chosen.max_time_min:
         raise UserError(

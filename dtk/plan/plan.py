@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,13 +151,18 @@ def make_plan(cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[
     if ckpt.every_minutes < 0:
         raise UserError(f"checkpoint.every_minutes={ckpt.every_minutes}: expected 0 (off) or more")
     _positive("checkpoint.keep", ckpt.keep)
+    if train.micro_batch is not None and train.micro_batch < 1:
+        raise UserError(f"train.micro_batch={train.micro_batch}: expected a positive count of samples, or leave it"
+                        " unset (global_batch / data-parallel size, no accumulation)")
+    if optim.grad_clip < 0:
+        raise UserError(f"optim.grad_clip={optim.grad_clip}: expected 0 (no clipping) or a positive norm")
     _positive("checkpoint.max_failures", ckpt.max_failures)
     if not optim.lr > 0:
         raise UserError(f"optim.lr={optim.lr}: expected a positive learning rate")
     if optim.warmup_steps < 0:
         raise UserError(f"optim.warmup_steps={optim.warmup_steps}: expected 0 or more")
     _positive("dist.timeout_s", cfg.dist.timeout_s)
-    _check_model(cfg)
+    _check_model(cfg, import_path)
 
     world = nodes * tpn
     scheme = cfg.scheme
@@ -219,10 +226,47 @@ def _positive(key: str, value: Any) -> None:
         raise UserError(f"{key}={value}: expected a positive integer")
 
 
-def _check_model(cfg: Config) -> None:
+def check_target(key: str, target: str, import_path: tuple[str, ...] = ()) -> None:
+    """A `_target_` whose module cannot be found is an error here, not in every worker after
+    the queue. Found, not imported (importlib.util.find_spec): the login node imports no torch."""
+    module, _, name = str(target).rpartition(".")
+    if not module or not name.isidentifier():
+        raise UserError(f"{key}={target}: expected MODULE.FUNCTION, like dtk.models.transformer.build")
+    added = [str(p) for p in import_path if str(p) not in sys.path]
+    sys.path[:0] = added
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a parent package that is missing
+        spec = None
+    finally:
+        del sys.path[: len(added)]
+    if spec is None:
+        raise UserError(f"{key}={target}: no module {module} on the Python path (the project folder and the"
+                        " installed packages); check the spelling, or submit from the project folder")
+
+
+def check_eval_split(num_val: int, *, every: int, max_samples: int, global_batch: int) -> int:
+    """Validation samples one evaluation uses (whole global batches); with train.eval_every
+    set, fewer than one batch is an error (the plan checks it for datasets it can size, the
+    evaluator for the rest)."""
+    usable = num_val if max_samples <= 0 else min(num_val, max_samples)
+    num_samples = usable // global_batch * global_batch
+    if every > 0 and num_samples == 0:
+        raise UserError(
+            f"train.eval_every={every}: the validation split has {num_val} samples (evaluating at most"
+            f" {usable}), fewer than one global batch of {global_batch}; hold out more"
+            " (data.val_fraction, data.val_shards, data.eval_samples) or set train.eval_every=0"
+        )
+    return num_samples
+
+
+def _check_model(cfg: Config, import_path: tuple[str, ...]) -> None:
     """The shape the data needs, and the built-in transformer's own numbers (a user model's
     factory checks its keys when it is built)."""
     model = cfg.model
+    check_target("model._target_", model._target_, import_path)
+    if cfg.data.kind == DataKind.user:
+        check_target("data._target_", cfg.data._target_, import_path)
     if cfg.data.kind == DataKind.synthetic and (model.seq_len is None or model.vocab_size is None):
         raise UserError(
             f"model._target_={model._target_}: synthetic data needs model.seq_len and model.vocab_size"

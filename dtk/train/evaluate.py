@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dtk.data.batch import as_torch, micro_batches, to_device
 from dtk.data.order import rank_share
 from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
+from dtk.plan.plan import check_eval_split
 from dtk.rundir import append_jsonl
 from dtk.train.task import Task
 
@@ -55,14 +55,8 @@ class Evaluator:
         self.dataset = dataset
         self.every = every
         self.total_steps = total_steps
-        usable = len(dataset) if max_samples <= 0 else min(len(dataset), max_samples)
-        self.num_samples = usable // global_batch * global_batch
-        if every > 0 and self.num_samples == 0:
-            raise UserError(
-                f"train.eval_every={every}: the validation split has {len(dataset)} samples (evaluating at most"
-                f" {usable}), fewer than one global batch of {global_batch}; hold out more"
-                " (data.val_fraction, data.val_shards, data.eval_samples) or set train.eval_every=0"
-            )
+        self.num_samples = check_eval_split(len(dataset), every=every, max_samples=max_samples,
+                                            global_batch=global_batch)
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.mesh = mesh
