@@ -3,7 +3,9 @@ event, and the one table of what a driver tells a worker. One process, a tiny re
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from dtk.driver.local import worker_env
 from dtk.models.transformer import build
 from dtk.rundir import RunDir
 from dtk.train.loss import TokenCrossEntropy
-from dtk.train.policies import AgreedStop, ResumedEvent, StepPolicies, StopRequested
+from dtk.train.policies import AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.task import LmTask
 from dtk.train.trainer import Trainer
 from dtk.worker.env import DRIVER_ENV, driver_env, read_env
@@ -134,3 +136,37 @@ def test_both_drivers_write_the_one_table_and_the_worker_reads_it(tmp_path):
     assert (env.source, env.rank, env.world_size, env.job_id, env.cpus_per_task) == ("slurm", 5, 8, "99", 4)
     first = read_env(local)
     assert (first.source, first.rank, first.restart, first.recovery_from) == ("dtk", 1, 0, 0.0)
+
+
+def test_the_heartbeat_thread_beats_while_the_training_thread_progresses_or_is_busy(tmp_path):
+    """A real thread and a real file: beats follow progress (ticks) and declared long
+    operations (a save, the first step); a training thread that neither ticks nor is busy
+    (blocked in a collective) gets no beat, so the driver's hang timeout sees it."""
+    path = tmp_path / "heartbeat"
+    heartbeat = Heartbeat(path, interval_s=0.02)
+    heartbeat.after_step(0)
+
+    def beats_within(seconds: float) -> bool:
+        before = os.stat(path).st_mtime_ns
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if os.stat(path).st_mtime_ns != before:
+                return True
+            time.sleep(0.01)
+        return False
+
+    heartbeat.start()
+    try:
+        assert beats_within(2.0)  # the first step (compilation, warm-up) counts as busy
+        heartbeat.after_step(1)
+        time.sleep(0.1)  # the thread saw that tick
+        assert not beats_within(0.3)  # no progress and nothing declared: silence
+        with heartbeat.busy():  # a synchronous save: no tick for its whole length
+            assert beats_within(2.0) and beats_within(2.0)
+        time.sleep(0.1)
+        assert not beats_within(0.3)
+        heartbeat.tick()  # a validation batch
+        assert beats_within(2.0)
+    finally:
+        heartbeat.close()
+    assert heartbeat._thread is None

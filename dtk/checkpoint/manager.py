@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dtk.checkpoint import load as loading
@@ -32,8 +34,10 @@ class CheckpointManager:
         global_batch: int,
         total_steps: int,
         identity: dict[str, Any],
+        busy: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.run = run
+        self.busy = busy  # wraps a long save or wait: the heartbeat beats through it
         self.every = checkpoint.every
         self.every_s = 60.0 * checkpoint.every_minutes
         self.keep = checkpoint.keep
@@ -187,8 +191,9 @@ class CheckpointManager:
         self._last_save_t = time.monotonic()
         self._inflight = step
         try:
-            self._saver.start(path, parts=self.parts, trainer_state=state, header=header,
-                              replace_committed=step in self._rejected)
+            with self.busy():
+                self._saver.start(path, parts=self.parts, trainer_state=state, header=header,
+                                  replace_committed=step in self._rejected)
         except ckpt.SaveFailed as exc:
             self._failed(str(exc))
             return
@@ -198,7 +203,8 @@ class CheckpointManager:
     def _settle(self) -> None:
         """Collective: wait for the save in flight and count how it ended."""
         try:
-            self._saver.wait()
+            with self.busy():
+                self._saver.wait()
         except ckpt.SaveFailed as exc:
             self._failed(str(exc))
             return

@@ -276,7 +276,7 @@ class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
     hang_timeout_s: int = 60
-    """A start with no worker heartbeat for this long is torn down and relaunched (the heartbeat beats every step, evaluation and save)."""
+    """A start whose training thread shows no progress for this long is torn down and relaunched: no step and no validation batch completed, outside a checkpoint save and the first step (docs/recovery.md, what the heartbeat measures)."""
     startup_timeout_s: int = 300
     """Time a start may take to its first heartbeat (imports, process group, checkpoint load)."""
     survive_node_loss: bool = True

@@ -20,10 +20,12 @@ that do not write.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,12 +51,27 @@ class StepPolicies:
 
 
 class Heartbeat:
-    """Touches RUN_DIR/heartbeat (global rank 0; `path` None elsewhere). A rank that stops
-    (SIGSTOP, a collective that never completes) stops rank 0 too at the next collective, so
-    one file is enough for the driver to see a hang."""
+    """RUN_DIR/heartbeat, whose mtime tells the driver "alive" (global rank 0; `path` None
+    elsewhere). A rank that stops (SIGSTOP, a collective that never completes) stops rank 0
+    too at the next collective, so one file is enough for the driver to see a hang.
 
-    def __init__(self, path: Path | None) -> None:
+    What a beat proves: the training thread made progress. It counts (`tick`) after every
+    step and before every validation batch; a background thread (`start`) touches the file
+    every `interval_s` while the count moved since its last beat, or while the training
+    thread is inside a long operation it declared: the first step of a start (compilation,
+    warm-up) and a checkpoint save or wait (`busy`). So a long evaluation or a synchronous
+    save is not a hang, while a training thread blocked in a collective of a step is seen
+    after fault.hang_timeout_s. A peer that stops during a declared operation is seen when
+    the collective's own timeout (dist.timeout_s) ends it (docs/recovery.md)."""
+
+    def __init__(self, path: Path | None, *, interval_s: float = 1.0) -> None:
         self.path = path
+        self.interval_s = interval_s
+        self.progress = 0  # written by the training thread only
+        self._busy = 0
+        self._first_step = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
         if self.path is None:
@@ -64,7 +81,44 @@ class Heartbeat:
         except FileNotFoundError:
             self.path.touch()
 
+    def tick(self) -> None:
+        """The training thread is alive (a step or a validation batch went by)."""
+        self.progress += 1
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """A long operation of the training thread (a checkpoint save): beat through it."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self.progress += 1
+
+    def start(self) -> None:
+        """Beat from a background thread from now on; the first step counts as busy."""
+        self._first_step = True
+        if self.path is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="dtk-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen = self.progress
+        while not self._stop.wait(self.interval_s):
+            if self.progress != seen or self._busy or self._first_step:
+                seen = self.progress
+                self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
     def after_step(self, step: int, result: Any = None) -> None:
+        self._first_step = False
+        self.tick()
         self.beat()
 
 

@@ -1,9 +1,15 @@
 import os
 import sys
 
-from dtk.errors import UserError
-from dtk.worker.codes import EXIT_CONFIG
-from dtk.worker.main import main
+# Before anything imports torch (seconds): a time-limit USR2 or a SIGTERM that arrives while
+# the worker starts is recorded, not fatal (dtk.worker.signals).
+from dtk.worker.signals import stop_flag
+
+stop_flag()
+
+from dtk.errors import UserError  # noqa: E402
+from dtk.worker.codes import EXIT_CONFIG  # noqa: E402
+from dtk.worker.main import main  # noqa: E402
 
 try:
     code = main(sys.argv[1:])

@@ -42,7 +42,7 @@ from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.fabric import after_process_group, before_process_group
-from dtk.worker.signals import StopFlag
+from dtk.worker.signals import stop_flag
 
 DATA_SPLIT = "data.json"  # a user dataset's split: RUN_DIR/data.json
 
@@ -92,6 +92,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         write_json_atomic(run.path / DATA_SPLIT, dataclasses.asdict(dataset.split))
     clock.lap("model")
 
+    # Rank 0's liveness file; its thread beats from the first step on (dtk.train.policies.Heartbeat).
+    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None)
     checkpoints = CheckpointManager(
         run,
         checkpoint=cfg.checkpoint,
@@ -101,6 +103,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         global_batch=plan.global_batch,
         total_steps=plan.steps,
         identity={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
+        busy=heartbeat.busy,  # a long save is not a hang
     )
     torch.manual_seed(seed + env.rank)  # per-rank stream for anything stochastic; a resume restores it
     start_step = checkpoints.resume()
@@ -118,7 +121,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     )
     policies = step_policies(
         plan, env, run, model=model.parts[0], task=task, val_dataset=val_dataset, mesh=mesh, device=device,
-        checkpoints=checkpoints, start_step=start_step, samples_per_epoch=len(dataset),
+        checkpoints=checkpoints, start_step=start_step, samples_per_epoch=len(dataset), heartbeat=heartbeat,
     )
     trainer = Trainer(
         model=model,
@@ -131,6 +134,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         timer=policies.profile.timer,
     )
     policies.heartbeat.after_step(start_step)
+    heartbeat.start()
     # One sampler per node, in a thread of its own: host and GPU load in system.jsonl.
     sampler = None
     if cfg.train.system_every_s > 0 and env.local_rank == 0:
@@ -145,7 +149,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
             sampler.stop()
         policies.metrics.close()
         policies.profile.close()
-    checkpoints.close()
+    try:
+        checkpoints.close()
+    finally:
+        heartbeat.close()
     if checkpoints.verified_step != plan.steps:  # the final save failed: the run is not done
         raise RuntimeError(f"the final checkpoint (step {plan.steps}) could not be saved (checkpoint_failed in"
                            f" events.jsonl); the newest verified checkpoint is step {checkpoints.verified_step}")
@@ -177,11 +184,16 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
 def step_policies(
     plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, task: Task, val_dataset, mesh: ParallelMesh,
     device: torch.device, checkpoints: CheckpointManager, start_step: int, samples_per_epoch: int,
+    heartbeat: Heartbeat,
 ) -> StepPolicies:
     """What runs after every step (dtk.train.policies), made for this rank: global rank 0
     writes, every rank takes part in the collective ones."""
     cfg, rank0 = plan.config, env.rank == 0
-    stop = StopFlag().install()
+    stop = stop_flag()  # installed when the process started (dtk/worker/__main__.py)
+
+    def eval_batch_stop() -> bool:
+        heartbeat.tick()  # each validation batch is progress: a long evaluation is not a hang
+        return stop.agreed(device) != 0
     metrics = MetricsLog(
         run.metrics if rank0 else None,
         world_size=env.world_size,
@@ -201,7 +213,7 @@ def step_policies(
     )
     return StepPolicies(
         metrics=metrics,
-        heartbeat=Heartbeat(run.path / HEARTBEAT if rank0 else None),
+        heartbeat=heartbeat,
         resumed=ResumedEvent(
             run if rank0 else None,
             start_step=start_step,
@@ -223,7 +235,7 @@ def step_policies(
             device=device,
             log=run.path / EVAL_LOG if rank0 else None,
             # Collective, before every validation batch: a long evaluation ends at a stop signal.
-            stop_requested=lambda: stop.agreed(device) != 0,
+            stop_requested=eval_batch_stop,
         ),
         checkpoint=checkpoints,
         stop=AgreedStop(
@@ -248,6 +260,7 @@ def step_policies(
 
 
 def main(argv: list[str]) -> int:
+    stop_flag()  # first: a stop signal from here on is honoured at the first step that can save
     clock = StartupClock()
     clock.lap("import")
     parser = ArgumentParser(prog="python -m dtk.worker", description="One worker process of a run; drivers start it.")

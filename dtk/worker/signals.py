@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+_installed: StopFlag | None = None
+
+
+def stop_flag() -> StopFlag:
+    """The process's stop flag, its handler installed on the first call. The worker calls it
+    before it imports torch (dtk/worker/__main__.py): a signal that arrives while the worker
+    starts (imports, process group, model build, checkpoint load) is kept, not fatal, and
+    honoured at the end of the first step, which saves."""
+    global _installed
+    if _installed is None:
+        _installed = StopFlag().install()
+    return _installed
 
 
 class StopFlag:
@@ -34,6 +47,9 @@ class StopFlag:
 
     def agreed(self, device: torch.device) -> int:
         """Collective: the signal any rank received (0 if none). Every rank gets the same."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
