@@ -52,6 +52,20 @@ def _scontrol(*args: str) -> None:
         raise UserError(f"scontrol {' '.join(args)}: {proc.stderr.strip()}")
 
 
+def is_worker_of(pid: int, run: RunDir) -> bool:
+    """Whether `pid` on this host is `python -m dtk.worker RUN_DIR` of this run (a pid file
+    outlives its process, and the pid may have been reused since)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    args = [a.decode(errors="replace") for a in argv if a]
+    for i in range(len(args) - 2):
+        if args[i : i + 2] == ["-m", "dtk.worker"]:
+            return Path(args[i + 2]).resolve() == run.path.resolve()
+    return False
+
+
 def _signal_worker(run: RunDir, start: dict, rank: int | None, sig: signal.Signals) -> str:
     logs = run.log_dir(start["restart"])
     ranks = sorted(int(p.stem.split("_")[1]) for p in logs.glob("rank_*.pid"))
@@ -62,10 +76,18 @@ def _signal_worker(run: RunDir, start: dict, rank: int | None, sig: signal.Signa
         raise UserError(f"--rank {rank}: no such worker (ranks: {ranks[0]}..{ranks[-1]})")
     host, pid = (logs / f"rank_{rank}.pid").read_text().split()
     if host == socket.gethostname():
+        if not is_worker_of(int(pid), run):
+            raise UserError(f"pid {pid} (rank {rank}, from {logs / f'rank_{rank}.pid'}) is not a dtk worker of"
+                            f" {run.path} (the worker ended, and the pid may be another process now); not signalling")
         os.kill(int(pid), sig)
-    else:  # on a real cluster: inside the job's allocation, next to the worker
-        subprocess.run(["srun", f"--jobid={start['job_id']}", "--overlap", "-N1", "-n1", f"-w{host}",
-                        "kill", f"-{sig.name.removeprefix('SIG')}", pid], check=True)
+    else:  # on a real cluster: inside the job's allocation, next to the worker, after the same check
+        check = f"tr '\\0' ' ' < /proc/{pid}/cmdline | grep -q -- '-m dtk.worker {run.path.resolve()}'"
+        proc = subprocess.run(["srun", f"--jobid={start['job_id']}", "--overlap", "-N1", "-n1", f"-w{host}", "sh",
+                               "-c", f"{check} && kill -{sig.name.removeprefix('SIG')} {pid}"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UserError(f"pid {pid} on {host} is not a dtk worker of {run.path}, or could not be signalled;"
+                            " not signalled")
     return f"sent {sig.name} to rank {rank} (pid {pid} on {host})"
 
 
