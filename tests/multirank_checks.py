@@ -20,7 +20,7 @@ from dtk.config.choices import TpStyle
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.tp import apply_tp
 from dtk.parallel.zero import ZeroOptimizer
-from dtk.worker.signals import StopFlag
+from dtk.worker.signals import StopFlag, vote_group
 
 VOCAB, DIM, HIDDEN, SEQ, BATCH = 16, 8, 16, 4, 3
 
@@ -155,16 +155,19 @@ def check_clip(rank: int, world: int) -> dict[str, Any]:
 def check_stop_flag(rank: int, world: int) -> dict[str, Any]:
     """A real SIGUSR2 on rank 1 only: every rank agrees on it; before it, none saw one."""
     flag = StopFlag().install()
-    before = flag.agreed(torch.device("cpu"))
+    group = vote_group()
+    before = flag.agreed(group)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGUSR2)
     dist.barrier()
-    after = flag.agreed(torch.device("cpu"))
+    after = flag.agreed(group)
+    seconds = flag.vote(group, 0.5 + rank)[1]  # the largest step time any rank measured
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     single = StopFlag()  # one process: what it saw is what is agreed
     single.signum = int(signal.SIGTERM)
-    return {"before": before, "after": after, "expected": int(signal.SIGUSR2), "own": flag.signum}
+    return {"before": before, "after": after, "expected": int(signal.SIGUSR2), "own": flag.signum,
+            "seconds": seconds, "alone": single.vote(None, 0.25)}
 
 
 def check_comm(rank: int, world: int) -> dict[str, Any]:

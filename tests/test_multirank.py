@@ -4,6 +4,8 @@ its one-process equivalent (tests/multirank_checks.py). One spawn runs them all.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from multirank import run_on_ranks
@@ -54,6 +56,8 @@ def test_a_signal_on_one_rank_is_agreed_by_all(results):
     assert [r["before"] for r in ranks] == [0, 0]
     assert [r["after"] for r in ranks] == [ranks[0]["expected"]] * WORLD
     assert [r["own"] for r in ranks] == [0, ranks[0]["expected"]]  # only rank 1 was signalled
+    assert [r["seconds"] for r in ranks] == [1.5, 1.5]  # every rank the same, so their next vote agrees
+    assert ranks[0]["alone"] == (int(signal.SIGTERM), 0.25)
 
 
 def test_checkpoint_comm_matches_the_one_process_comm(results):

@@ -31,7 +31,7 @@ class Recorder:
         self.log.append((self.name, step))
 
 
-def tiny_trainer() -> Trainer:
+def tiny_trainer(timer=None) -> Trainer:
     torch.manual_seed(0)
     model = build(vocab_size=32, dim=16, num_layers=1, num_heads=2, seq_len=8)
     data = SyntheticTokens(num_samples=64, seq_len=8, vocab_size=32, seed=0, branching=2)
@@ -39,7 +39,7 @@ def tiny_trainer() -> Trainer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return Trainer(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches, task=LmTask(TokenCrossEntropy()),
-                   grad_clip=1.0, mesh=ParallelMesh.single())
+                   grad_clip=1.0, mesh=ParallelMesh.single(), timer=timer)
 
 
 def test_fit_runs_the_policies_after_every_step_in_their_order():
@@ -72,7 +72,8 @@ class FakeCheckpoints:
 def test_an_agreed_stop_saves_commits_and_stops(tmp_path):
     run = RunDir(tmp_path)
     checkpoints = FakeCheckpoints()
-    stop = AgreedStop(agreed=lambda: int(signal.SIGUSR2), checkpoints=checkpoints, total_steps=10, run=run, restart=2)
+    stop = AgreedStop(agreed=lambda s: (int(signal.SIGUSR2), s), checkpoints=checkpoints, total_steps=10, run=run,
+                      restart=2, budget_s=1.0)
     with pytest.raises(StopRequested) as exc:
         stop.after_step(7)
     assert (exc.value.step, exc.value.signum) == (7, signal.SIGUSR2)
@@ -101,13 +102,40 @@ def test_no_stop_without_a_signal_or_at_the_last_step(tmp_path):
     asked: list = []
     checkpoints = FakeCheckpoints()
 
-    def agreed() -> int:
+    def agreed(seconds: float) -> tuple[int, float]:
         asked.append(1)
-        return int(signal.SIGTERM)
+        return int(signal.SIGTERM), seconds
 
-    AgreedStop(agreed=lambda: 0, checkpoints=checkpoints, total_steps=10, run=None, restart=0).after_step(3)
-    AgreedStop(agreed=agreed, checkpoints=checkpoints, total_steps=10, run=None, restart=0).after_step(10)
+    AgreedStop(agreed=lambda s: (0, s), checkpoints=checkpoints, total_steps=10, run=None, restart=0,
+               budget_s=1.0).after_step(3)
+    AgreedStop(agreed=agreed, checkpoints=checkpoints, total_steps=10, run=None, restart=0,
+               budget_s=1.0).after_step(10)
     assert checkpoints.calls == [] and asked == []  # the last step's save is due anyway; no collective
+
+
+def test_the_stop_vote_comes_as_often_as_the_budget_asks():
+    """After the first step the ranks vote as many steps apart as fit in budget_s at the
+    agreed (largest) step time; an agreed stop during an evaluation is acted on at once."""
+    now = [0.0]
+    votes: list = []
+
+    def agreed(seconds: float) -> tuple[int, float]:
+        votes.append((step, round(seconds, 6)))
+        return 0, max(seconds, 0.25)  # another rank measured 0.25 s per step
+
+    stop = AgreedStop(agreed=agreed, checkpoints=FakeCheckpoints(), total_steps=100, run=None, restart=0,
+                      budget_s=1.0, clock=lambda: now[0])
+    for step in range(1, 20):
+        now[0] += 0.1  # this rank: 0.1 s per step
+        stop.after_step(step)
+    # step 1: nothing measured here yet, 0.25 s agreed -> every 4 steps
+    assert votes == [(1, 0.0), (5, 0.1), (9, 0.1), (13, 0.1), (17, 0.1)]
+    assert stop.every == 4
+    assert not stop.poll()
+    signalled = AgreedStop(agreed=lambda s: (int(signal.SIGTERM), s), checkpoints=FakeCheckpoints(), total_steps=100,
+                           run=None, restart=0, budget_s=1.0)
+    signalled.next_vote = 50
+    assert signalled.poll() and signalled.due(21)
 
 
 def test_resumed_is_written_once_after_the_first_step_of_a_restart(tmp_path):

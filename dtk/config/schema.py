@@ -222,7 +222,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of model initialisation and data order."""
     log_every: int = 10
-    """Every this many steps: a progress line, the metrics.jsonl records of the steps since the last (one per step), and the gathering of every rank's phase times (straggler check)."""
+    """Every this many steps: a progress line, the metrics.jsonl records of the steps since the last (one per step, their loss and gradient norm read from the device in one transfer), and the gathering of every rank's phase times (straggler check)."""
     profile: bool = True
     """Time each step's phases (data, forward, backward, optimizer, comm, checkpoint, straggler) into metrics.jsonl; marks are read once per train.log_every steps. False: no phases, no idle_share, no straggler check."""
     system_every_s: float = 10.0

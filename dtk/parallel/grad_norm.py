@@ -23,7 +23,8 @@ def _group_key(t: torch.Tensor):
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, *, pp_group=None) -> torch.Tensor:
-    """Clip in place to `max_norm` (0: measure only); return the global norm before clipping."""
+    """Clip in place to `max_norm` (0: measure only); return the global norm before clipping,
+    a 0-dim tensor on the gradients' device (no host sync)."""
     groups: dict = defaultdict(list)
     for p in params:
         if p.grad is not None:
@@ -40,7 +41,11 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, *, pp_gro
     total = total_sq.sqrt()
     if max_norm > 0:
         # As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1.
-        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        # The coefficient stays a tensor on the device: reading it as a Python float would
+        # make the host wait for the whole backward every step.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+            # A DTensor's local shard is a view of its storage: scaling it scales the DTensor.
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            torch._foreach_mul_(local, coef.to(local[0].device))
     return total

@@ -77,7 +77,8 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         names = ["loss", *self.task.metrics]
-        total = torch.zeros(2 * len(names), dtype=torch.float64)  # per name: sum, count
+        # per name: sum, count - on the device, read once at the end, not every batch
+        total = torch.zeros(2 * len(names), dtype=torch.float64, device=self.device)
         try:
             for start in range(0, self.num_samples, self.global_batch):
                 if self.stop_requested is not None and self.stop_requested():
@@ -86,15 +87,14 @@ class Evaluator:
                 for micro in micro_batches(as_torch(self.dataset.get(ids)), self.micro_batch):
                     sums, counts = self.task.sums(self.model, to_device(micro, self.device))
                     for j, name in enumerate(names):
-                        total[2 * j] += sums[name].double().cpu()
+                        total[2 * j] += sums[name].double()
                         total[2 * j + 1] += counts[name]
         finally:
             self.model.train(was_training)
         if self.mesh.dp_group is not None:
-            reduced = total.to(self.device)
-            dist.all_reduce(reduced, group=self.mesh.dp_group)
-            total = reduced.cpu()
-        return {f"val_{name}": float(total[2 * j] / total[2 * j + 1]) for j, name in enumerate(names)}
+            dist.all_reduce(total, group=self.mesh.dp_group)
+        values = total.tolist()
+        return {f"val_{name}": values[2 * j] / values[2 * j + 1] for j, name in enumerate(names)}
 
     def after_step(self, step: int, _result: Any = None) -> float | None:
         if not self.due(step):

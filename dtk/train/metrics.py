@@ -5,6 +5,12 @@ step, an agreed stop): then the profiler has read the interval's phase times, an
 records are written with them, together (dtk.train.profile). A worker killed mid-interval
 loses the records of that interval's steps, which its restart computes again anyway.
 
+The step's loss and gradient norm stay tensors on the device until then (a GPU runs ahead
+of the host only while the host reads nothing of it): `write` reads the interval's values
+in one transfer. After the profiler's read of the same interval (which waited for the
+device already) that transfer waits for nothing; without the profiler it is the
+interval's one host-device synchronisation.
+
 Each record: loss, learning rate, gradient norm, step time, throughput (samples/s,
 tokens/s), achieved TFLOP/s per device and MFU where the model's FLOPs and the device's
 peak are known, the step's `phases` and `idle_share` when profiled, `epoch_time_s` at a
@@ -13,14 +19,32 @@ step that completes an epoch, and on an interval's last record the per-rank time
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dtk.dist.host import host_only
 from dtk.rundir import append_jsonl
 from dtk.train.flops import achieved
 from dtk.train.straggler import Interval, idle_share
+
+
+def read_values(results: list[Any], *, synced: bool) -> None:
+    """Make the device tensors `loss` and `grad_norm` of `results` floats, in one transfer.
+    `synced`: the device has finished the steps already (the profiler waited for it)."""
+    tensors = [r for r in results if isinstance(r.loss, torch.Tensor)]
+    if not tensors:
+        return
+    stacked = torch.stack([torch.stack([r.loss.detach().float(), r.grad_norm.detach().float().to(r.loss.device)])
+                           for r in tensors])
+    with host_only() if synced else contextlib.nullcontext():
+        values = stacked.tolist()
+    for r, (loss, grad_norm) in zip(tensors, values, strict=True):
+        r.loss, r.grad_norm = loss, grad_norm
 
 
 class EpochClock:
@@ -127,6 +151,7 @@ class MetricsLog:
         pending, self._pending = self._pending, []
         if self.path is None or not pending:
             return
+        read_values([result for _, _, result in pending], synced=interval is not None)
         records = [self.record(step, at, result, interval) for step, at, result in pending]
         if interval is not None:
             records[-1]["ranks"] = {k: [round(x, 6) if isinstance(x, float) else x for x in v]

@@ -143,6 +143,11 @@ class ResumedEvent:
         self.run.event("resumed", step=self.start_step, recovery_s=recovery_s, **self.details)
 
 
+# How soon after a signal the ranks agree on it, as a share of the signal's lead time
+# (fault.signal_lead_floor_s): 1.2 s of the default 60 s, leaving the rest for the save.
+STOP_VOTE_SHARE = 0.02
+
+
 class StopRequested(Exception):
     """Raised out of the loop once the agreed stop's checkpoint is committed, or known to
     have failed (`saved` False; `verified` is then the newest checkpoint that did commit)."""
@@ -162,19 +167,49 @@ class AgreedStop:
     wait for the save to commit, and stop (`StopRequested`). Not after the last step: the
     run is finishing anyway and its final save is already due.
 
-    `agreed()` is the collective that returns the signal any rank received, 0 if none."""
+    `agreed(seconds)` is the vote (dtk.worker.signals.StopFlag.vote, on a host group): it
+    returns the signal any rank received (0 if none) and the largest seconds per step any
+    rank measured. The ranks vote every `every` steps: after the first step, then as many
+    steps as fit in `budget_s` at the agreed step time (a stop is seen within about
+    `budget_s`, a small share of the signal's lead time), at least one. Every rank computes
+    the same `every` from the same agreed numbers, so they always vote together."""
 
     def __init__(
-        self, *, agreed: Callable[[], int], checkpoints: Any, total_steps: int, run: RunDir | None, restart: int
+        self, *, agreed: Callable[[float], tuple[int, float]], checkpoints: Any, total_steps: int, run: RunDir | None,
+        restart: int, budget_s: float, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agreed = agreed
         self.checkpoints = checkpoints
         self.total_steps = total_steps
         self.run = run  # rank 0 writes the event
         self.restart = restart
+        self.budget_s = budget_s
+        self.clock = clock
+        self.every = 1
+        self.next_vote: int | None = None  # the step of the next vote; None: the first step
+        self._since: tuple[int, float] | None = None  # (step, time) of the last vote
+
+    def due(self, step: int) -> bool:
+        return step < self.total_steps and (self.next_vote is None or step >= self.next_vote)
+
+    def poll(self) -> bool:
+        """Collective, outside the step boundary (before each validation batch): whether a
+        stop is agreed now. If so, this step's `after_step` votes again and stops."""
+        signum, _ = self.agreed(0.0)
+        if signum:
+            self.next_vote = 0
+        return bool(signum)
 
     def after_step(self, step: int, result: Any = None) -> None:
-        signum = self.agreed() if step < self.total_steps else 0
+        if not self.due(step):
+            return
+        now = self.clock()
+        seconds = (now - self._since[1]) / (step - self._since[0]) if self._since else 0.0
+        signum, step_s = self.agreed(seconds)
+        self._since = (step, now)
+        if step_s > 0:
+            self.every = max(1, int(self.budget_s / step_s))
+        self.next_vote = step + self.every
         if not signum:
             return
         self.checkpoints.save(step)  # a no-op when the step's save already started

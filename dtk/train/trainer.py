@@ -48,10 +48,16 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 @dataclass
 class StepResult:
-    loss: float
+    loss: torch.Tensor | float
+    """The mean loss over the global batch: a 0-dim tensor on the device, made a float by
+    the metrics policy's one host read per `train.log_every` steps (dtk.train.metrics)."""
     lr: float
-    grad_norm: float
+    grad_norm: torch.Tensor | float
+    """The global gradient norm before clipping; a device tensor until read, like `loss`."""
     step_time_s: float
+    """Host time of the step. On a GPU the host runs ahead of the device between reads, so
+    single steps are not their device time; the read's wait is added to the last step of
+    its interval, which makes the interval's sum right."""
     data_wait_s: float
     batch_hash: str
 
@@ -133,7 +139,7 @@ class Trainer:
             return torch.zeros((), device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
-    def _global_mean(self, local: torch.Tensor) -> float:
+    def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
         # Pipeline: only the last stage has the loss; summing over stages gives it to all
         # (global rank 0, which logs, holds the first stage).
         pp_group, dp_group = self.mesh.pp_group, self.mesh.dp_group
@@ -144,7 +150,7 @@ class Trainer:
         if dp_group is not None:
             dist.all_reduce(local, group=dp_group)
             local /= self.mesh.dp_size
-        return local.item()
+        return local  # no .item(): the host does not wait for the device here
 
     def step(self, step: int) -> StepResult:
         """One optimizer step over the global batch of `step` (0-based)."""
@@ -165,12 +171,12 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.timer.lap("optimizer")
-        loss_value = self._global_mean(local)
+        loss = self._global_mean(local)
         self.timer.lap("comm")
         return StepResult(
-            loss=loss_value,
+            loss=loss,
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             step_time_s=time.perf_counter() - t0,
             data_wait_s=t_data,
             batch_hash=self.batches.global_hash(step),

@@ -32,7 +32,7 @@ from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
-from dtk.train.policies import AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
+from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.profile import StepProfiler
 from dtk.train.startup import StartupClock
 from dtk.train.system import SYSTEM_LOG, SystemSampler
@@ -42,7 +42,7 @@ from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.fabric import after_process_group, before_process_group
-from dtk.worker.signals import stop_flag
+from dtk.worker.signals import stop_flag, vote_group
 
 DATA_SPLIT = "data.json"  # a user dataset's split: RUN_DIR/data.json
 
@@ -190,10 +190,19 @@ def step_policies(
     writes, every rank takes part in the collective ones."""
     cfg, rank0 = plan.config, env.rank == 0
     stop = stop_flag()  # installed when the process started (dtk/worker/__main__.py)
+    votes = vote_group()  # host tensors on gloo: a stop vote never waits for the GPU
+    agreed_stop = AgreedStop(
+        agreed=lambda seconds: stop.vote(votes, seconds),
+        checkpoints=checkpoints,
+        total_steps=plan.steps,
+        run=run if rank0 else None,
+        restart=env.restart,
+        budget_s=STOP_VOTE_SHARE * cfg.fault.signal_lead_floor_s,
+    )
 
     def eval_batch_stop() -> bool:
         heartbeat.tick()  # each validation batch is progress: a long evaluation is not a hang
-        return stop.agreed(device) != 0
+        return agreed_stop.poll()
     metrics = MetricsLog(
         run.metrics if rank0 else None,
         world_size=env.world_size,
@@ -238,13 +247,7 @@ def step_policies(
             stop_requested=eval_batch_stop,
         ),
         checkpoint=checkpoints,
-        stop=AgreedStop(
-            agreed=lambda: stop.agreed(device),
-            checkpoints=checkpoints,
-            total_steps=plan.steps,
-            run=run if rank0 else None,
-            restart=env.restart,
-        ),
+        stop=agreed_stop,
         profile=StepProfiler(
             device=device,
             enabled=cfg.train.profile,
