@@ -330,3 +330,39 @@ def test_minutes_interval_saves_when_the_time_has_come(tmp_path, monkeypatch):
     ckpt.after_step(3)  # the clock restarted at the save of step 2
     ckpt.close()
     assert [s for s, _, ok in run.checkpoint_steps() if ok] == [2]
+
+
+def test_a_save_checksums_its_shards_while_writing_them_not_by_reading_them_back(tmp_path, monkeypatch):
+    """One pass over the data: only the small files written outside DCP (RNG states,
+    trainer.json) are read back for their checksum; the manifest still matches every file."""
+    read_back: list[str] = []
+    describe = mf.describe_file
+
+    def spy(path: Path) -> dict:
+        read_back.append(path.name)
+        return describe(path)
+
+    monkeypatch.setattr(mf, "describe_file", spy)
+    run, _ = save_three(tmp_path / "run", asynchronous=False)
+    assert sorted(set(read_back)) == ["rng_00000.pt", "trainer.json"]
+    folder = run.checkpoint_dir(3)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {".metadata", "__0_0.distcp"} <= set(manifest["files"])
+    assert mf.verify(folder)["step"] == 3  # sizes and CRCs of every file, read back here
+
+
+def test_a_file_written_out_of_order_is_not_trusted_to_its_running_checksum(tmp_path):
+    from dtk.checkpoint.hashing import HashingFileSystem
+
+    fs = HashingFileSystem()
+    with fs.create_stream(tmp_path / "straight", "wb") as stream:
+        stream.write(b"abc")
+        stream.write(memoryview(bytearray(b"defg")))
+    with fs.create_stream(tmp_path / "rewound", "wb") as stream:
+        stream.write(b"abc")
+        stream.seek(0)
+        stream.write(b"x")
+    fs.rename(tmp_path / "straight", tmp_path / "renamed")
+    hashed = fs.hashed()
+    assert hashed == {"renamed": mf.describe_file(tmp_path / "renamed")}
+    assert hashed["renamed"]["size"] == 7

@@ -22,8 +22,9 @@ A save runs in three phases; only the first blocks training:
        CPU buffers kept from one save to the next (`DefaultStager`); start `dcp.async_save`.
     2. DCP's thread: plan and write the shards, rank 0 writes `.metadata`. When it returns on
        any rank, every rank's files are on disk (DCP gathers the write results first).
-    3. our finisher thread, every rank: checksum a share of the folder's files, gather the
-       shares, and rank 0 commits the manifest - then prunes and logs `checkpoint_saved`.
+    3. our finisher thread, every rank: gather the sizes and CRCs of the files each rank
+       wrote (computed while writing: dtk.checkpoint.hashing), and rank 0 commits the
+       manifest - then prunes and logs `checkpoint_saved`.
 
 Phases 2 and 3 talk over a gloo group of their own, so they never interleave with the
 training step's collectives (and work with NCCL training). A synchronous save runs the
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from dtk.checkpoint import manifest as mf
+from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import save_rng
 from dtk.rundir import write_json_atomic
 
@@ -159,9 +161,9 @@ class Saver:
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-ckpt")
         self._pending: Future | None = None
 
-    def _writer(self, path: Path) -> dcp.FileSystemWriter:
-        # Files are fsynced before the manifest can count them.
-        return dcp.FileSystemWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
+    def _writer(self, path: Path) -> HashingWriter:
+        # Files are fsynced before the manifest can count them, and checksummed as written.
+        return HashingWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
 
     @property
     def busy(self) -> bool:
@@ -203,19 +205,19 @@ class Saver:
         self._agree(write_small)
         model_sd, optim_sd, _ = _state_dicts(parts)
         state = {"model": model_sd, "optim": optim_sd}
+        writer = self._writer(path)
         try:  # DCP gathers every rank's write result: a failure raises on all of them
             if self.asynchronous:
-                written = dcp.async_save(state, storage_writer=self._writer(path), process_group=self.comm.group,
+                written = dcp.async_save(state, storage_writer=writer, process_group=self.comm.group,
                                          async_stager=self._stager, no_dist=self.comm.group is None)
             else:
-                dcp.save(state, storage_writer=self._writer(path), process_group=self.comm.group,
-                         no_dist=self.comm.group is None)
+                dcp.save(state, storage_writer=writer, process_group=self.comm.group, no_dist=self.comm.group is None)
                 written = Future()
                 written.set_result(None)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise SaveFailed(cause(exc)) from exc
         blocked = time.perf_counter() - t0
-        self._pending = self._finisher.submit(self._finish, path, written, header, t0, blocked)
+        self._pending = self._finisher.submit(self._finish, path, written, writer, header, t0, blocked)
         if not self.asynchronous:
             self.wait()
             blocked = time.perf_counter() - t0
@@ -241,18 +243,21 @@ class Saver:
         return result
 
     def _finish(
-        self, path: Path, written: Future, header: dict[str, Any], t0: float, blocked: float
+        self, path: Path, written: Future, writer: HashingWriter, header: dict[str, Any], t0: float, blocked: float
     ) -> dict[str, Any] | None:
         self._agree(written.result)
-        # Every rank checksums a share of the files (the folder is on storage all ranks see).
-        # rank 0 lists, so that every rank agrees on the shares even where listings lag.
-        names = self._agree(lambda: mf.payload_files(path), everyone=False)
-        mine = names[self.comm.rank :: self.comm.world_size]
+        # Every rank describes the files it wrote: the DCP files were checksummed while they
+        # were written; its small RNG file (and rank 0's trainer.json) are read back.
+        hashed = writer.hashed()
+        own = [rng_file(self.comm.rank)] + ([TRAINER_STATE] if self.comm.rank == 0 else [])
         files: dict[str, Any] = {}
-        for share in self.comm.all_gather(self._local(lambda: {n: mf.describe_file(path / n) for n in mine})):
+        for share in self.comm.all_gather(self._local(lambda: {**hashed, **{n: mf.describe_file(path / n) for n in own}})):
             if isinstance(share, str):
                 raise SaveFailed(share)
             files.update(share)
+        # Whatever no rank hashed (a file written out of order) rank 0 reads back.
+        files.update(self._agree(lambda: {n: mf.describe_file(path / n) for n in mf.payload_files(path)
+                                          if n not in files}, everyone=False))
         if self.comm.rank == 0 and os.environ.get(COMMIT_DELAY_ENV):  # a test hook: a slow save
             time.sleep(float(os.environ[COMMIT_DELAY_ENV]))
         manifest = {
