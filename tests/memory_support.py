@@ -54,7 +54,7 @@ def measure_case(plan: Plan, device: torch.device) -> dict[str, int]:
         build_model(cfg.model, device="meta", seed=0), mesh=mesh, scheme=scheme,
         spec=ParallelSpec.from_config(cfg.model), device=device,
         materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=0),
-        loss_fn=cross_entropy, num_microbatches=plan.grad_accum,
+        loss_fn=cross_entropy, num_microbatches=plan.grad_accum, sharded_logits=False,
     )
     shard_group = mesh.dp_group if scheme.shard_optimizer else None
     optimizers = [build_optimizer(p.parameters(), optim=cfg.optim, shard_group=shard_group) for p in model.parts]

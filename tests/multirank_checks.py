@@ -20,6 +20,7 @@ from dtk.config.choices import TpStyle
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.tp import apply_tp
 from dtk.parallel.zero import ZeroOptimizer
+from dtk.train.loss import TokenCrossEntropy, local_value, sharded_context
 from dtk.worker.signals import StopFlag, vote_group
 
 VOCAB, DIM, HIDDEN, SEQ, BATCH = 16, 8, 16, 4, 3
@@ -79,7 +80,7 @@ def check_tp(rank: int, world: int) -> dict[str, Any]:
     for sequence_parallel in (False, True):
         model = Tiny()
         model.load_state_dict(reference.state_dict())
-        apply_tp(model, mesh=mesh, tp_plan=TP_PLAN, sequence_parallel=sequence_parallel)
+        apply_tp(model, mesh=mesh, tp_plan=TP_PLAN, sequence_parallel=sequence_parallel, loss_parallel=False)
         out = model(tokens)
         out.square().mean().backward()
         sharded = sum(isinstance(p, DTensor) and p.placements[0].is_shard() for p in model.parameters())
@@ -87,6 +88,41 @@ def check_tp(rank: int, world: int) -> dict[str, Any]:
             "output": (out - out_ref).abs().max().item(),
             "grads": {n: (_full(p.grad) - grads_ref[n]).abs().max().item() for n, p in model.named_parameters()},
             "sharded_parameters": sharded,
+        }
+    return result
+
+
+def check_loss_parallel(rank: int, world: int) -> dict[str, Any]:
+    """The head's logits stay sharded over the vocabulary; the loss (TokenCrossEntropy, its
+    backward under loss_parallel as the trainer runs it) and every gradient match the plain
+    model's, and so does the summed evaluation loss."""
+    torch.manual_seed(0)
+    reference = Tiny()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    targets = torch.randint(0, VOCAB, (BATCH, SEQ))
+    loss_fn = TokenCrossEntropy()
+    loss_ref = loss_fn(reference(tokens), targets)
+    loss_ref.backward()
+    summed_ref, _ = loss_fn.total(reference(tokens).detach(), targets)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    result = {}
+    for sequence_parallel in (False, True):
+        model = Tiny()
+        model.load_state_dict(reference.state_dict())
+        apply_tp(model, mesh=mesh, tp_plan=TP_PLAN, sequence_parallel=sequence_parallel, loss_parallel=True)
+        logits = model(tokens)
+        loss = loss_fn(logits, targets)
+        with sharded_context(logits):
+            loss.backward()
+        with torch.no_grad():
+            summed, count = loss_fn.total(model(tokens), targets)
+        result[sequence_parallel] = {
+            "local_logits": tuple(logits.to_local().shape) if isinstance(logits, DTensor) else None,
+            "full_logits": (BATCH, SEQ, VOCAB),
+            "loss": abs(local_value(loss.detach()).item() - loss_ref.item()),
+            "summed": abs(summed.item() - summed_ref.item()),
+            "grads": {n: (_full(p.grad) - reference.get_parameter(n).grad).abs().max().item()
+                      for n, p in model.named_parameters()},
         }
     return result
 
@@ -183,7 +219,7 @@ def check_comm(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-CHECKS = {"tp": check_tp, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm}
+CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm}
 
 
 def all_checks(rank: int, world: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Distributed pieces on 2 real gloo ranks, in seconds: the tensor-parallel styles,
+"""Distributed pieces on 2 real gloo ranks, in seconds: the tensor-parallel styles and loss,
 ZeroOptimizer, clip_grad_norm_, StopFlag.agreed and the checkpoint's Comm, each against
 its one-process equivalent (tests/multirank_checks.py). One spawn runs them all."""
 
@@ -32,6 +32,16 @@ def test_tensor_parallel_styles_match_the_plain_model(results, sequence_parallel
         got = r[sequence_parallel]
         assert got["sharded_parameters"] == 4  # embed, up, down, head: the norm stays replicated
         assert got["output"] < 1e-6
+        assert got["grads"] and max(got["grads"].values()) < 1e-6, got["grads"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_tensor_parallel_loss_never_gathers_the_logits(results, sequence_parallel):
+    for r in per_rank(results, "loss_parallel"):
+        got = r[sequence_parallel]
+        batch, seq, vocab = got["full_logits"]
+        assert got["local_logits"] == (batch, seq, vocab // WORLD)  # each rank holds 1/tp of the logits
+        assert got["loss"] < 1e-6 and got["summed"] < 1e-5
         assert got["grads"] and max(got["grads"].values()) < 1e-6, got["grads"]
 
 

@@ -42,6 +42,9 @@ class Parallelized:
     """The pipeline schedule when pp > 1."""
     autocast_dtype: torch.dtype | None
     """Run forward under autocast to this dtype (mixed precision without FSDP's policy)."""
+    loss_parallel: bool = False
+    """The model's output is a DTensor sharded over the vocabulary (tensor parallel): the
+    loss and its backward run under torch's loss_parallel (dtk.parallel.tp)."""
 
 
 def parallelize(
@@ -54,10 +57,12 @@ def parallelize(
     materialize: Callable[[list[nn.Module]], None],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_microbatches: int,
+    sharded_logits: bool,
 ) -> Parallelized:
     """Return this rank's model ready to train under `scheme`. `model` is on the meta device;
     `materialize(parts)` gives parts storage and initial values; `loss_fn` is the run's loss,
-    which a pipeline schedule calls on its last stage."""
+    which a pipeline schedule calls on its last stage; `sharded_logits`: the run's task takes
+    logits sharded over the vocabulary (tensor parallel then keeps them sharded)."""
     degrees = mesh.degrees
     param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16)
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32)
@@ -70,6 +75,9 @@ def parallelize(
         from dtk.parallel.tp import check_tp_plan
 
         check_tp_plan(model, spec.tp_plan)
+    # Sharded logits need a task whose loss computes on shards (`sharded_logits`); a
+    # pipeline's last stage hands its output to the schedule, which expects plain tensors.
+    loss_parallel = degrees.tp > 1 and degrees.pp == 1 and sharded_logits
 
     # 1. pipeline split
     parts, stage_ids = [model], [0]
@@ -88,7 +96,8 @@ def parallelize(
         if degrees.tp > 1:
             from dtk.parallel.tp import apply_tp
 
-            apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel)
+            apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel,
+                     loss_parallel=loss_parallel)
         # 3. activation checkpointing
         if scheme.activation_checkpoint != ActivationCheckpoint.none:
             from dtk.parallel.ac import apply_ac
@@ -142,4 +151,4 @@ def parallelize(
             group=mesh.pp_group,
         )
     autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
-    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast)
+    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast, loss_parallel=loss_parallel)

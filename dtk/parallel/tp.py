@@ -9,7 +9,9 @@ A plan maps module path patterns (shell style, `layers.*.attn.wq`) to a style:
                        Embedding split by rows; output summed     the sequence instead of summed
                        to a full (replicated) tensor
     colwise_output     the output head: split by output          input gathered from sequence
-                       features, logits gathered to full          shards first
+                       features; the logits stay split over       shards first
+                       the vocabulary when the loss computes
+                       on shards (loss_parallel), else gathered
     sequence_parallel  nothing (a norm on replicated input)      the norm runs on its sequence
                                                                  shard only
     sequence_gather    nothing                                   the module's input is gathered
@@ -18,6 +20,11 @@ A plan maps module path patterns (shell style, `layers.*.attn.wq`) to a style:
 
 Activations between modules are plain local tensors (use_local_output), so the model's
 own code runs unchanged on its shard: an attention module sees num_heads / tp heads.
+
+The logits are the largest activation of a language model (batch x sequence x vocabulary).
+With `loss_parallel` they leave the head as a DTensor sharded over the vocabulary, and the
+cross-entropy runs on the shards (torch's loss_parallel: each rank exchanges only its
+per-token maxima and sums), so no rank ever holds the full logits.
 """
 
 from __future__ import annotations
@@ -44,25 +51,28 @@ SEQ_DIM = 1  # activations are (batch, sequence, features)
 SEQ = Shard(SEQ_DIM)
 
 
-def _colwise(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+def _colwise(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
     return ColwiseParallel()
 
 
-def _rowwise(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+def _rowwise(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
     # Token ids (or positions) reach an Embedding whole on every rank.
     input_layouts = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
     return RowwiseParallel(input_layouts=input_layouts, output_layouts=SEQ if sequence_parallel else Replicate())
 
 
-def _colwise_output(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
-    return ColwiseParallel(input_layouts=SEQ if sequence_parallel else Replicate(), output_layouts=Replicate())
+def _colwise_output(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
+    input_layouts = SEQ if sequence_parallel else Replicate()
+    if loss_parallel:  # a DTensor sharded over the vocabulary, for the loss to compute on
+        return ColwiseParallel(input_layouts=input_layouts, output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(input_layouts=input_layouts, output_layouts=Replicate())
 
 
-def _sequence_parallel(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+def _sequence_parallel(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
     return SequenceParallel(sequence_dim=SEQ_DIM) if sequence_parallel else None
 
 
-def _sequence_gather(module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+def _sequence_gather(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
     if not sequence_parallel:
         return None
     return PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
@@ -70,7 +80,7 @@ def _sequence_gather(module: nn.Module, sequence_parallel: bool) -> ParallelStyl
 
 # What each style of the schema (dtk/config/choices.py) is in torch; a test checks that
 # every TpStyle member is here.
-STYLES: dict[TpStyle, Callable[[nn.Module, bool], ParallelStyle | None]] = {
+STYLES: dict[TpStyle, Callable[[nn.Module, bool, bool], ParallelStyle | None]] = {
     TpStyle.colwise: _colwise,
     TpStyle.rowwise: _rowwise,
     TpStyle.colwise_output: _colwise_output,
@@ -79,9 +89,9 @@ STYLES: dict[TpStyle, Callable[[nn.Module, bool], ParallelStyle | None]] = {
 }
 
 
-def make_style(style: TpStyle, module: nn.Module, *, sequence_parallel: bool) -> ParallelStyle | None:
+def make_style(style: TpStyle, module: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
     """The torch ParallelStyle of one module, or None when the style is a no-op here."""
-    return STYLES[style](module, sequence_parallel)
+    return STYLES[style](module, sequence_parallel, loss_parallel)
 
 
 def check_tp_plan(model: nn.Module, tp_plan: dict[str, TpStyle]) -> None:
@@ -99,10 +109,14 @@ def check_tp_plan(model: nn.Module, tp_plan: dict[str, TpStyle]) -> None:
             raise ValueError(f"model.tp_plan pattern {pattern!r} matches no module of the model")
 
 
-def apply_tp(module: nn.Module, *, mesh: DeviceMesh, tp_plan: dict[str, TpStyle], sequence_parallel: bool) -> None:
-    """Shard the matched modules of `module` (a whole model or one pipeline stage) in place."""
+def apply_tp(
+    module: nn.Module, *, mesh: DeviceMesh, tp_plan: dict[str, TpStyle], sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """Shard the matched modules of `module` (a whole model or one pipeline stage) in place;
+    `loss_parallel`: the output head's logits stay sharded (see the module doc)."""
     for pattern, style in tp_plan.items():
         for _, target in pattern_matches(module, pattern):
-            parallel_style = make_style(TpStyle(style), target, sequence_parallel=sequence_parallel)
+            parallel_style = make_style(TpStyle(style), target, sequence_parallel=sequence_parallel,
+                                        loss_parallel=loss_parallel)
             if parallel_style is not None:
                 parallelize_module(target, mesh, parallel_style)

@@ -10,10 +10,13 @@ and the number of terms, so an evaluation can average over any number of batches
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 
 class Loss(Protocol):
@@ -21,13 +24,30 @@ class Loss(Protocol):
     def total(self, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]: ...
 
 
+def sharded_context(output: torch.Tensor):
+    """torch's loss_parallel around a loss (and its backward) of logits sharded over the
+    vocabulary (a DTensor from a tensor-parallel head); nothing for plain logits."""
+    return loss_parallel() if isinstance(output, DTensor) else contextlib.nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a loss: a replicated DTensor's local value is the whole value."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class TokenCrossEntropy:
     """Next-token cross-entropy over (batch, sequence, vocabulary) logits, in float32
-    whatever the logits' dtype."""
+    whatever the logits' dtype. Logits sharded over the vocabulary (tensor parallel) are
+    never gathered: the loss runs on the shards, and so must its backward (the trainer
+    calls it under `sharded_context`)."""
+
+    sharded_logits = True  # accepts vocabulary-sharded DTensor logits (dtk.parallel.tp)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        with sharded_context(logits):
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def total(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return summed, targets.numel()
+        with sharded_context(logits):
+            summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return local_value(summed), targets.numel()

@@ -30,6 +30,7 @@ from dtk.data.loader import StepBatches
 from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
+from dtk.train.loss import local_value, sharded_context
 from dtk.train.phases import NOT_STEP, PhaseTimer
 from dtk.train.policies import StopRequested
 from dtk.train.task import LmTask, Task
@@ -80,7 +81,7 @@ class Trainer:
         timer: PhaseTimer | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
-            model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None)
+            model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None, loss_parallel=False)
         self.parallel = model
         self.parts = model.parts
         self.model = model.parts[0]
@@ -119,9 +120,10 @@ class Trainer:
             with self._sync_context(i == n - 1):
                 loss = self.task(self.model, batch, self._autocast())
                 self.timer.lap("forward")
-                (loss / n).backward()
+                with sharded_context(loss):  # a loss of vocabulary-sharded logits: its backward too
+                    (loss / n).backward()
                 self.timer.lap("backward")
-            total += loss.detach().float()
+            total += local_value(loss.detach()).float()
         return total / n
 
     def _pipeline(self, micro: list[torch.Tensor]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEv
 from dtk.train.profile import StepProfiler
 from dtk.train.startup import StartupClock
 from dtk.train.system import SYSTEM_LOG, SystemSampler
-from dtk.train.task import Task, build_task
+from dtk.train.task import LmTask, Task, build_task
 from dtk.train.tensorboard import TensorBoardLog
 from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
@@ -80,6 +80,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=seed),
         loss_fn=loss,
         num_microbatches=plan.grad_accum,
+        # the token loss computes on vocabulary shards; a user's loss or metric gets whole logits
+        sharded_logits=isinstance(task, LmTask) and not task.metrics,
     )
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
     shard_group = mesh.dp_group if cfg.scheme.shard_optimizer else None
