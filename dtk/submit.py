@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtk.config.compose import CONFIG_DIR_FLAG, compose, expand_sweep, search_path
 from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import Plan, make_plan
 
 if TYPE_CHECKING:
@@ -64,8 +66,9 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     search = search_path(config_dirs or [])
     search.activate()
     points = expand_sweep(overrides) if multirun else [overrides]
+    gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))  # the local cluster's default workers
     planned = [(point, compose(point, search=search)) for point in points]
-    planned = [(point, cfg, make_plan(cfg, import_path=search.modules)) for point, cfg in planned]
+    planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in planned]
     for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.

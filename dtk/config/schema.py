@@ -340,7 +340,7 @@ class Config:
     spare_nodes: int = 0
     """Hot spare nodes allocated on top of `nodes` (Slurm); a failed node is replaced by a spare without requeueing."""
     tasks_per_node: int | None = None
-    """Worker processes per node: one per GPU; on a CPU machine, how many processes. None: cluster.gpus_per_node, or 2 without GPUs."""
+    """Worker processes per node: one per GPU (more is refused: two workers would share a GPU); on a CPU machine, how many processes. None: cluster.gpus_per_node, on the local cluster the GPUs this machine shows, else 2."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Where the job runs (group `cluster`)."""
     model: Any = MISSING

@@ -9,28 +9,60 @@ import torch
 import torch.distributed as dist
 
 from dtk.config.choices import Backend, DeviceKind
+from dtk.errors import UserError
 from dtk.worker.env import WorkerEnv
+
+
+def shared_gpu_error(local_world_size: int, device_count: int) -> str | None:
+    """Why workers of this node would share a GPU, or None. Each worker takes GPU
+    `local_rank % device_count`; with more workers than visible GPUs two take the same one,
+    and NCCL then fails with a duplicate-GPU error far from the cause. One visible GPU per
+    worker is a per-task binding (srun --gpu-bind), which is fine; a plan with more workers
+    than cluster.gpus_per_node is refused before it gets here (dtk.plan.plan)."""
+    if device_count <= 1 or local_world_size <= device_count:
+        return None
+    return (
+        f"{local_world_size} workers on this node but {device_count} GPUs visible: two workers would share a GPU"
+        f" (NCCL refuses); start at most {device_count} per node (tasks_per_node={device_count})"
+    )
 
 
 def pick_device(want: DeviceKind, env: WorkerEnv) -> torch.device:
     if want == DeviceKind.cuda or (want == DeviceKind.auto and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("dist.device=cuda but no GPU is visible to this process")
+        error = shared_gpu_error(env.local_world_size, torch.cuda.device_count())
+        if error:
+            raise UserError(error)
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def init_process_group(env: WorkerEnv, *, backend: Backend, device: torch.device, timeout_s: int) -> None:
+def backend_string(backend: Backend, device_type: str, *, cpu_collectives: bool) -> str:
+    """What `init_process_group` is given. On a GPU, NCCL; and when something reduces CPU
+    tensors (`cpu_collectives`: FSDP's CPU offload keeps gradients in host memory, so the
+    gradient norm and the pipeline's norm reduction run on CPU tensors), gloo beside it for
+    CPU tensors - NCCL alone fails on them. Every group made from the default one (the
+    DeviceMesh's) inherits both. Without offloading NCCL stays alone: a gloo group on
+    every mesh axis costs connections and start-up time for nothing."""
+    if backend == Backend.auto:
+        backend = Backend.nccl if device_type == "cuda" else Backend.gloo
+    if backend == Backend.nccl and cpu_collectives:
+        return "cuda:nccl,cpu:gloo"
+    return backend.value
+
+
+def init_process_group(
+    env: WorkerEnv, *, backend: Backend, device: torch.device, timeout_s: int, cpu_collectives: bool
+) -> None:
     """Join the world with a timeout, so a missing peer fails the start instead of hanging."""
     if env.world_size == 1 and dist.is_initialized():
         return
-    if backend == Backend.auto:
-        backend = Backend.nccl if device.type == "cuda" else Backend.gloo
     os.environ["MASTER_ADDR"] = env.master_addr
     os.environ["MASTER_PORT"] = str(env.master_port)
     dist.init_process_group(
-        backend=backend.value,
+        backend=backend_string(backend, device.type, cpu_collectives=cpu_collectives),
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from dtk.config.compose import compose, search_path
 from dtk.errors import ArgumentParser, run_cli
+from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import make_plan
 from dtk.submit import add_config_dir
 
@@ -46,7 +48,7 @@ def main(argv: list[str]) -> int:
     search = search_path(args.config_dirs)
     search.activate()
     cfg = compose(args.overrides, search=search)
-    plan = make_plan(cfg, import_path=search.modules)
+    plan = make_plan(cfg, import_path=search.modules, local_gpus=visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES")))
 
     from dtk.plan.inputs import context
     from dtk.plan.report import memory_plan

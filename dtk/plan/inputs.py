@@ -34,6 +34,25 @@ def plan_keys(cfg: Config) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg.plan).items() if v is not None}
 
 
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver sees
+
+
+def visible_gpus(cuda_visible_devices: str | None, *, driver_folder: Path = NVIDIA_GPUS) -> int:
+    """GPUs this machine shows a process, without torch (the login-node path): the NVIDIA
+    driver's GPUs, narrowed by CUDA_VISIBLE_DEVICES as CUDA reads it (the list ends at the
+    first entry that is not a device; an empty one hides every GPU)."""
+    installed = sum(1 for _ in driver_folder.iterdir()) if driver_folder.is_dir() else 0
+    if cuda_visible_devices is None or not installed:
+        return installed
+    count = 0
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return min(count, installed)
+
+
 def device_kind(cfg: Config) -> str:
     """`cuda` or `cpu`, without touching torch: what the job asks for, else what the cluster declares."""
     want = cfg.dist.device

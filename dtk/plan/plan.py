@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtk.config.choices import ClusterKind, DataKind
+from dtk.config.choices import ClusterKind, DataKind, DeviceKind
 from dtk.config.convert import builtin_transformer, from_dict, to_dict
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
@@ -118,14 +118,37 @@ def check_after(after: str | None, cluster_kind: str) -> None:
                         " use cluster=slurm or a site's cluster file")
 
 
-def make_plan(cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str, ...] = ()) -> Plan:
-    """Validate the config and derive the plan. Raises UserError with the arithmetic."""
+def gpus_per_node(cfg: Config, local_gpus: int) -> tuple[int, str]:
+    """GPUs a node gives the workers, and what says so: cluster.gpus_per_node, or on the
+    local cluster the GPUs this machine shows (0 with dist.device=cpu: no GPU is used)."""
+    if cfg.dist.device == DeviceKind.cpu:
+        return 0, "dist.device=cpu"
+    if cfg.cluster.gpus_per_node:
+        return cfg.cluster.gpus_per_node, f"cluster.gpus_per_node={cfg.cluster.gpus_per_node}"
+    if cfg.cluster.kind == ClusterKind.local and local_gpus:
+        return local_gpus, f"this machine shows {local_gpus} GPUs"
+    return 0, "no GPUs"
+
+
+def make_plan(
+    cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str, ...] = (), local_gpus: int = 0
+) -> Plan:
+    """Validate the config and derive the plan. Raises UserError with the arithmetic.
+    `local_gpus`: the GPUs this machine shows (dtk.plan.inputs.visible_gpus), which the
+    local cluster starts one worker per by default."""
     cluster, train, fault, ckpt, optim = cfg.cluster, cfg.train, cfg.fault, cfg.checkpoint, cfg.optim
     nodes, tpn = cfg.nodes, cfg.tasks_per_node
+    gpus, gpus_from = gpus_per_node(cfg, local_gpus)
     if tpn is None:
-        tpn = cluster.gpus_per_node or DEFAULT_CPU_TASKS
+        tpn = gpus or DEFAULT_CPU_TASKS
     _positive("nodes", nodes)
     _positive("tasks_per_node", tpn)
+    if gpus and tpn > gpus:
+        # Each worker takes GPU local_rank % count: two would share one, and NCCL fails.
+        raise UserError(
+            f"tasks_per_node={tpn} is more workers than GPUs on a node ({gpus_from}): two workers would share"
+            f" a GPU, which NCCL refuses; use tasks_per_node={gpus} (one worker per GPU), or dist.device=cpu"
+        )
     spares = cfg.spare_nodes
     if spares < 0:
         raise UserError(f"spare_nodes={spares}: expected 0 or a positive count of extra nodes")

@@ -61,7 +61,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         set_threads(cfg.train.threads, env)
     # The fabric's variables (interfaces, HCAs, master address) must be set before the group starts.
     env, fabric = before_process_group(plan, env, run, device=device)
-    init_process_group(env, backend=cfg.dist.backend, device=device, timeout_s=cfg.dist.timeout_s)
+    init_process_group(env, backend=cfg.dist.backend, device=device, timeout_s=cfg.dist.timeout_s,
+                       cpu_collectives=cfg.scheme.cpu_offload)
     after_process_group(fabric, plan, env, run, device=device)  # stops here when NCCL bypasses InfiniBand
     clock.lap("process_group")
     rank0 = env.rank == 0
