@@ -70,7 +70,7 @@ block_syncs() {
 small_run() {  # NAME WORKERS OVERRIDES...: a 12-step fp32 run of a small model (TF32 off: schemes compare exactly)
     local name=$1 workers=$2; shift 2
     timeout "$(( $(left) > 30 ? $(left) : 30 ))" "$PYTHON" -m dtk.submit tasks_per_node="$workers" dist.device=cuda \
-        scheme.param_dtype=float32 model.dim=256 model.num_layers=4 model.num_heads=8 model.vocab_size=4096 \
+        scheme.param_dtype=float32 scheme.matmul_precision=highest model.dim=256 model.num_layers=4 model.num_heads=8 model.vocab_size=4096 \
         model.seq_len=256 train.global_batch=16 train.micro_batch=2 train.steps=12 train.log_every=4 \
         optim.warmup_steps=2 checkpoint.every=0 data.num_samples=512 "$@" run.root="$ROOT" run.name="$name" \
         > "$ROOT/$name.log" 2>&1 || fail "the $name run failed; see $ROOT/$name.log"

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtk.config.choices import DataKind, Dtype, OptimizerName, PipelineSchedule, TpStyle
+from dtk.config.choices import DataKind, Dtype, MatmulPrecision, OptimizerName, PipelineSchedule, TpStyle
 from dtk.config.schema import DATA_SCHEMAS, SchemeConfig
 from dtk.plan.degrees import Axis, Degrees
 
 
 def test_every_choice_has_its_meaning_in_the_code():
     from dtk.parallel.pipeline import SCHEDULES
-    from dtk.parallel.precision import DTYPES
+    from dtk.parallel.precision import DTYPES, MATMUL
     from dtk.parallel.tp import STYLES
     from dtk.train.optim import OPTIMIZERS
 
     assert set(STYLES) == set(TpStyle)
     assert set(SCHEDULES) == set(PipelineSchedule)
     assert set(DTYPES) | {Dtype.auto} == set(Dtype)
+    assert set(MATMUL) | {MatmulPrecision.auto} == set(MatmulPrecision)
     assert set(OPTIMIZERS) == set(OptimizerName)
     assert set(DATA_SCHEMAS) == set(DataKind)
 

@@ -17,7 +17,7 @@ def evaluator(stop_requested):
     model = build(vocab_size=32, dim=16, num_layers=1, num_heads=2, seq_len=16)
     return Evaluator(model=model, dataset=data, task=LmTask(TokenCrossEntropy()), every=1, total_steps=10, max_samples=0,
                      global_batch=8, micro_batch=4, mesh=ParallelMesh.single(), device=torch.device("cpu"), log=None,
-                     stop_requested=stop_requested)
+                     stop_requested=stop_requested, autocast_dtype=None)
 
 
 def test_evaluation_stops_at_the_batch_after_the_signal():

@@ -77,6 +77,15 @@ class Dtype(Choice):
     float16 = "float16"
 
 
+class MatmulPrecision(Choice):
+    """torch.set_float32_matmul_precision (dtk/parallel/precision.py maps each)."""
+
+    auto = "auto"
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
 class TpStyle(Choice):
     """What a module named in `model.tp_plan` becomes (dtk/parallel/tp.py has the table)."""
 

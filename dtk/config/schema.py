@@ -20,6 +20,7 @@ from dtk.config.choices import (
     DeviceKind,
     Dtype,
     FabricRequire,
+    MatmulPrecision,
     OptimizerName,
     PipelineSchedule,
     TpStyle,
@@ -206,9 +207,11 @@ class SchemeConfig:
     compile: bool = False
     """torch.compile each block."""
     param_dtype: Dtype = Dtype.auto
-    """Dtype of parameters in forward/backward: `auto` (bfloat16 on GPU, float32 on CPU), `float32` or `bfloat16`."""
+    """Dtype of parameters in forward/backward: `auto` (bfloat16 on a GPU that supports it, else float32; float32 on CPU), `float32` or `bfloat16`. `float16` is refused: dtk has no gradient scaler."""
     reduce_dtype: Dtype = Dtype.auto
     """Dtype of the FSDP gradient reduction: `auto` (float32), `float32` or `bfloat16`."""
+    matmul_precision: MatmulPrecision = MatmulPrecision.auto
+    """float32 matmuls (torch.set_float32_matmul_precision): `auto` (`high` on a GPU: TF32 tensor cores; `highest` on CPU), `highest` (exact float32), `high` or `medium`."""
 
 
 @dataclass

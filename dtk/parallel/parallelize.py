@@ -64,8 +64,8 @@ def parallelize(
     which a pipeline schedule calls on its last stage; `sharded_logits`: the run's task takes
     logits sharded over the vocabulary (tensor parallel then keeps them sharded)."""
     degrees = mesh.degrees
-    param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16)
-    reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32)
+    param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype")
+    reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32, key="scheme.reduce_dtype")
     # A one-process fsdp job still runs fully_shard (on a one-rank mesh): the same code,
     # mixed-precision policy and memory layout as on many GPUs.
     use_fsdp = scheme.data_parallel == DataParallel.fsdp and (degrees.dp > 1 or degrees.world == 1)

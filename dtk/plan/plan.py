@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtk.config.choices import ClusterKind, DataKind, DeviceKind
+from dtk.config.choices import ClusterKind, DataKind, DeviceKind, Dtype
 from dtk.config.convert import builtin_transformer, from_dict, to_dict
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
@@ -217,6 +217,12 @@ def make_plan(
             f"scheme.pp={degrees.pp} with task._target_={cfg.task._target_}: a pipeline runs the token-LM task only"
             " (token ids in, next-token cross-entropy on the last stage); use task=lm, or scheme.pp=1 (ddp, fsdp, tp)"
         )
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(scheme, key) == Dtype.float16:
+            # float16 gradients underflow without loss scaling, and a scaler that works
+            # across FSDP shards and pipeline stages is not part of dtk.
+            raise UserError(f"scheme.{key}=float16: dtk has no gradient scaler, and float16 gradients underflow"
+                            f" without one; use scheme.{key}=bfloat16 (as fast on A100 and newer GPUs) or float32")
     digest = semantic_hash(cfg)
     name = cfg.run.name or f"{_model_name(cfg.model)}-{digest}"
     if "/" in name or name in (".", ".."):

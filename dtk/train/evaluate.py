@@ -26,6 +26,7 @@ import torch.distributed as dist
 from dtk.data.batch import as_torch, micro_batches, to_device
 from dtk.data.order import rank_share
 from dtk.dist.mesh import ParallelMesh
+from dtk.parallel.precision import autocast
 from dtk.plan.plan import check_eval_split
 from dtk.rundir import append_jsonl
 from dtk.train.task import Task
@@ -49,6 +50,7 @@ class Evaluator:
         device: torch.device,
         log: Path | None,
         stop_requested: Callable[[], bool] | None,
+        autocast_dtype: torch.dtype | None,
     ) -> None:
         self.model = model
         self.task = task
@@ -65,6 +67,7 @@ class Evaluator:
         # Collective, checked before every validation batch: a long evaluation must not
         # outlast the lead time of a time-limit or preemption signal.
         self.stop_requested = stop_requested
+        self.autocast_dtype = autocast_dtype  # the training forward's autocast (dtk.parallel.precision)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.total_steps)
@@ -85,7 +88,8 @@ class Evaluator:
                     return None
                 ids = rank_share(np.arange(start, start + self.global_batch), self.mesh.dp_rank, self.mesh.dp_size)
                 for micro in micro_batches(as_torch(self.dataset.get(ids)), self.micro_batch):
-                    sums, counts = self.task.sums(self.model, to_device(micro, self.device))
+                    with autocast(self.device, self.autocast_dtype):  # the training forward's
+                        sums, counts = self.task.sums(self.model, to_device(micro, self.device))
                     for j, name in enumerate(names):
                         total[2 * j] += sums[name].double()
                         total[2 * j + 1] += counts[name]

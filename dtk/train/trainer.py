@@ -30,6 +30,7 @@ from dtk.data.loader import StepBatches
 from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
+from dtk.parallel.precision import autocast
 from dtk.train.loss import local_value, sharded_context
 from dtk.train.phases import NOT_STEP, PhaseTimer
 from dtk.train.policies import StopRequested
@@ -107,10 +108,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _autocast(self):
-        dtype = self.parallel.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.batches.device.type, dtype=dtype)
+        return autocast(self.batches.device, self.parallel.autocast_dtype)
 
     def _accumulate(self, micro: list[Any]) -> torch.Tensor:
         """Forward/backward of each micro-batch; returns the mean loss over them."""

@@ -23,7 +23,7 @@ from dtk.dist.mesh import ParallelMesh, build_mesh
 from dtk.errors import ArgumentParser
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
-from dtk.parallel.precision import resolve_dtype
+from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import HEARTBEAT, RunDir, read_jsonl, write_json_atomic
@@ -57,6 +57,7 @@ def set_threads(requested: int, env: WorkerEnv) -> None:
 def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     cfg = plan.config
     device = pick_device(cfg.dist.device, env)
+    torch.set_float32_matmul_precision(matmul_precision(cfg.scheme.matmul_precision, device))  # TF32 on purpose
     if device.type == "cpu":
         set_threads(cfg.train.threads, env)
     # The fabric's variables (interfaces, HCAs, master address) must be set before the group starts.
@@ -123,8 +124,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         device=device,
     )
     policies = step_policies(
-        plan, env, run, model=model.parts[0], task=task, val_dataset=val_dataset, mesh=mesh, device=device,
-        checkpoints=checkpoints, start_step=start_step, samples_per_epoch=len(dataset), heartbeat=heartbeat,
+        plan, env, run, model=model.parts[0], autocast_dtype=model.autocast_dtype, task=task, val_dataset=val_dataset,
+        mesh=mesh, device=device, checkpoints=checkpoints, start_step=start_step, samples_per_epoch=len(dataset),
+        heartbeat=heartbeat,
     )
     trainer = Trainer(
         model=model,
@@ -185,9 +187,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
 
 
 def step_policies(
-    plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, task: Task, val_dataset, mesh: ParallelMesh,
-    device: torch.device, checkpoints: CheckpointManager, start_step: int, samples_per_epoch: int,
-    heartbeat: Heartbeat,
+    plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, autocast_dtype: torch.dtype | None, task: Task,
+    val_dataset, mesh: ParallelMesh, device: torch.device, checkpoints: CheckpointManager, start_step: int,
+    samples_per_epoch: int, heartbeat: Heartbeat,
 ) -> StepPolicies:
     """What runs after every step (dtk.train.policies), made for this rank: global rank 0
     writes, every rank takes part in the collective ones."""
@@ -219,7 +221,7 @@ def step_policies(
         flops_per_token=flops_per_token(cfg.model) if rank0 else None,
         peak_tflops=peak_tflops(
             override=cfg.cluster.peak_tflops, accelerator=cfg.cluster.accelerator, device=device,
-            dtype=resolve_dtype(cfg.scheme.param_dtype, device, auto=torch.bfloat16),
+            dtype=resolve_dtype(cfg.scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype"),
         )[0],
         tensorboard=TensorBoardLog(run.path) if rank0 and cfg.train.tensorboard else None,
     )
@@ -248,6 +250,7 @@ def step_policies(
             log=run.path / EVAL_LOG if rank0 else None,
             # Collective, before every validation batch: a long evaluation ends at a stop signal.
             stop_requested=eval_batch_stop,
+            autocast_dtype=autocast_dtype,  # the training forward's, so val_loss compares with loss
         ),
         checkpoint=checkpoints,
         stop=agreed_stop,
