@@ -137,18 +137,29 @@ def check_zero(rank: int, world: int) -> dict[str, Any]:
     sharded = [nn.Parameter(t.clone()) for t in start]
     adam = torch.optim.AdamW(plain, lr=0.1)
     zero = ZeroOptimizer(sharded, lambda share: torch.optim.AdamW(share, lr=0.1), group=dist.group.WORLD)
-    for step_grads in grads:
-        for p, q, g in zip(plain, sharded, step_grads, strict=True):
-            p.grad, q.grad = g.clone(), g.clone()
-        adam.step()
-        zero.step()
-        zero.zero_grad()
+    broadcast, calls = dist.broadcast, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return broadcast(*args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        for step_grads in grads:
+            for p, q, g in zip(plain, sharded, step_grads, strict=True):
+                p.grad, q.grad = g.clone(), g.clone()
+            adam.step()
+            zero.step()
+            zero.zero_grad()
+    finally:
+        dist.broadcast = broadcast
     owned = sum(p.numel() for p in zero.shares[rank])
     return {
         "max_difference": max((p - q).abs().max().item() for p, q in zip(plain, sharded, strict=True)),
         "owned_elements": owned,
         "local_state": len(zero.local.state),
         "grads_cleared": all(q.grad is None for q in sharded),
+        "broadcasts_per_step": len(calls) / len(grads),
     }
 
 

@@ -49,6 +49,7 @@ def test_zero_optimizer_matches_one_optimizer_over_all_parameters(results):
     ranks = per_rank(results, "zero")
     for r in ranks:
         assert r["max_difference"] == 0.0 and r["grads_cleared"]
+        assert r["broadcasts_per_step"] == WORLD  # one flat bucket per owner, not one per parameter
     # The state is split: each rank steps only its share, together all of it.
     assert sum(r["owned_elements"] for r in ranks) == 15 + 7 + 4 + 3
     assert all(0 < r["local_state"] < 4 for r in ranks)
