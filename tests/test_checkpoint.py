@@ -352,17 +352,21 @@ def test_a_save_checksums_its_shards_while_writing_them_not_by_reading_them_back
 
 
 def test_a_file_written_out_of_order_is_not_trusted_to_its_running_checksum(tmp_path):
-    from dtk.checkpoint.hashing import HashingFileSystem
+    from dtk.checkpoint.hashing import CHUNK, HashingFileSystem
 
     fs = HashingFileSystem()
     with fs.create_stream(tmp_path / "straight", "wb") as stream:
         stream.write(b"abc")
         stream.write(memoryview(bytearray(b"defg")))
+    with fs.create_stream(tmp_path / "large", "wb") as stream:  # whole CHUNKs hashed in parallel, then joined
+        stream.write(b"header")
+        stream.write(torch.arange(2 * CHUNK // 4 + 3, dtype=torch.float32).numpy().tobytes())
+        stream.write(b"trailer")
     with fs.create_stream(tmp_path / "rewound", "wb") as stream:
         stream.write(b"abc")
         stream.seek(0)
         stream.write(b"x")
     fs.rename(tmp_path / "straight", tmp_path / "renamed")
     hashed = fs.hashed()
-    assert hashed == {"renamed": mf.describe_file(tmp_path / "renamed")}
+    assert hashed == {"renamed": mf.describe_file(tmp_path / "renamed"), "large": mf.describe_file(tmp_path / "large")}
     assert hashed["renamed"]["size"] == 7

@@ -6,6 +6,11 @@ CRC is updated with each buffer on its way to the file, so a save is one pass ov
 data. The page cache writes back to the disk while the next buffers are hashed, so on a
 disk slower than CRC-32 the hash costs next to nothing.
 
+A large buffer is hashed in CHUNK pieces on a small thread pool while the calling thread
+writes it (zlib's CRC releases the GIL), and the pieces' CRCs are joined as zlib's
+crc32_combine does (`Crc.extend`): the file's CRC-32 is the one a single pass computes,
+so manifests and their verification are unchanged.
+
 A file counts as hashed only if it was written front to back (no seek) and its size on
 disk equals the bytes hashed; any other file is left out of `hashed()`, and the saver
 reads it back instead - the manifest is right either way.
@@ -17,6 +22,7 @@ import os
 import threading
 import zlib
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,21 +32,81 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dtk.checkpoint.manifest import CHECKSUM
 
+CHUNK = 8 << 20  # bytes per piece hashed on its own
+POLY = 0xEDB88320  # CRC-32 (zlib), reflected
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    """A GF(2) 32x32 matrix (matrix[i]: the image of bit i) times a 32-bit vector."""
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: list[int]) -> list[int]:
+    return [_times(matrix, column) for column in matrix]
+
+
+def _zeros_operator(num_bytes_log2: int) -> list[int]:
+    """The operator that advances a CRC register over 2**num_bytes_log2 zero bytes."""
+    operator = [POLY] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3 + num_bytes_log2):  # 8 bits per byte, then doubling
+        operator = _square(operator)
+    return operator
+
+
+SKIP_CHUNK = _zeros_operator(CHUNK.bit_length() - 1)
+assert 1 << (CHUNK.bit_length() - 1) == CHUNK, "CHUNK must be a power of two"
+
+
+class Crc:
+    """A running CRC-32 that takes pieces hashed elsewhere: `extend(crc, n)` appends a piece
+    whose own CRC (from 0) is `crc`; only whole CHUNK pieces can be appended so."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def extend(self, piece_crc: int) -> None:
+        # crc(A + B) = shift(crc(A), len(B)) ^ crc(B), for B of CHUNK bytes
+        self.value = _times(SKIP_CHUNK, self.value) ^ piece_crc
+
+
+_POOL = ThreadPoolExecutor(max_workers=max(2, min(8, len(os.sched_getaffinity(0)))), thread_name_prefix="dtk-crc")
+
 
 class HashingStream:
     """A binary file opened for writing that updates a CRC-32 with every write."""
 
     def __init__(self, raw) -> None:
         self.raw = raw
-        self.crc = 0
+        self.crc = Crc()
         self.size = 0
         self.sequential = True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        whole = (view.nbytes // CHUNK) * CHUNK
+        # The CHUNK pieces are hashed by the pool while this thread writes; the buffer is
+        # not released before they are done (the caller may reuse it after we return).
+        pieces = [_POOL.submit(zlib.crc32, view[i : i + CHUNK]) for i in range(0, whole, CHUNK)] if whole else []
         written = self.raw.write(view)
         written = view.nbytes if written is None else written
-        self.crc = zlib.crc32(view[:written], self.crc)
+        done = 0
+        if pieces and written == view.nbytes:
+            for piece in pieces:
+                self.crc.extend(piece.result())
+            done = whole
+        else:
+            for piece in pieces:
+                piece.result()
+        self.crc.update(view[done:written])
         self.size += written
         return written
 
@@ -86,7 +152,7 @@ class HashingFileSystem(FileSystem):
         ok = stream.sequential and os.stat(path).st_size == stream.size
         with self._lock:
             if ok:
-                self._hashed[name] = {"size": stream.size, CHECKSUM: f"{stream.crc:08x}"}
+                self._hashed[name] = {"size": stream.size, CHECKSUM: f"{stream.crc.value:08x}"}
             else:
                 self._hashed.pop(name, None)
 
