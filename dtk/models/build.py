@@ -90,8 +90,8 @@ def _tensors(parts: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Ten
 
 @torch.no_grad()
 def _assign(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy `full` (the unsharded value, on the CPU) into `target`, which may be a DTensor
-    shard of it: each rank keeps only its own piece."""
+    """Copy `full` (the unsharded value) into `target`, which may be a DTensor shard of it:
+    each rank keeps only its own piece."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(target, DTensor):
@@ -104,9 +104,15 @@ def _assign(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def _init_by_name(parts: list[nn.Module], seed: int) -> None:
+    """Each full tensor is drawn on the device its shard lives on, from a generator of that
+    device: on a GPU the draw takes milliseconds where the CPU takes minutes for a large
+    model, and no full tensor crosses the host-device link. Values depend on (seed, name)
+    and the device type only: every scheme and world size starts from the same weights on
+    the same GPUs (a GPU's stream differs from the CPU's, so a CPU run starts elsewhere)."""
     for part, name, t in _tensors(parts):
-        full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        part.reset_parameter(name, full, torch.Generator().manual_seed(name_seed(seed, name)))
+        full = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        generator = torch.Generator(device=t.device).manual_seed(name_seed(seed, name))
+        part.reset_parameter(name, full, generator)
         _assign(t, full)
 
 
@@ -114,8 +120,8 @@ def materialize(parts: list[nn.Module], *, model_cfg: ModelConfig, device: torch
     """Give meta parameters storage on `device` and their initial values.
 
     A model with `reset_parameter(name, full, generator)` fills each full tensor from a
-    generator seeded by (seed, name), one tensor at a time, so memory stays one parameter
-    above the shards. Any other model is built once more on the CPU under `seed` with
+    generator seeded by (seed, name), one tensor at a time on the shards' device, so memory
+    stays one parameter above the shards. Any other model is built once more on the CPU under `seed` with
     its own initialisation, and each rank copies its shards from that reference (memory:
     one full model on the host while starting)."""
     for part in parts:
