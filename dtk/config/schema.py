@@ -206,6 +206,8 @@ class SchemeConfig:
     """Recompute activations in backward: `none`, `selective` (keep matmul and attention outputs) or `full` (each block)."""
     compile: bool = False
     """torch.compile each block."""
+    compile_fullgraph: bool = True
+    """With compile: each block must compile to one graph (fullgraph=True), so a graph break is an error at the first step that names it; false allows breaks and logs each once."""
     param_dtype: Dtype = Dtype.auto
     """Dtype of parameters in forward/backward: `auto` (bfloat16 on a GPU that supports it, else float32; float32 on CPU), `float32` or `bfloat16`. `float16` is refused: dtk has no gradient scaler."""
     reduce_dtype: Dtype = Dtype.auto

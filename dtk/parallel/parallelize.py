@@ -107,7 +107,7 @@ def parallelize(
         if scheme.compile:
             from dtk.parallel.compile import apply_compile
 
-            apply_compile(part, wrap_classes=spec.wrap_classes)
+            apply_compile(part, wrap_classes=spec.wrap_classes, fullgraph=scheme.compile_fullgraph)
         # 5. FSDP (on the meta device: shards are allocated by materialize)
         if use_fsdp:
             from dtk.parallel.fsdp import apply_fsdp
