@@ -16,8 +16,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dtk.checkpoint.sharded import Comm
-from dtk.config.choices import TpStyle
+from dtk.config.choices import PipelineSchedule, TpStyle
+from dtk.models.transformer import build as build_transformer
 from dtk.parallel.grad_norm import clip_grad_norm_
+from dtk.parallel.pipeline import autocast_stage, build_pipeline, split_model
 from dtk.parallel.tp import apply_tp
 from dtk.parallel.zero import ZeroOptimizer
 from dtk.train.loss import TokenCrossEntropy, local_value, sharded_context
@@ -127,6 +129,40 @@ def check_loss_parallel(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+def check_pp_autocast(rank: int, world: int) -> dict[str, Any]:
+    """A 2-stage pipeline in bfloat16 autocast (CPU): stage 0 sends bfloat16, the backward
+    runs outside autocast, and the loss is the one-process autocast loss up to the rounding
+    of the activations at the stage boundary."""
+    torch.manual_seed(0)
+    full = build_transformer(vocab_size=VOCAB, dim=DIM, num_layers=2, num_heads=2, seq_len=SEQ)
+    tokens = torch.randint(0, VOCAB, (4, SEQ))
+    targets = torch.randint(0, VOCAB, (4, SEQ))
+    loss_fn = TokenCrossEntropy()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = full(tokens)
+    reference = loss_fn(logits, targets).item()
+    parts, ids = split_model(full, split_points=(), pp_rank=rank, pp=world, virtual=1)
+    for part, i in zip(parts, ids, strict=True):
+        autocast_stage(part, device_type="cpu", dtype=torch.bfloat16, sends=i < world - 1)
+    sent, in_backward = [], []
+    parts[0].register_forward_hook(lambda m, a, out: sent.append(out.dtype))
+    for p in parts[0].parameters():
+        p.register_hook(lambda g: in_backward.append(torch.is_autocast_enabled("cpu")) or g)
+    pipe = build_pipeline(parts, ids, num_stages=world, schedule=PipelineSchedule("gpipe"), num_microbatches=2,
+                          loss_fn=loss_fn, device=torch.device("cpu"), group=dist.group.WORLD)
+    losses: list = []
+    if pipe.has_first_stage:
+        pipe.schedule.step(tokens)
+    else:
+        pipe.schedule.step(target=targets, losses=losses)
+    return {
+        "sent": [str(d) for d in sent],
+        "autocast_in_backward": sorted(set(in_backward)),
+        "loss": torch.stack(losses).mean().item() if losses else None,
+        "reference": reference,
+    }
+
+
 def check_zero(rank: int, world: int) -> dict[str, Any]:
     """ZeRO-1 over the ranks against one AdamW holding every parameter: the same values."""
     torch.manual_seed(0)
@@ -230,7 +266,7 @@ def check_comm(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm}
+CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "pp_autocast": check_pp_autocast, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm}
 
 
 def all_checks(rank: int, world: int) -> dict[str, Any]:

@@ -45,6 +45,13 @@ def test_the_tensor_parallel_loss_never_gathers_the_logits(results, sequence_par
         assert got["grads"] and max(got["grads"].values()) < 1e-6, got["grads"]
 
 
+def test_a_bf16_pipeline_sends_bf16_and_runs_its_backward_outside_autocast(results):
+    first, last = per_rank(results, "pp_autocast")
+    assert set(first["sent"]) == {"torch.bfloat16"} and len(first["sent"]) >= 2  # shape inference, 2 micro-batches
+    assert first["autocast_in_backward"] == [False]
+    assert last["loss"] == pytest.approx(last["reference"], rel=2e-2)  # bf16 rounding at the boundary
+
+
 def test_zero_optimizer_matches_one_optimizer_over_all_parameters(results):
     ranks = per_rank(results, "zero")
     for r in ranks:

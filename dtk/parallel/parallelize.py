@@ -41,7 +41,8 @@ class Parallelized:
     pipeline: Pipeline | None
     """The pipeline schedule when pp > 1."""
     autocast_dtype: torch.dtype | None
-    """Run forward under autocast to this dtype (mixed precision without FSDP's policy)."""
+    """Run forward under autocast to this dtype (mixed precision without FSDP's policy). A
+    pipeline's stages enter it themselves (dtk.parallel.pipeline.autocast_stage)."""
     loss_parallel: bool = False
     """The model's output is a DTensor sharded over the vocabulary (tensor parallel): the
     loss and its backward run under torch's loss_parallel (dtk.parallel.tp)."""
@@ -137,9 +138,15 @@ def parallelize(
             for part in parts
         ]
 
+    autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
     # 6. the pipeline schedule over this rank's stages
     pipeline = None
     if degrees.pp > 1:
+        if autocast is not None:  # each stage's forward under autocast, sending in the compute dtype
+            from dtk.parallel.pipeline import autocast_stage
+
+            for part, stage_id in zip(parts, stage_ids, strict=True):
+                autocast_stage(part, device_type=device.type, dtype=autocast, sends=stage_id < num_stages - 1)
         pipeline = build_pipeline(
             parts,
             stage_ids,
@@ -150,5 +157,4 @@ def parallelize(
             device=device,
             group=mesh.pp_group,
         )
-    autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
     return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast, loss_parallel=loss_parallel)

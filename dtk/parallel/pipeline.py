@@ -89,6 +89,31 @@ def split_model(
     return [stage_module(model, units[i]) for i in ids], ids
 
 
+def autocast_stage(stage: nn.Module, *, device_type: str, dtype: torch.dtype, sends: bool) -> None:
+    """Mixed precision for one pipeline stage, in place: its forward runs under autocast
+    (entered by a forward pre-hook, left by a forward hook), so the schedule's backward,
+    which runs outside the stage's forward, runs outside autocast as it should. A stage
+    that `sends` its output to the next casts it to `dtype` first: half the bytes over the
+    pipeline link both ways (the gradient coming back has the output's dtype), and the next
+    stage casts what it receives back to float32, so its residual stream stays float32."""
+    entered: list = []
+
+    def before(module: nn.Module, args: tuple) -> tuple:
+        context = torch.autocast(device_type=device_type, dtype=dtype)
+        context.__enter__()
+        entered.append(context)
+        return tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args)
+
+    def after(module: nn.Module, args: tuple, output):
+        entered.pop().__exit__(None, None, None)
+        if sends and isinstance(output, torch.Tensor) and output.is_floating_point():
+            return output.to(dtype)
+        return output
+
+    stage.register_forward_pre_hook(before)
+    stage.register_forward_hook(after, always_call=True)
+
+
 @dataclass
 class Pipeline:
     schedule: object

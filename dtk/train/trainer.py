@@ -132,8 +132,9 @@ class Trainer:
         args = (inputs,) if pipe.has_first_stage else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if pipe.has_last_stage else {}
-        with self._autocast():
-            pipe.schedule.step(*args, **kwargs)
+        # No autocast here: each stage's forward enters it (dtk.parallel.pipeline.autocast_stage),
+        # and the backward the schedule runs between forwards stays outside it.
+        pipe.schedule.step(*args, **kwargs)
         self.timer.lap("backward")  # the schedule interleaves forward and backward: one lap
         if not pipe.has_last_stage:
             return torch.zeros((), device=inputs.device)
