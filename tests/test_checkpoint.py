@@ -147,6 +147,9 @@ def test_resume_loads_the_newest_checkpoint_exactly(tmp_path, asynchronous):
     step, model = resume_fresh(run, asynchronous=asynchronous)
     assert step == 3
     assert all(torch.equal(a, b) for a, b in zip(params(model), held[3], strict=True))
+    (loaded,) = events(run, "checkpoint_loaded")
+    assert loaded["verify_seconds"] > 0 and loaded["load_seconds"] > 0  # where a slow start went
+    assert loaded["verify_seconds"] + loaded["load_seconds"] <= loaded["seconds"] + 0.002
 
 
 @pytest.mark.parametrize("restore", [True, False], ids=["restored", "restore-disabled"])
