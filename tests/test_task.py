@@ -168,7 +168,7 @@ def test_a_user_task_trains_and_evaluates_with_its_metric():
                       grad_clip=0.0, mesh=ParallelMesh.single())
     evaluator = Evaluator(model=model, dataset=val, task=task, every=1, total_steps=30, max_samples=0, global_batch=16,
                           micro_batch=8, mesh=ParallelMesh.single(), device=torch.device("cpu"), log=None,
-                          stop_requested=None)
+                          stop_requested=None, autocast_dtype=None)
     before = evaluator.evaluate()
     losses = [trainer.step(step).loss for step in range(30)]
     after = evaluator.evaluate()
