@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -170,11 +171,17 @@ class HashingFileSystem(FileSystem):
 
 
 class HashingWriter(FileSystemWriter):
-    """`dcp.FileSystemWriter` whose files are checksummed as they are written (`hashed()`)."""
+    """`dcp.FileSystemWriter` whose files are checksummed as they are written (`hashed()`).
+
+    torch.save, which DCP writes each tensor with, computes a zip CRC-32 of every record:
+    one more pass over the data, which the manifest's CRC makes redundant. It is turned off
+    for the process (torch.serialization.set_crc32_options; torch.load does not need it):
+    dtk's workers write nothing else with torch.save that a zip tool would read."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs = HashingFileSystem()
+        torch.serialization.set_crc32_options(False)
 
     def hashed(self) -> dict[str, dict[str, Any]]:
         return self.fs.hashed()
