@@ -87,8 +87,8 @@ def test_a_stop_whose_save_failed_says_so(tmp_path):
     """The driver requeues only when a checkpoint was committed since the start; the event
     and the worker's line say the stop's own save failed, and which checkpoint is newest."""
     run = RunDir(tmp_path)
-    stop = AgreedStop(agreed=lambda: int(signal.SIGTERM), checkpoints=FakeCheckpoints(fails=True), total_steps=10,
-                      run=run, restart=0)
+    stop = AgreedStop(agreed=lambda s: (int(signal.SIGTERM), s), checkpoints=FakeCheckpoints(fails=True),
+                      total_steps=10, run=run, restart=0, budget_s=1.0)
     with pytest.raises(StopRequested) as exc:
         stop.after_step(7)
     assert not exc.value.saved
