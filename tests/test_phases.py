@@ -92,3 +92,17 @@ def test_flag_uses_the_factor_over_the_low_median():
     flagged = flag([1.0, 1.0, 1.0, 1.5], factor=1.2)
     assert [f["rank"] for f in flagged] == [3] and flagged[0]["ratio"] == 1.5
     assert flag([1.0], factor=1.2) == []
+
+
+def test_epoch_time_is_the_seconds_of_an_epoch_seen_from_its_start():
+    from dtk.train.metrics import EpochClock
+
+    clock = EpochClock(samples_per_epoch=100, global_batch=25)  # 4 steps per epoch
+    got = [clock.add(step, 0.5) for step in range(1, 9)]
+    assert got == [None, None, None, 2.0, None, None, None, 2.0]
+    # 40 samples per step: step 3 crosses the boundary at 100; 3 steps took 120 samples.
+    uneven = EpochClock(samples_per_epoch=100, global_batch=40)
+    assert [uneven.add(step, 1.0) for step in (1, 2, 3)] == [None, None, pytest.approx(3.0 * 100 / 120)]
+    resumed = EpochClock(samples_per_epoch=100, global_batch=25)  # a restart at step 2: epoch 0 not seen whole
+    assert [resumed.add(step, 0.5) for step in range(3, 9)] == [None, None, None, None, None, 2.0]
+    assert EpochClock(samples_per_epoch=None, global_batch=25).add(1, 0.5) is None
