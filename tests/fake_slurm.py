@@ -71,8 +71,8 @@ class Script:
     """Lines rank 0 writes to its log."""
     unkillable: bool = False
     """srun does not end when its step is cancelled (the driver must kill srun)."""
-    resumed: bool = False
-    """Write the `resumed` event of this start once it runs (its first step after a restart)."""
+    first_step: bool = False
+    """Log this start's first step at once (its metrics line), then the rest at the end."""
 
 
 class FakeStep:
@@ -89,7 +89,7 @@ class FakeStep:
         self.killed = False
         self.env: dict[str, str] = {}
         self.stop_signals: list[str] = []
-        self.resumed_written = False
+        self.first_logged = False
 
     def _beat(self) -> None:
         s, now = self.script, self.fake.clock.time()
@@ -121,10 +121,11 @@ class FakeStep:
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        if self.script.resumed and not self.resumed_written:
-            self.resumed_written = True
-            self.run.event("resumed", step=max(self.run.latest_metrics(), default=0),
-                           restart=self.fake.num_starts - 1)
+        if self.script.first_step and not self.first_logged:
+            self.first_logged = True
+            step = max(self.run.latest_metrics(), default=0) + 1
+            with open(self.run.metrics, "a") as fh:
+                fh.write(json.dumps({"step": step, "loss": 1.0 / step, "restart": self.fake.num_starts - 1}) + "\n")
         if self.stop_signals:  # the workers agree, save and stop (exit 3)
             self.script.checkpoint, self.script.preempted = True, True
             self._end(3)

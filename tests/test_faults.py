@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -197,3 +198,88 @@ def test_a_job_that_fails_at_every_start_stops_after_max_restarts(lab, tmp_path)
     assert len(named(run, "started")) == 3 and len(named(run, "relaunched")) == 2
     status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
     assert status["state"] == "failed" and "not an nn.Module" in status["error"]
+
+
+def job_field(job: str, key: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True).stdout
+    return next((t.split("=", 1)[1] for t in out.split() if t.startswith(f"{key}=")), "")
+
+
+def test_an_excluded_node_stays_out_across_requeues_until_readmitted(lab, tmp_path):
+    # No spare and no shrinking: the node failure requeues the job. Its ExcNodeList holds
+    # the node (set while it was held), and the next allocation does not contain it even
+    # once the node is back in service; after `dtk.nodes --readmit` the next requeue
+    # clears it and the allocation may use the node again.
+    job, run = submit(tmp_path, "fault.shrink=false", "train.steps=300")
+    wait_for(lambda: step_reached(run, 40), 120, "step 40")
+    victim = named(run, "started")[0]["nodes"][-1]
+    try:
+        drill("node-fail", run)
+        wait_for(lambda: named(run, "requeued"), 60, "the requeue after the node failure")
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+        wait_for(lambda: job_field(job, "ExcNodeList") == victim, 30, f"ExcNodeList={victim}")
+        wait_for(lambda: len(named(run, "started")) == 2, 120, "the second allocation")
+        assert victim not in named(run, "started")[1]["nodes"]
+        listed = dtk("dtk.nodes", str(run))
+        assert victim in listed.stdout and "left the job" in listed.stdout, listed.stdout + listed.stderr
+        back = dtk("dtk.nodes", str(run), "--readmit", victim)
+        assert back.returncode == 0 and "its next requeue no longer excludes it" in back.stdout, back.stdout + back.stderr
+        wait_for(lambda: named(run, "resumed") and step_reached(run, named(run, "resumed")[-1]["step"] + 10, restart=1),
+                 120, "progress after the requeue")
+        drill("preempt", run, "--hold", "5")
+        wait_for(lambda: len(named(run, "requeued")) == 2, 120, "the requeue after the preemption")
+        wait_for(lambda: job_field(job, "ExcNodeList") == "(null)", 30, "ExcNodeList cleared")
+        summary = finish(job, run)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+    assert summary["status"] == "finished", summary
+    assert named(run, "requeued")[0]["exclude"] == [victim] and named(run, "requeued")[1]["exclude"] == []
+    assert victim in named(run, "started")[2]["nodes"]  # the lab is idle: the lowest-numbered nodes are taken
+
+
+def test_the_time_limit_drill_gives_the_requeued_job_its_limit_back(lab, tmp_path):
+    job, run = submit(tmp_path, "cluster.time_min=5", "fault.signal_lead_floor_s=20", "train.steps=100000",
+                      "checkpoint.every=1000")
+    wait_for(lambda: step_reached(run, 20), 120, "step 20")
+    try:
+        out = dtk("dtk.drill", "timelimit", str(run))
+        assert out.returncode == 0, out.stdout + out.stderr
+        cut = re.search(r"time limit cut from 00:05:00 to (\S+) ", out.stdout)
+        assert cut and cut.group(1) != "00:05:00", out.stdout  # what Slurm set, read back
+        assert f"job {job} time limit restored: Slurm shows 00:05:00 (was 00:05:00)" in out.stdout, out.stdout
+        (preempted,) = named(run, "preempted")
+        assert preempted["signal"] == "SIGUSR2"
+        wait_for(lambda: len(named(run, "started")) == 2, 120, "the requeued job's start")
+        assert job_field(job, "TimeLimit") == "00:05:00"
+    finally:  # held back in the queue first: a scancel of a running job may save and requeue it
+        subprocess.run(["scontrol", "requeuehold", job], capture_output=True)
+        wait_for(lambda: job_field(job, "JobState") != "RUNNING", 60, "the job to stop")
+        subprocess.run(["scancel", job], capture_output=True)
+
+
+def test_a_save_slower_than_the_signal_lead_still_commits_before_the_time_limit(lab, tmp_path):
+    # Each save takes 20 s (the test hook holds the commit) and the sbatch signal comes 5 s
+    # before the limit: alone it would be killed in the middle of its save. The driver
+    # watches the time left and stops the workers early enough for the save to commit.
+    proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", *TRAIN[:1], "train.steps=1000000",
+               "checkpoint.every=0", "train.log_every=500", "cluster.time_min=2", "fault.signal_lead_floor_s=5",
+               f"run.root={tmp_path}", cwd=tmp_path, env={"DTK_TEST_COMMIT_DELAY_S": "20"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = proc.stdout.split("submitted job ", 1)[1].split()[0]
+    run = only_run_dir(tmp_path)
+    try:
+        wait_for(lambda: named(run, "resumed"), 300, "the start after the time limit")
+    finally:  # held back in the queue first: a scancel of a running job may save and requeue it
+        subprocess.run(["scontrol", "requeuehold", job], capture_output=True)
+        wait_for(lambda: job_field(job, "JobState") != "RUNNING", 60, "the job to stop")
+        subprocess.run(["scancel", job], capture_output=True)
+    (near,) = named(run, "time_limit_near")[:1]
+    (saved,) = named(run, "checkpoint_saved")[:1]
+    assert saved["seconds"] >= 20 and near["need_s"] >= 30 > 5
+    (requeued,) = named(run, "requeued")[:1]
+    assert requeued["step"] == saved["step"] == named(run, "preempted")[0]["step"] == named(run, "resumed")[0]["step"]
+    assert (Path(saved["path"]) / "manifest.json").is_file()  # committed
+    first = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["restart"] == 0]
+    assert max(first) == saved["step"] > 0  # no step computed after the save: none lost

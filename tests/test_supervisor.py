@@ -218,7 +218,7 @@ def shrunk_job(tmp_path, base_config, second: Script) -> Job:
 
 
 def test_a_shrunk_job_grows_back_once_the_node_returns_and_passes_its_health_job(tmp_path, base_config):
-    job = shrunk_job(tmp_path, base_config, Script(exit=None, steps=10, resumed=True))
+    job = shrunk_job(tmp_path, base_config, Script(exit=None, steps=10, first_step=True))
     assert job.sup.drive() == EXIT_STOPPED
     (health,) = job.fake.health_jobs
     assert "--nodelist=node2" in health.argv and "SLURM_JOB_ID" not in health.env
@@ -230,7 +230,7 @@ def test_a_shrunk_job_grows_back_once_the_node_returns_and_passes_its_health_job
     assert returned["nodes"] == ["node2"] and (returned["world_size"], returned["to_world_size"]) == (1, 2)
     assert job.fake.steps[1].stop_signals == ["USR2"]  # the workers stop at a step boundary and save
     (requeued,) = job.events("requeued")
-    assert requeued["reason"] == "grow back to 2 nodes" and requeued["exclude"] == [] and requeued["step"] == 35
+    assert requeued["reason"] == "grow back to 2 nodes" and requeued["exclude"] == [] and requeued["step"] == 36
     # The next allocation has both nodes again: the run goes on at its full size.
     fake = FakeSlurm(job.clock, ["node1", "node2"], [Script(exit=0, steps=5)])
     environ = dict(job.environ, SLURM_RESTART_COUNT="1")
@@ -240,7 +240,7 @@ def test_a_shrunk_job_grows_back_once_the_node_returns_and_passes_its_health_job
 
 
 def test_a_node_that_fails_its_health_job_stays_excluded_and_the_job_stays_shrunk(tmp_path, base_config):
-    job = shrunk_job(tmp_path, base_config, Script(exit=0, after_s=100, steps=10, resumed=True))
+    job = shrunk_job(tmp_path, base_config, Script(exit=0, after_s=100, steps=10, first_step=True))
     job.fake.health_passes = False
     assert job.sup.drive() == 0
     assert job.fake.health_jobs and job.events("health_failed")[0]["nodes"] == ["node2"]

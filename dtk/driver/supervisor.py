@@ -241,12 +241,11 @@ class Supervisor:
         self.slurm.signal_steps(self.job_id, "USR2")
 
     def _grow_back(self, nodes: list[str]) -> None:
-        """Running shrunk: once this start trained a step (its `resumed` event) and enough
-        nodes are back, stop the workers at the next step boundary (they save), so that
-        the job requeues at its full size."""
+        """Running shrunk: once this start logged a trained step (so that its stop saves a
+        new checkpoint) and enough nodes are back, stop the workers at the next step
+        boundary (they save), so that the job requeues at its full size."""
         restart = self.run.starts() - 1
-        if not self.grow.due() or not any(e.get("event") == "resumed" and e.get("restart") == restart
-                                          for e in self.run.events_list()):
+        if not self.grow.due() or not any(r.get("restart") == restart for r in self.run.latest_metrics().values()):
             return
         back = self.grow.poll(nodes)
         if back:
