@@ -6,7 +6,7 @@ Everything is copied or generated from the run directory and this checkout of dt
     config/              the run's resolved config.yaml and plan.json; overrides.txt, the
                          command-line overrides that compose the same config (checked: same hash)
     plan.txt             the plan: world size, degrees, batch arithmetic (python -m dtk.plan)
-    plan.md              the topology scheme, where this dtk writes one (marked missing otherwise)
+    plan.md              the topology scheme dtk.submit wrote into the run (marked missing for an older run)
     access.md            the access policy: roles, groups, members, what each may do
     recovery.md, operations.md, acceptance.md, reference.md, access-guide.md   from docs/
     report/              the run's report (report.txt, report.json) with its PNG plots
@@ -110,8 +110,9 @@ def _plan_md(run_dir: Path, tmp: Path) -> Artifact:
     if (run_dir / "plan.md").is_file() and (run_dir / "plan.md").stat().st_size:
         shutil.copyfile(run_dir / "plan.md", tmp / "plan.md")
         return Artifact("plan.md", what)
-    return Artifact("plan.md", what, missing="the run directory has no plan.md: this version of dtk does not write"
-                    " the topology scheme yet; plan.txt has the plan")
+    return Artifact("plan.md", what, missing="the run directory has no plan.md (dtk.submit writes it; a run submitted"
+                    " by an older dtk has none): python -m dtk.plan with the overrides in config/overrides.txt prints"
+                    " the same budget; plan.txt has the plan")
 
 
 def _access(plan, tmp: Path) -> Artifact:

@@ -3,6 +3,8 @@
     <run.root>/<run.name>/
         config.yaml       resolved configuration
         plan.json         the plan of the latest submission (what workers read)
+        plan.md           the topology scheme of the latest submission: mesh, placement, memory, traffic
+        mesh.json         the mesh the workers built (every rank's node and axis groups), per start
         metrics.jsonl     one line per step, written by global rank 0; a redone step appears again
         events.jsonl      lifecycle events, appended by the driver and by rank 0
         heartbeat         touched by rank 0 as training progresses; the driver watches its mtime

@@ -54,6 +54,13 @@ class Point:
     plan: Plan
     budget: MemoryPlan | None
     """The memory budget (None: not judged, the model could not be counted)."""
+    note: str | None = None
+
+    def files(self) -> dict[str, str]:
+        """What the run directory gets besides config and plan: plan.md (dtk.plan.handout)."""
+        from dtk.plan.handout import plan_markdown
+
+        return {"plan.md": plan_markdown(self.plan, self.budget, self.note)}
 
 
 def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[Point]:
@@ -84,7 +91,7 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
             continue
         if checked.note:
             print(f"note: {checked.note}", file=sys.stderr, flush=True)
-        kept.append(Point(point, plan, checked.budget))
+        kept.append(Point(point, plan, checked.budget, checked.note))
     if not kept:
         raise UserError(f"none of the sweep's {len(planned)} points fits; nothing submitted")
     return kept
@@ -105,7 +112,7 @@ def main(argv: list[str]) -> int:
             print(describe_launch(p.plan))
             results.append(Launched(0))
         else:
-            results.append(launch(p.plan))
+            results.append(launch(p.plan, p.files()))
     if multirun:
         print(f"\n{'job':>10}  {'code':>4}  run directory")
         for p, result in zip(points, results, strict=True):

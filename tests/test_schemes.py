@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_md_check import assert_plan_md_matches_mesh
 
 from conftest import dtk, losses
 
@@ -120,6 +121,11 @@ def test_scheme_matches_one_process(name, reference, scheme_runs):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {r["world_size"] for r in records} == {4}
     assert_parameters_close(final_parameters(run), final_parameters(reference), CASES[name][1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_md_matches_the_mesh_the_workers_built(name, scheme_runs):
+    assert_plan_md_matches_mesh(scheme_runs(name))
 
 
 def test_fsdp_checkpoint_continues_under_ddp_on_two_processes(scheme_runs, tmp_path):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from plan_md_check import assert_plan_md_matches_mesh
 
 from conftest import dtk, losses, only_run_dir
 
@@ -69,6 +70,7 @@ def test_two_node_job_trains_to_completion_and_records_lineage(lab, tmp_path):
     info = status(run)
     assert info["state"] == "finished" and info["step"] == 20 and info["job_ids"] == [job]
     assert info["final_loss"] == losses(run)[20]
+    assert_plan_md_matches_mesh(run)  # rank 0 on the first node, rank 1 on the second, as plan.md says
 
 
 def test_status_reports_a_running_job_step(lab, tmp_path):

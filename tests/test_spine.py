@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from plan_md_check import assert_plan_md_matches_mesh
 
 from conftest import REPO, dtk, losses, only_run_dir
 
@@ -29,8 +30,9 @@ def reference(tmp_path_factory) -> Path:
 
 
 def test_default_job_leaves_a_complete_run_directory(reference):
-    for name in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "plan.json"):
+    for name in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "plan.json", "plan.md", "mesh.json"):
         assert (reference / name).is_file(), name
+    assert_plan_md_matches_mesh(reference)  # the topology scheme handed over is the mesh the workers built
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 61))
     for key in ("step", "loss", "lr", "world_size", "restart", "step_time_s"):

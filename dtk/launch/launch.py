@@ -101,15 +101,20 @@ def check_dependencies(after: str | None, job_state) -> None:
                             " a dependency on it would be met at once. Check the id with squeue")
 
 
-def prepare_run_dir(plan: Plan) -> RunDir:
-    """Write the config and plan; `launch` has already refused a directory of another run.
-    The resolved config is read-only: a change to what a run computes is a new run."""
+def prepare_run_dir(plan: Plan, files: dict[str, str] | None = None) -> RunDir:
+    """Write the config and plan, and `files` (name -> text: plan.md, the memory prediction);
+    `launch` has already refused a directory of another run. The resolved config is
+    read-only: a change to what a run computes is a new run."""
     from dtk.access.layout import write_readonly
 
     run = RunDir(Path(plan.run_dir))
     run.path.mkdir(parents=True, exist_ok=True)
     write_readonly(run.config_yaml, to_yaml(plan.config))
     write_json_atomic(run.plan_json, json.loads(plan.to_json()))
+    for name, text in (files or {}).items():
+        tmp = run.path / f".{name}.tmp{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, run.path / name)
     return run
 
 
@@ -159,8 +164,8 @@ class Launched:
     job_id: str | None = None
 
 
-def launch(plan: Plan) -> Launched:
-    """Launch the plan on its cluster."""
+def launch(plan: Plan, files: dict[str, str] | None = None) -> Launched:
+    """Launch the plan on its cluster; `files` are written into the run directory with the plan."""
     run = RunDir(Path(plan.run_dir))
     from dtk.launch import slurmctl
 
@@ -187,8 +192,8 @@ def launch(plan: Plan) -> Launched:
                 return Launched(0)
             print(plan.describe(), flush=True)
             if plan.cluster_kind == "slurm":
-                return _launch_slurm(plan, run, lock=lock, created=created)
-            return Launched(_launch_local(plan, lock=lock))
+                return _launch_slurm(plan, run, lock=lock, created=created, files=files)
+            return Launched(_launch_local(plan, lock=lock, files=files))
         except UserError:
             if created is not None:  # a refused launch leaves no run behind
                 shutil.rmtree(created, ignore_errors=True)
@@ -203,8 +208,8 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def _launch_local(plan: Plan, *, lock: RunLock) -> int:
-    run = prepare_run_dir(plan)
+def _launch_local(plan: Plan, *, lock: RunLock, files: dict[str, str] | None = None) -> int:
+    run = prepare_run_dir(plan, files)
     lock.record(kind="local", job_id=f"local-{os.getpid()}")
     run.event("submitted", cluster="local", world_size=plan.world_size, scheme=plan.scheme)
     audit.record(run.path.parent, "submit", run=plan.run_name, config_hash=plan.config_hash,
@@ -220,14 +225,15 @@ def _launch_local(plan: Plan, *, lock: RunLock) -> int:
     return code
 
 
-def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: Path | None) -> Launched:
+def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: Path | None,
+                  files: dict[str, str] | None = None) -> Launched:
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     from dtk.driver.supervisor import drive
     from dtk.launch.sbatch import make_executor, submitit_folder
 
     inputs = submit_inputs(plan, run)
-    run = prepare_run_dir(plan)
+    run = prepare_run_dir(plan, files)
     sbatch_stderr = io.StringIO()  # submitit echoes sbatch's stderr; it belongs in our one error line
     try:
         with contextlib.redirect_stderr(sbatch_stderr):

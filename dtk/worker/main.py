@@ -42,6 +42,7 @@ from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.fabric import after_process_group, before_process_group
+from dtk.worker.meshfile import record_mesh
 from dtk.worker.signals import stop_flag, vote_group
 
 DATA_SPLIT = "data.json"  # a user dataset's split: RUN_DIR/data.json
@@ -70,6 +71,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     seed = cfg.train.seed
 
     mesh = build_mesh(plan.degrees, device.type)
+    record_mesh(mesh, env, run)  # mesh.json: the groups as built, against plan.md
     loss = TokenCrossEntropy()  # the token loss component: the LM task and a pipeline's last stage score with it
     task = build_task(cfg.task, loss=loss)  # what a step computes: the trainer and the evaluator run it
     meta_model = build_model(cfg.model, device="meta", seed=seed)
