@@ -9,6 +9,8 @@ import json
 import re
 import shlex
 
+import pytest
+
 from conftest import REPO, dtk
 
 # 218M parameters on CPU workers with 2 GiB each (cluster.mem_gb=4 over 2 workers): FSDP
@@ -65,3 +67,36 @@ def test_zero_paper_command_in_docs(tmp_path):
     for key, paper in ZERO_PAPER_GB.items():
         got = schemes[key]["model_states_bytes"] / 1e9
         assert abs(got - paper) <= 0.02 * paper, (key, got, paper)
+
+
+USER_MODEL_YAML = """\
+_target_: tests.models_for_tests.build
+vocab_size: 256
+seq_len: 32
+width: 32
+depth: 4
+expansion: 2
+wrap_classes: [ResidualMLP]
+"""
+
+
+def test_a_user_model_is_counted_on_the_meta_device_in_a_subprocess_with_a_time_limit(tmp_path):
+    from dtk.config.convert import model_config
+    from dtk.plan.count_model import NotCounted, count_user_model
+    from tests.models_for_tests import build
+
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mlp_lm.yaml").write_text(USER_MODEL_YAML)
+    proc = dtk("dtk.plan", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mlp_lm", "+scheme=fsdp",
+               "tasks_per_node=2", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    real = build(vocab_size=256, seq_len=32, width=32, depth=4, expansion=2)
+    assert out["params"] == sum(p.numel() for p in real.parameters())
+    assert "counted on the meta device" in out["model"]
+    # fsdp over 2 ranks: each holds about half of the fp32 parameters
+    assert abs(out["per_device_bytes"]["params"] - 4 * out["params"] / 2) <= 0.05 * 4 * out["params"]
+    model = model_config({"_target_": "tests.models_for_tests.build", "vocab_size": 256, "seq_len": 32, "width": 32,
+                          "depth": 4, "expansion": 2})
+    with pytest.raises(NotCounted, match="took over"):
+        count_user_model(model, timeout_s=0.01)  # the login path never waits longer than its limit
