@@ -43,7 +43,7 @@ def run(out: Path) -> None:
                     cluster_env=req["cluster_env"], environ=os.environ, report_dir=out / "nccl")
     os.environ.update({k: v for k, v in fabric.env.items() if not k.startswith("NCCL_DEBUG")})
     env = env.__class__(**{**env.__dict__, "master_addr": fabric.choice.master_addr})
-    init_process_group(env, backend=Backend(backend), device=device, timeout_s=req["timeout_s"])
+    init_process_group(env, backend=Backend(backend), device=device, timeout_s=req["timeout_s"], cpu_collectives=False)
     names = [n.node for n in nodes]
     node_ranks = [list(range(k * tpn, (k + 1) * tpn)) for k in range(num_nodes)]
     leaders = [r[0] for r in node_ranks]
