@@ -106,3 +106,28 @@ def test_epoch_time_is_the_seconds_of_an_epoch_seen_from_its_start():
     resumed = EpochClock(samples_per_epoch=100, global_batch=25)  # a restart at step 2: epoch 0 not seen whole
     assert [resumed.add(step, 0.5) for step in range(3, 9)] == [None, None, None, None, None, 2.0]
     assert EpochClock(samples_per_epoch=None, global_batch=25).add(1, 0.5) is None
+
+
+@pytest.mark.parametrize("profile", [True, False])
+def test_records_are_written_at_every_checkpointed_step(profile):
+    # A worker killed after a save must not lose the records of the steps before it: its
+    # restart resumes from that save and never computes them again.
+    from dtk.train.profile import StepProfiler
+
+    class Metrics:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, interval):
+            self.writes.append(step)
+
+    metrics = Metrics()
+    saved = {"step": None}
+    profiler = StepProfiler(device=torch.device("cpu"), enabled=profile, straggler_factor=1.5, run=None, rank=0,
+                            log_every=100, total_steps=50, metrics=metrics, saving=lambda: False,
+                            checkpointed=lambda: saved["step"])
+    for step in range(1, 51):
+        if step in (7, 20):
+            saved["step"] = step
+        profiler.after_step(step)
+    assert metrics.writes == [7, 20, 50]

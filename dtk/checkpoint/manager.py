@@ -256,6 +256,11 @@ class CheckpointManager:
             self.save(step)
 
     @property
+    def last_started(self) -> int | None:
+        """The step of the newest save started (or loaded) by this process; every rank agrees."""
+        return self._last_step
+
+    @property
     def saving(self) -> bool:
         """Whether a save is still being written or committed in the background (this rank)."""
         return self._saver.busy

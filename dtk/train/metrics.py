@@ -1,9 +1,10 @@
 """Per-step metrics: one JSON line per step in metrics.jsonl (global rank 0 only).
 
 A step's record is kept until its logging interval ends (`train.log_every` steps, the last
-step, an agreed stop): then the profiler has read the interval's phase times, and the
-records are written with them, together (dtk.train.profile). A worker killed mid-interval
-loses the records of that interval's steps, which its restart computes again anyway.
+step, a checkpointed step, an agreed stop): then the profiler has read the interval's phase
+times, and the records are written with them, together (dtk.train.profile). A worker killed
+mid-interval loses only the records of steps after its newest checkpoint, which its restart
+computes again anyway.
 
 The step's loss and gradient norm stay tensors on the device until then (a GPU runs ahead
 of the host only while the host reads nothing of it): `write` reads the interval's values

@@ -39,6 +39,7 @@ class StepProfiler:
         total_steps: int,
         metrics: Any,
         saving: Callable[[], bool] | None,
+        checkpointed: Callable[[], int | None] | None = None,
     ) -> None:
         # `saving`: whether a background checkpoint write is in flight (it overlaps the step)
         self.timer = PhaseTimer(device=device, enabled=enabled, overlapping=saving)
@@ -52,6 +53,9 @@ class StepProfiler:
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._gather_device = device if self._distributed and dist.get_backend() == "nccl" else torch.device("cpu")
         self._hosts: list[str] | None = None
+        # the step of the newest checkpoint started: its records are written with it, so a
+        # worker killed later never loses the records of steps its restart will not redo
+        self.checkpointed = checkpointed
 
     def hosts(self) -> list[str]:
         """Every rank's host name, gathered once (collective the first time)."""
@@ -89,8 +93,10 @@ class StepProfiler:
     # --- the policy --------------------------------------------------------------------------
 
     def after_step(self, step: int, result: Any = None) -> None:
-        """Every `log_every` steps and at the last: the interval's records, with their phases."""
-        if step % self.log_every == 0 or step == self.total_steps:
+        """Every `log_every` steps, at the last, and at a step that was checkpointed (a save is
+        collective, so every rank ends the interval there): the records, with their phases."""
+        saved = self.checkpointed is not None and self.checkpointed() == step
+        if step % self.log_every == 0 or step == self.total_steps or saved:
             self.flush()
 
     def flush(self) -> None:

@@ -266,6 +266,7 @@ def step_policies(
             total_steps=plan.steps,
             metrics=metrics,
             saving=lambda: checkpoints.saving,
+            checkpointed=lambda: checkpoints.last_started,
         ),
     )
 
