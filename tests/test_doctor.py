@@ -92,3 +92,20 @@ def test_doctor_on_this_machine_writes_its_report(tmp_path):
     assert "## All-reduce per process group" in (out / "report.md").read_text()
     assert read_exclude_file(str(out / "exclude.txt")) == ()
     assert Path(out / "topology" / "node_00.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_doctor_on_the_lab_measures_every_pair_of_nodes(lab, tmp_path):
+    proc = dtk("dtk.doctor", "cluster=lab", "nodes=3", "tasks_per_node=1", "doctor.max_mb_cpu=4", "doctor.repeats=2",
+               "doctor.matmul_n=128", f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (out,) = tmp_path.glob("doctor-*")
+    found = json.loads((out / "doctor.json").read_text())
+    names = [n["node"] for n in found["nodes"]]
+    assert sorted(names) == ["node1", "node2", "node3"]
+    assert sorted(found["p2p_gbs"]) == sorted(f"{a}->{b}" for a in names for b in names if a != b)
+    assert {g["group"] for g in found["groups"]} == {"world", "across nodes (first rank of each)"}
+    assert all(bw > 0 for bw in found["p2p_gbs"].values())
+    # whatever it flagged (a shared 2-core machine is noisy) is what exclude.txt lists
+    assert read_exclude_file(str(out / "exclude.txt")) == tuple(f["node"] for f in found["flagged"])
