@@ -113,3 +113,29 @@ def test_a_second_local_submit_of_a_running_run_is_refused(tmp_path):
     starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "started"]
     assert len(starts) == 1
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_00000300", "step_00000400"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_second_submit_of_a_queued_or_running_lab_job_is_refused(lab, tmp_path):
+    """The Slurm job id owns the run once it is queued: a second submit is refused naming
+    it, and the first job's run is untouched (plan.json, one submission)."""
+    args = ["cluster=lab", "nodes=1", "tasks_per_node=1", "train.steps=400", "checkpoint.every=100",
+            "run.name=twice", f"run.root={tmp_path / 'runs'}"]
+    first = dtk("dtk.submit", *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    job = first.stdout.split("submitted job ", 1)[1].split()[0]
+    run = tmp_path / "runs" / "twice"
+    try:
+        plan_before = (run / "plan.json").read_bytes()
+        second = dtk("dtk.submit", *args, cwd=tmp_path)
+        assert second.returncode == 2, second.stdout + second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert line.startswith(f"error: run directory {run} is in use by Slurm job {job} (")
+        assert line.endswith(f"Follow it: python -m dtk.status {run}")
+        assert (run / "plan.json").read_bytes() == plan_before
+        submitted = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                     if e["event"] == "submitted"]
+        assert [e["job_id"] for e in submitted] == [job]
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
