@@ -10,7 +10,8 @@
         heartbeat         touched by rank 0 as training progresses; the driver watches its mtime
         checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
         logs/start_NN/rank_R.log     worker output per start
-        summary.json      written at the end
+        summary.json      written at the end (finished, failed or stopped)
+        stop_request.json written by `python -m dtk.stop`; the driver acts on it and removes it
 
 No torch here: the login node and the driver read run directories too.
 """
@@ -29,6 +30,7 @@ from typing import Any
 CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 HEARTBEAT = "heartbeat"
+STOP_REQUEST = "stop_request.json"
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -92,6 +94,17 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def stop_request(self) -> Path:
+        return self.path / STOP_REQUEST
+
+    def read_stop_request(self) -> dict[str, Any] | None:
+        """What `python -m dtk.stop` asked for (`by`, `now`, `time`), or None."""
+        try:
+            return json.loads(self.stop_request.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:08d}"

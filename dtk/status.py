@@ -62,7 +62,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     last_event = events[-1]["event"] if events else None
     if job_state in ACTIVE:
         state = "pending" if job_state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING") else "running"
-    elif summary and summary.get("status") in ("finished", "failed") and last_event in ("finished", "failed"):
+    elif summary and summary.get("status") in ("finished", "failed", "stopped") and last_event == summary["status"]:
         state = summary["status"]
     elif starts and not last_job and _alive(int(starts[-1].get("driver_pid", 0) or 0)):
         state = "running"
@@ -92,6 +92,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
             for e in starts
         ],
         "error": summary.get("error") if summary and state == "failed" else None,
+        "stopped_by": summary.get("stopped_by") if summary and state == "stopped" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
         "audit": audit.read(audit.run_root_of(run.path), run=plan.get("run_name", run.path.name)),
     }
@@ -111,6 +112,10 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"final loss   {info['final_loss']:.6f}")
     if info["error"]:
         lines.append(f"error        {info['error']}")
+    if info["stopped_by"]:
+        resume = (f"submitting the same command again resumes from checkpoint step {info['last_checkpoint']}"
+                  if info["last_checkpoint"] is not None else "no checkpoint: the same command starts it again")
+        lines.append(f"stopped      by {info['stopped_by']}; {resume}")
     if info["slurm_error"]:
         lines.append(f"slurm        did not answer: {info['slurm_error']}")
     for s in info["starts"]:

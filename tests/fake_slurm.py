@@ -73,6 +73,9 @@ class Script:
     """srun does not end when its step is cancelled (the driver must kill srun)."""
     first_step: bool = False
     """Log this start's first step at once (its metrics line), then the rest at the end."""
+    at_s: dict[float, Callable[[], None]] | None = None
+    """Things that happen while the step runs, by seconds since its start (a scancel, a
+    dtk.stop request), each once."""
 
 
 class FakeStep:
@@ -130,6 +133,9 @@ class FakeStep:
             self.script.checkpoint, self.script.preempted = True, True
             self._end(3)
             return self.returncode
+        for at in sorted(self.script.at_s or {}):
+            if self.fake.clock.time() - self.t0 >= at:
+                self.script.at_s.pop(at)()
         if self.script.driver_signal and not self.signalled:
             self.signalled = True
             self.fake.deliver(self.script.driver_signal)
@@ -184,6 +190,8 @@ class FakeSlurm:
     def __init__(self, clock: FakeClock, nodes: list[str], scripts: list[Script], job_id: str = "42") -> None:
         self.clock, self.nodes, self.scripts, self.job_id = clock, list(nodes), list(scripts), job_id
         self.state = "RUNNING"
+        self.reason = "None"
+        self.restarts = 0
         self.calls: list[list[str]] = []
         self.steps: list[FakeStep] = []
         self.fail_next: dict[str, int] = {}
@@ -205,6 +213,14 @@ class FakeSlurm:
     @property
     def srun_calls(self) -> list[list[str]]:
         return [s.argv for s in self.steps]
+
+    def scancel(self) -> None:
+        """`scancel JOB` as Slurm 22.05 does it: the job shows COMPLETING at once, its
+        steps and its batch script (the driver) get SIGTERM."""
+        self.state = "COMPLETING"
+        for step in self.steps:
+            step.stop_signals.append("TERM")
+        self.deliver(15)
 
     def deliver(self, signum: int) -> None:
         assert self.signal_handler is not None, "no driver listens for signals"
@@ -241,7 +257,8 @@ class FakeSlurm:
         gone = self.state is None
         match argv:
             case ["scontrol", "show", "job", j, "-o"] if j == job and not gone:
-                return 0, (f"JobId={job} JobState={self.state} NodeList={','.join(self.nodes) or '(null)'}"
+                return 0, (f"JobId={job} JobState={self.state} Reason={self.reason} Restarts={self.restarts}"
+                           f" NodeList={','.join(self.nodes) or '(null)'}"
                            f" ExcNodeList={','.join(self.excluded) or '(null)'} Partition=debug"
                            f" EndTime={self._end_time()}\n"), ""
             case ["sinfo", "-h", "-N", "-o", "%N %T", *_]:

@@ -45,6 +45,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.plan.count_model": ["(no arguments)"],
     "dtk.report": ["--baseline", "--json", "--no-plots", "--out", "--tolerance", "RUN_DIR ..."],
     "dtk.status": ["--json", "RUN_DIR"],
+    "dtk.stop": ["--now", "--timeout", "RUN_DIR"],
     "dtk.submit": ["--config-dir", "-m/--multirun", "KEY=VALUE ..."],
     "dtk.topology choose": ["--backend {nccl,gloo}", "--tasks-per-node", "DIR ..."],
     "dtk.topology discover": ["--out"],

@@ -114,6 +114,33 @@ def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
     assert losses(run) == reference
 
 
+def test_scancel_and_dtk_stop_end_the_job_with_a_save_and_no_requeue(lab, tmp_path):
+    job, run = submit(tmp_path)
+    wait_for(lambda: step_reached(run, 60), 120, "step 60")
+    subprocess.run(["scancel", job], check=True)
+    wait_for(lambda: job_gone(job), 60, f"job {job} to end")
+    (stopped,) = named(run, "stopped")
+    (preempted,) = named(run, "preempted")  # the workers saved on the cancel's SIGTERM
+    assert stopped["by"] == f"scancel {job}" and stopped["checkpoint"] == preempted["step"] >= 60
+    assert not named(run, "requeued") and len(named(run, "started")) == 1
+    info = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True).stdout
+    assert "JobState=CANCELLED" in info and "Restarts=0" in info, info
+    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
+    assert status["state"] == "stopped" and status["last_checkpoint"] == stopped["checkpoint"]
+
+    job2, _ = submit(tmp_path)  # the same command resumes; then dtk.stop ends it the same way
+    wait_for(lambda: step_reached(run, stopped["checkpoint"] + 20, restart=1), 120, "progress after the resume")
+    proc = dtk("dtk.stop", str(run), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wait_for(lambda: job_gone(job2), 60, f"job {job2} to end")
+    second = named(run, "stopped")[-1]
+    assert proc.stdout.startswith(f"stopped job {job2} at step {second['step']}") and "not requeued" in proc.stdout
+    assert second["by"].startswith("dtk.stop by ") and second["checkpoint"] == second["step"]
+    assert not named(run, "requeued") and not (run / "stop_request.json").exists()
+    info = subprocess.run(["scontrol", "show", "job", job2, "-o"], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in info, info
+
+
 def test_time_limit_saves_before_each_limit_and_finishes_over_allocations(lab, tmp_path):
     # 2000 steps outlast one 1-minute allocation whatever the machine's speed (about 40 s
     # of steps on an idle 2-core machine, several allocations when it is busy).

@@ -36,6 +36,7 @@ JOB = [
     "train.log_every=1000",
     "checkpoint.every=4",
     "run.name=r",
+    "fault.max_restarts=0",  # the driver stops at a kill (no relaunch); the next command resumes
 ]
 
 
@@ -86,7 +87,7 @@ def kill_workers(run: Path, driver: subprocess.Popen) -> None:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert driver.wait(timeout=60) == 1  # the driver reports the killed workers and stops
+    assert driver.wait(timeout=60) == 1  # the driver reports the killed workers and stops (max_restarts=0)
 
 
 def step_reached(run: Path, restart: int, step: int) -> bool:

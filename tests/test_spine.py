@@ -80,7 +80,7 @@ def _wait_for_step(run_root: Path, step: int, proc: subprocess.Popen, timeout: f
 
 def test_sigkill_of_the_workers_then_the_same_command_resumes(reference, tmp_path):
     root = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "dtk.submit", *JOB, f"run.root={root}"]
+    cmd = [sys.executable, "-m", "dtk.submit", *JOB, f"run.root={root}", "fault.max_restarts=0"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     driver = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = _wait_for_step(root, 45, driver)
@@ -88,7 +88,7 @@ def test_sigkill_of_the_workers_then_the_same_command_resumes(reference, tmp_pat
         os.kill(int(pid), signal.SIGKILL)
     _, err = driver.communicate(timeout=60)
     assert driver.returncode == 1
-    assert "error: worker rank" in err and "SIGKILL" in err
+    assert "fault.max_restarts=0" in err and "worker rank" in err and "SIGKILL" in err
 
     proc = dtk("dtk.submit", *JOB, f"run.root={root}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -107,3 +107,73 @@ def test_scheme_ddp_with_explicit_workers(tmp_path):
     run = only_run_dir(tmp_path)
     assert sorted(losses(run)) == [1, 2, 3, 4, 5]
     assert json.loads((run / "plan.json").read_text())["scheme"] == "ddp"
+
+
+def _events(run: Path, name: str) -> list[dict]:
+    return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == name]
+
+
+def _wait(what: str, check, driver: subprocess.Popen, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        assert driver.poll() is None, f"the driver ended before {what}"
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _rank_pid(run: Path, start: int, rank: int, driver: subprocess.Popen) -> int:
+    pid_file = run / "logs" / f"start_{start:02d}" / f"rank_{rank}.pid"
+    return int(_wait(f"rank {rank}'s pid file", lambda: pid_file.exists() and pid_file.read_text().split(), driver)[1])
+
+
+def _pids(run: Path, start: int) -> list[int]:
+    return [int(pid) for pid in (run / "logs" / f"start_{start:02d}" / "pids").read_text().split()]
+
+
+def test_a_killed_and_a_hung_rank_are_relaunched_dtk_stop_saves_and_the_losses_match(reference, tmp_path):
+    """The local driver relaunches after rank 1 is killed and after rank 1 hangs (SIGSTOP);
+    then `dtk.stop` ends the run with a save and no relaunch, and the same command resumes
+    it. The losses are the uninterrupted run's."""
+    root = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "dtk.submit", *JOB, f"run.root={root}", "fault.hang_timeout_s=8"]
+    driver = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = _wait_for_step(root, 25, driver)
+    os.kill(_rank_pid(run, 0, 1, driver), signal.SIGKILL)
+    _wait("a step after the relaunch", lambda: _events(run, "resumed"), driver)
+    os.kill(_rank_pid(run, 1, 1, driver), signal.SIGSTOP)  # a hang: alive and silent
+    _wait("a step after the second relaunch", lambda: len(_events(run, "resumed")) == 2, driver)
+    # Hold the workers still, so that the run cannot finish before the stop arrives.
+    for pid in _pids(run, 2):
+        os.kill(pid, signal.SIGSTOP)
+    stopper = subprocess.Popen([sys.executable, "-m", "dtk.stop", str(run)], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait("the stop request", lambda: (run / "stop_request.json").exists(), driver)
+    time.sleep(1)  # the driver polls every 0.2 s and signals the workers
+    for pid in _pids(run, 2):
+        os.kill(pid, signal.SIGCONT)
+    said, err = stopper.communicate(timeout=120)
+    assert stopper.returncode == 0, said + err
+    out, err = driver.communicate(timeout=60)
+    assert driver.returncode == 3, out + err
+
+    crash, hang = _events(run, "relaunched")
+    assert crash["cause"] == "crashed" and crash["rank"] == 1 and "SIGKILL" in crash["detail"]
+    assert crash["resume_from"] == 20 and crash["host"] and "last_line" in crash
+    assert hang["cause"] == "hung" and len(_events(run, "hang_detected")) == 1
+    assert [e["restart"] for e in _events(run, "resumed")] == [1, 2]
+    (stopped,) = _events(run, "stopped")
+    assert said.startswith(f"stopped the local driver at step {stopped['step']}")
+    assert f"resumes from checkpoint step {stopped['checkpoint']}" in said
+    assert stopped["checkpoint"] == stopped["step"] < 60  # saved at the step it stopped
+    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
+    assert status["state"] == "stopped" and status["last_checkpoint"] == stopped["checkpoint"]
+    again = dtk("dtk.stop", str(run))
+    assert again.returncode == 2 and again.stderr.startswith("error: ") and "not running" in again.stderr
+
+    proc = dtk("dtk.submit", *JOB, f"run.root={root}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert losses(run) == losses(reference)

@@ -113,6 +113,52 @@ def test_a_signal_to_the_driver_is_a_stop_and_requeues(tmp_path, base_config):
     assert job.sup.signalled == signal.SIGTERM and len(job.requeue_calls()) == 1 and not job.events("relaunched")
 
 
+def test_scancel_of_the_job_is_a_stop_the_workers_save_and_nothing_is_requeued(tmp_path, base_config):
+    job = Job(tmp_path, base_config, [Script(exit=None, steps=25)])
+    job.fake.scripts[0].at_s = {10.0: job.fake.scancel}
+    assert job.sup.drive() == 0
+    assert job.requeue_calls() == [] and not job.events("requeued")
+    (stopped,) = job.events("stopped")
+    assert stopped["by"] == "scancel 42" and stopped["checkpoint"] == 25 and stopped["job_id"] == "42"
+    assert job.summary()["status"] == "stopped" and job.summary()["checkpoint"] == 25
+
+
+@pytest.mark.parametrize("slurm_view", [
+    {"state": "RUNNING"},  # a preemption still in its GraceTime
+    {"state": "COMPLETING", "restarts": 1},  # a preemption after Slurm requeued the job
+    {"state": "COMPLETING", "reason": "TimeLimit"},  # the time limit itself
+])
+def test_a_sigterm_slurm_does_not_show_as_a_cancel_still_requeues(tmp_path, base_config, slurm_view):
+    job = Job(tmp_path, base_config, [Script(exit=143, steps=20, checkpoint=True, driver_signal=signal.SIGTERM)])
+    for key, value in slurm_view.items():
+        setattr(job.fake, key, value)
+    job.fake.requeue_refusal = None if slurm_view["state"] == "RUNNING" else "Job is no longer running"
+    job.fake.state_after_refusal = "PENDING"
+    assert job.sup.drive() == EXIT_STOPPED
+    assert not job.events("stopped") and len(job.events("requeued")) == 1
+
+
+@pytest.mark.parametrize("now", [False, True])
+def test_a_stop_request_signals_the_workers_and_ends_the_job_without_requeue(tmp_path, base_config, now):
+    job = Job(tmp_path, base_config, [Script(exit=None, steps=25)])
+    ask = lambda: job.run.stop_request.write_text(json.dumps({"by": "alice", "now": now}))  # noqa: E731
+    job.fake.scripts[0].at_s = {10.0: ask}
+    assert job.sup.drive() == 0
+    signal_sent = [c[1] for c in job.fake.calls if c[0] == "scancel"]
+    assert signal_sent == ["--signal=KILL" if now else "--signal=TERM"]
+    (stopped,) = job.events("stopped")
+    assert stopped["by"] == "dtk.stop by alice" + (" --now" if now else "")
+    assert stopped["checkpoint"] == (None if now else 25)  # --now: killed, nothing saved
+    assert job.requeue_calls() == [] and not job.run.stop_request.exists()
+
+
+def test_a_stop_request_before_a_start_starts_nothing(tmp_path, base_config):
+    job = Job(tmp_path, base_config, [])
+    job.run.stop_request.write_text(json.dumps({"by": "bob", "now": False}))
+    assert job.sup.drive() == 0
+    assert job.fake.steps == [] and job.events("stopped")[0]["by"] == "dtk.stop by bob"
+
+
 def test_a_stop_without_a_new_checkpoint_fails_instead_of_requeueing_forever(tmp_path, base_config):
     job = Job(tmp_path, base_config, [Script(exit=EXIT_STOPPED, steps=0, preempted=True)])
     job.run.checkpoint_dir(20).mkdir(parents=True)
@@ -398,6 +444,7 @@ def test_the_decision_table_in_one_place():
                       progressed=progressed, step=5).action
 
     assert row(Kind.FINISHED) is Action.FINISH
+    assert row(Kind.STOP_ASKED, relaunches=99, progressed=False) is Action.STOP
     assert row(Kind.CONFIG_ERROR, relaunches=0) is Action.FAIL
     assert row(Kind.STOPPED) is Action.REQUEUE and row(Kind.STOPPED, progressed=False) is Action.FAIL
     assert row(Kind.NODE_FAILED, relaunches=99) is Action.EXCLUDE
@@ -410,3 +457,7 @@ def test_the_decision_table_in_one_place():
     assert classify(Facts(code=137, lost=("n2",)), detected_at=1).kind is Kind.NODE_FAILED
     assert classify(Facts(code=137, crash_cause="why"), detected_at=1).cause == "why"
     assert classify(Facts(code=0, lost=("n2",)), detected_at=1).kind is Kind.FINISHED
+    # an asked-for stop wins over everything but a finish
+    asked = Facts(code=137, workers_stopped=True, lost=("n2",), error_line="rank 0: error: x", stop_asked="scancel 1")
+    assert classify(asked, detected_at=1).kind is Kind.STOP_ASKED
+    assert classify(Facts(code=0, stop_asked="scancel 1"), detected_at=1).kind is Kind.FINISHED

@@ -7,6 +7,10 @@ here, so every branch is a unit test (tests/test_supervisor.py).
     how the start ended          Kind           Action
     ---------------------------  -------------  ----------------------------------------------
     exit 0                       FINISHED       FINISH: the workers wrote summary.json
+    a stop was asked for: a      STOP_ASKED     STOP: record `stopped` with the last committed
+      request of dtk.stop, or                     checkpoint and end the job without a requeue
+      scancel (Slurm shows the                    (the workers saved on the signal if they could)
+      job CANCELLED)
     a worker exited 2 (a         CONFIG_ERROR   FAIL at once with the worker's `error:` line:
       configuration error)                        relaunching cannot fix a configuration
     exit 3, a `preempted` event, STOPPED        REQUEUE when a checkpoint was committed since
@@ -24,8 +28,9 @@ here, so every branch is a unit test (tests/test_supervisor.py).
     too few usable nodes for any plan           REQUEUE with the exclusions (no progress
       (fit_plan gives None)                       check: the allocation, not the run, failed)
 
-The order of the first table is the order of `classify`: a configuration error wins over
-a stop, a stop over a lost node, a lost node over a crash.
+The order of the first table is the order of `classify`: an asked-for stop wins over
+everything but a finish (a stopped step may exit in any way), a configuration error over a
+signalled stop, a signalled stop over a lost node, a lost node over a crash.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 
 class Kind(str, Enum):
     FINISHED = "finished"
+    STOP_ASKED = "stop_asked"
     CONFIG_ERROR = "config_error"
     STOPPED = "stopped"
     NODE_FAILED = "node_failed"
@@ -47,6 +53,7 @@ class Kind(str, Enum):
 
 class Action(str, Enum):
     FINISH = "finish"
+    STOP = "stop"
     FAIL = "fail"
     REQUEUE = "requeue"
     EXCLUDE = "exclude"
@@ -69,6 +76,9 @@ class Facts:
     """A worker's `error:` line (a configuration error), with its rank."""
     crash_cause: str = ""
     """The first exception line in the ranks' logs, or how the step ended."""
+    stop_asked: str = ""
+    """Who asked the run to stop (`dtk.stop by alice`, `scancel`), or empty: a stop request
+    file, or Slurm showing the job cancelled after the driver was signalled."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,8 @@ def classify(facts: Facts, *, detected_at: float) -> Outcome:
 
     if facts.code == 0:
         return outcome(Kind.FINISHED)
+    if facts.stop_asked:
+        return outcome(Kind.STOP_ASKED, facts.stop_asked)
     if facts.error_line or facts.code == EXIT_CONFIG:
         return outcome(Kind.CONFIG_ERROR, facts.error_line or f"a worker exited with code {EXIT_CONFIG}"
                        " (a configuration error); see the ranks' logs")
@@ -114,6 +126,8 @@ def decide(outcome: Outcome, *, job_id: str, relaunches: int, max_restarts: int,
     kind = outcome.kind
     if kind is Kind.FINISHED:
         return Decision(Action.FINISH)
+    if kind is Kind.STOP_ASKED:
+        return Decision(Action.STOP)
     if kind is Kind.CONFIG_ERROR:
         return Decision(Action.FAIL, f"configuration error in job {job_id}, not relaunched: {outcome.cause}")
     if kind is Kind.STOPPED:

@@ -46,3 +46,9 @@ def config_error_line(logs: Path) -> str | None:
         if line:
             return f"{log.stem.replace('_', ' ')}: {line}"
     return None
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line a worker wrote (what it was doing when it died)."""
+    lines = [ln.strip() for ln in _lines(log) if ln.strip()]
+    return lines[-1][:300] if lines else ""

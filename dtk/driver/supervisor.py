@@ -22,9 +22,9 @@ from pathlib import Path
 
 from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
 from dtk.driver.exclusions import add_exclusions, read_exclusions
-from dtk.driver.local import free_port
+from dtk.driver.local import free_port, stop_request_text
 from dtk.driver.logs import config_error_line, failure_cause
-from dtk.driver.record import record_failure
+from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.timeleft import TimeLeft
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
@@ -86,7 +86,9 @@ class Supervisor:
         self.environ = dict(os.environ if environ is None else environ)
         self.fault = plan.config.fault
         self.relaunches = 0  # after crashes and hangs, in this allocation
-        self.signalled = 0  # SIGTERM (preemption) or USR2 seen by the driver itself
+        self.signalled = 0  # SIGTERM (preemption, scancel) or USR2 seen by the driver itself
+        self.restart_count = int(self.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.stop_signalled = False  # the workers were told to stop for a dtk.stop request
         self.grow: GrowWatch | None = None  # while running on fewer nodes than the plan
         self.stop_reason = ""  # set once the driver stopped the workers itself (to grow back, before the limit)
         self.time_left = TimeLeft(run=run, slurm=self.slurm, job_id=job_id, plan=plan)
@@ -154,11 +156,13 @@ class Supervisor:
         code = proc.returncode
         new_events = self.run.events_list()[seen_events:]
         failed = code != 0
+        signalled = self.signalled != signalled_before
         left = set(self.allocation()) if failed else set(nodes)
         facts = Facts(
             code=code,
+            stop_asked=self._stop_asked(signalled) if failed else "",
             workers_stopped=any(e.get("event") == "preempted" for e in new_events),
-            signalled=self.signalled != signalled_before,
+            signalled=signalled,
             lost=tuple(n for n in nodes if n not in left),
             error_line=config_error_line(logs) if failed else None,
             crash_cause=failure_cause(logs, code) if failed else "",
@@ -171,6 +175,8 @@ class Supervisor:
         heartbeat = self.run.path / HEARTBEAT
         while proc.poll() is None:
             self.clock.sleep(POLL_S)
+            if not self.stop_signalled and self.run.stop_request.exists():
+                self._tell_workers_to_stop()
             try:
                 beat = heartbeat.stat().st_mtime
             except FileNotFoundError:
@@ -190,12 +196,39 @@ class Supervisor:
                 return Outcome(Kind.HUNG, cause=f"no heartbeat for {silent:.0f} s (limit {limit} s)", detected_at=now)
         return None
 
+    # --- a stop someone asked for -------------------------------------------------------
+    def _tell_workers_to_stop(self) -> None:
+        """A dtk.stop request: SIGTERM to the worker step (they agree, save and exit 3), or
+        SIGKILL with --now (no save: the run resumes from the last committed checkpoint)."""
+        request = self.run.read_stop_request() or {}
+        self.stop_signalled = True
+        self.slurm.signal_steps(self.job_id, "KILL" if request.get("now") else "TERM")
+
+    def _stop_asked(self, signalled: bool) -> str:
+        """Who asked this start to stop: a dtk.stop request, or `scancel JOB` (the driver
+        got SIGTERM and Slurm shows the job cancelled, not preempted or timed out); else ''."""
+        request = self.run.read_stop_request()
+        if request is not None:
+            return stop_request_text(request)
+        if signalled and self.slurm.cancelled(self.job_id, restart_count=self.restart_count):
+            return f"scancel {self.job_id}"
+        return ""
+
+    def _stop(self, by: str) -> int:
+        checkpoint = record_stopped(self.run, by=by, restarts=max(0, self.run.starts() - 1), job_id=self.job_id)
+        where = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint yet"
+        print(f"driver: stopped ({by}); not requeued; {where}", flush=True)
+        return 0
+
     # --- the loop ------------------------------------------------------------------------
     def drive(self) -> int:
         """Start, watch and decide until the run finishes (0), the job is requeued
         (EXIT_STOPPED) or it fails (DriverFailed, with the failure recorded in the run)."""
         recovery_from = self._recovery_from_previous_job()
         while True:
+            request = self.run.read_stop_request()
+            if request is not None:  # asked before this start: do not start
+                return self._stop(stop_request_text(request))
             excluded = read_exclusions(self.run)
             usable = [n for n in self.allocation() if n not in excluded]
             plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault.shrink)
@@ -212,6 +245,8 @@ class Supervisor:
                               max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step)
             if decision.action is Action.FINISH:
                 return 0
+            if decision.action is Action.STOP:
+                return self._stop(outcome.cause)
             if decision.action is Action.FAIL:
                 self._fail(decision.error, step=self._last_step())
             if decision.action is Action.REQUEUE:
