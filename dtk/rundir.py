@@ -142,3 +142,17 @@ class RunDir:
             return json.loads(self.summary.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists on this host (0 or less: no pid was recorded, not
+    the caller's process group, which os.kill(0, 0) would ask about)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True

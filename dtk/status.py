@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import RunDir
+from dtk.rundir import RunDir, pid_alive
 
 DESCRIPTION = """State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
 step / total, loss, last complete checkpoint, restarts and every start with its job id and
@@ -21,16 +20,6 @@ from the run directory."""
 
 AUDIT_LINES = 10  # the newest audit entries `render` shows; --json has them all
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _slurm_state(job_id: str, slurm) -> tuple[str | None, str | None]:
@@ -64,7 +53,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         state = "pending" if job_state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING") else "running"
     elif summary and summary.get("status") in ("finished", "failed", "stopped") and last_event == summary["status"]:
         state = summary["status"]
-    elif starts and not last_job and _alive(int(starts[-1].get("driver_pid", 0) or 0)):
+    elif starts and not last_job and pid_alive(int(starts[-1].get("driver_pid", 0) or 0)):
         state = "running"
     elif slurm_error:
         state = "unknown"

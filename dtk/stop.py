@@ -14,7 +14,6 @@ Submitting the same command again resumes from that checkpoint.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -22,20 +21,10 @@ from pathlib import Path
 from dtk import audit
 from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import RunDir, write_json_atomic
+from dtk.rundir import RunDir, pid_alive, write_json_atomic
 
 POLL_S = 0.5
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid > 0
 
 
 def where(run: RunDir) -> tuple[str, str | None, str]:
@@ -49,7 +38,7 @@ def where(run: RunDir) -> tuple[str, str | None, str]:
         return "slurm", job, slurmctl.job_state(job) or "gone"
     starts = [e for e in events if e.get("event") == "started"]
     pid = int(starts[-1].get("driver_pid") or 0) if starts else 0
-    return "local", None, "running" if pid and _alive(pid) else "not running"
+    return "local", None, "running" if pid and pid_alive(pid) else "not running"
 
 
 def wait_stopped(run: RunDir, *, since: float, timeout_s: float) -> dict | None:

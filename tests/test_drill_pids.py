@@ -4,6 +4,7 @@ process that is not the run's worker."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -41,3 +42,13 @@ def test_only_the_runs_own_worker_is_signalled(tmp_path):
             p.kill()
             p.wait()
     assert not is_worker_of(worker.pid, run)  # gone
+
+
+def test_pid_alive_is_false_for_a_missing_or_unrecorded_pid():
+    from dtk.rundir import pid_alive
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert pid_alive(os.getpid())
+    assert not pid_alive(proc.pid)  # reaped: no such process
+    assert not pid_alive(0)  # no pid recorded: not this process group
