@@ -63,7 +63,7 @@ def test_running_a_finished_run_again_starts_nothing(reference):
     before = (reference / "events.jsonl").read_text()
     proc = dtk("dtk.submit", *JOB, f"run.root={reference.parent}")
     assert proc.returncode == 0, proc.stderr
-    assert "already finished" in proc.stdout
+    assert f"run {reference.name} already finished" in proc.stdout and f"run.name={reference.name}-2" in proc.stdout
     assert (reference / "events.jsonl").read_text() == before
 
 

@@ -187,8 +187,9 @@ def launch(plan: Plan, files: dict[str, str] | None = None) -> Launched:
             check_run_dir(plan, run)  # again under the lock: the holder may have written since
             if already_finished(plan, run):
                 summary = run.read_summary() or {}
-                print(f"run {run.path} already finished: step {summary.get('final_step')},"
-                      f" loss {summary.get('final_loss')}")
+                print(f"run {plan.run_name} already finished ({run.path}: step {summary.get('final_step')},"
+                      f" loss {summary.get('final_loss')}); nothing submitted. The same config is the same run;"
+                      f" to start another, give it a name of its own: run.name={plan.run_name}-2")
                 return Launched(0)
             print(plan.describe(), flush=True)
             if plan.cluster_kind == "slurm":
