@@ -10,11 +10,13 @@ from typing import Any
 from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import RunDir, pid_alive
+from dtk.report import starts as start_history
+from dtk.rundir import RunDir, pid_alive, read_jsonl
 
 DESCRIPTION = """State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
-step / total, loss, last complete checkpoint, restarts and every start with its job id and
-nodes, and the newest entries of the run root's audit log (who submitted, stopped, drilled,
+step / total, loss, last complete checkpoint, restarts by cause and the crash/hang relaunches
+left, every start with its job id, nodes, cause, the checkpoint step it resumed from, the
+steps it redid and the downtime before it (dtk/report/starts.py), and the newest entries of the run root's audit log (who submitted, stopped, drilled,
 exported or deleted what, when). Slurm jobs are asked with squeue/scontrol; the rest comes
 from the run directory."""
 
@@ -62,6 +64,8 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     else:
         state = "stopped"
     last_step = max(metrics) if metrics else 0
+    max_restarts = int(plan["config"]["fault"]["max_restarts"])
+    history = start_history.history(events, list(read_jsonl(run.metrics)), max_restarts=max_restarts)
     # Sizes against the manifest, not checksums: status must stay quick on large checkpoints
     # (python -m dtk.checkpoint list RUN_DIR reads every byte).
     complete = [c.step for c in list_checkpoints(run, checksums=False) if c.verified]
@@ -75,16 +79,24 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "loss": metrics[last_step]["loss"] if metrics else None,
         "last_checkpoint": complete[-1] if complete else None,
         "restarts": max(0, len(starts) - 1),
+        "restarts_by_cause": _by_cause(history),
+        "relaunches_left": history[-1]["budget_left"] if history else max_restarts,
         "job_ids": job_ids,
-        "starts": [
-            {k: e.get(k) for k in ("restart", "job_id", "nodes", "world_size", "slurm_restart_count") if k in e}
-            for e in starts
-        ],
+        "starts": history,
         "error": summary.get("error") if summary and state == "failed" else None,
         "stopped_by": summary.get("stopped_by") if summary and state == "stopped" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
         "audit": audit.read(audit.run_root_of(run.path), run=plan.get("run_name", run.path.name)),
     }
+
+
+def _by_cause(history: list[dict[str, Any]]) -> dict[str, int]:
+    """Restarts counted by the kind of their cause (the words before any colon)."""
+    counts: dict[str, int] = {}
+    for start in history[1:]:
+        kind = start["cause"].split(":")[0].split(" (")[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def render(info: dict[str, Any]) -> str:
@@ -95,7 +107,9 @@ def render(info: dict[str, Any]) -> str:
         f"state        {state}",
         f"step         {info['step']}/{info['total_steps']}  loss {loss}",
         f"checkpoint   {'step ' + str(info['last_checkpoint']) + ' (verified sizes)' if info['last_checkpoint'] is not None else 'none verified yet'}",
-        f"restarts     {info['restarts']}",
+        f"restarts     {info['restarts']}"
+        + (f" ({', '.join(f'{k} {v}' for k, v in info['restarts_by_cause'].items())})" if info["restarts_by_cause"] else "")
+        + f"; crash/hang relaunches left in this allocation: {info['relaunches_left']} (fault.max_restarts)",
     ]
     if info["final_loss"] is not None:
         lines.append(f"final loss   {info['final_loss']:.6f}")
@@ -107,9 +121,7 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"stopped      by {info['stopped_by']}; {resume}")
     if info["slurm_error"]:
         lines.append(f"slurm        did not answer: {info['slurm_error']}")
-    for s in info["starts"]:
-        nodes = ",".join(s.get("nodes") or [])
-        lines.append(f"start {s.get('restart')}      job {s.get('job_id')} on {nodes} (world {s.get('world_size')})")
+    lines += [start_history.describe(s) for s in info["starts"]]
     shown = info["audit"][-AUDIT_LINES:]
     if shown:
         more = len(info["audit"]) - len(shown)
