@@ -171,6 +171,11 @@ def test_a_killed_and_a_hung_rank_are_relaunched_dtk_stop_saves_and_the_losses_m
     assert stopped["checkpoint"] == stopped["step"] < 60  # saved at the step it stopped
     status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
     assert status["state"] == "stopped" and status["last_checkpoint"] == stopped["checkpoint"]
+    first, after_crash, after_hang = status["starts"]
+    assert after_crash["cause"].startswith("crashed: rank 1 on ") and after_hang["cause"].startswith("hung: ")
+    assert after_crash["resumed_from"] == 20 and after_crash["steps_redone"] >= 5 and after_crash["downtime_s"] > 0
+    assert after_hang["downtime_s"] >= 8  # the hang's detection wait is downtime
+    assert [s["budget_left"] for s in status["starts"]] == [3, 2, 1] and status["relaunches_left"] == 1
     again = dtk("dtk.stop", str(run))
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "not running" in again.stderr
 

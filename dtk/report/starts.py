@@ -42,7 +42,8 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
     kinds = {e.get("event"): e for e in before}
     if "relaunched" in kinds:
         e = kinds["relaunched"]
-        return f"{e.get('cause')}: {e.get('detail')}" if e.get("detail") else str(e.get("cause"))
+        where = f"rank {e['rank']} on {e.get('host')}, " if e.get("rank") is not None else ""
+        return f"{e.get('cause')}: {where}{e.get('detail')}" if e.get("detail") else str(e.get("cause"))
     if "node_failed" in kinds:
         return f"node failed: {','.join(kinds['node_failed'].get('nodes') or [])}"
     if "node_returned" in kinds:
