@@ -69,6 +69,10 @@ class Script:
     """Nodes that leave the job (Slurm set them DOWN) when the step ends."""
     log: str = ""
     """Lines rank 0 writes to its log."""
+    logs: dict[int, str] | None = None
+    """Lines each rank writes to its log (rank -> text)."""
+    srun_report: str = ""
+    """What srun itself prints when the step ends (which task died first, which it then ended)."""
     unkillable: bool = False
     """srun does not end when its step is cancelled (the driver must kill srun)."""
     first_step: bool = False
@@ -91,6 +95,7 @@ class FakeStep:
         self.signalled = False
         self.killed = False
         self.env: dict[str, str] = {}
+        self.report: Path | None = None  # where the driver collects srun's own messages
         self.stop_signals: list[str] = []
         self.first_logged = False
 
@@ -117,6 +122,10 @@ class FakeStep:
             self.run.event("preempted", step=last, signal="SIGUSR2")
         if s.log:
             (self.logs / "rank_0.log").write_text(s.log + "\n")
+        for rank, text in (s.logs or {}).items():
+            (self.logs / f"rank_{rank}.log").write_text(text + "\n")
+        if s.srun_report and self.report is not None:
+            self.report.write_text(s.srun_report + "\n")
         for node in s.lose:
             self.fake.nodes.remove(node)
         self.returncode = code
@@ -235,7 +244,7 @@ class FakeSlurm:
                 return subprocess.CompletedProcess(argv, 1, "", SOCKET_TIMEOUT + "\n")
         return subprocess.CompletedProcess(argv, *self._answer(argv))
 
-    def start(self, argv: list[str], *, env) -> FakeStep | HealthJob:
+    def start(self, argv: list[str], *, env, report: Path | None = None) -> FakeStep | HealthJob:
         assert argv[0] == "srun", argv
         if "--job-name=dtk-health" in argv:
             job = HealthJob(argv, self.clock, self.health_passes, env)
@@ -243,7 +252,7 @@ class FakeSlurm:
             return job
         assert self.scripts, f"start {self.num_starts} has no script"
         step = FakeStep(self, self.scripts.pop(0), argv)
-        step.env = dict(env)
+        step.env, step.report = dict(env), report
         self.steps.append(step)
         return step
 

@@ -207,6 +207,11 @@ def test_crash_and_hang_recover_and_the_hang_is_seen_in_time(lab, tmp_path, refe
     assert summary["status"] == "finished", summary
     crash, hang = named(run, "relaunched")
     assert crash["cause"] == "crashed" and hang["cause"] == "hung"
+    # The drill killed the last rank (1): srun's report names it, not rank 0's collective error.
+    assert crash["detail"].startswith("rank 1 on node") and "died first" in crash["detail"], crash
+    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
+    causes = [s["cause"] for s in status["starts"]]
+    assert causes[1].startswith("crashed: rank 1 on node") and causes[2].startswith("hung: "), causes
     (detected,) = named(run, "hang_detected")
     assert detected["time"] - t_hang <= 10 + 5, "hang seen later than fault.hang_timeout_s + 5 s"
     assert [r["restart"] for r in named(run, "resumed")] == [1, 2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,16 @@ def test_status_says_unknown_when_slurm_does_not_answer(tmp_path, plan_config):
     info = collect(run, slurm=s)
     assert info["state"] == "unknown" and "Socket timed out" in info["slurm_error"]
     assert "slurm        did not answer:" in render(info)
+
+
+def test_a_step_s_own_messages_reach_the_report_file_and_the_driver_log(tmp_path, capfd):
+    report = tmp_path / "srun.log"
+    proc = Runner().start(["sh", "-c", "echo 'srun: error: node2: task 1: Killed' >&2; exit 1"], env={"PATH": "/usr/bin:/bin"},
+                          report=report)
+    assert proc.wait(timeout=10) == 1
+    for _ in range(100):  # the copying thread ends at EOF, just after the process
+        if report.exists() and report.read_text():
+            break
+        time.sleep(0.02)
+    assert report.read_text() == "srun: error: node2: task 1: Killed\n"
+    assert "srun: error: node2: task 1: Killed" in capfd.readouterr().err

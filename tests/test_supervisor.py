@@ -328,6 +328,22 @@ def test_a_crash_is_relaunched_from_the_last_checkpoint(tmp_path, base_config):
     assert job.srun_flag(1, "nodelist") == "node1,node2" and job.fake.steps[1].env["DTK_RESTART"] == "1"
 
 
+def test_a_crash_names_the_rank_srun_saw_die_first_not_the_peer_that_reported_an_error(tmp_path, base_config):
+    # Rank 1 was killed; rank 0 then failed in its collective ("Connection reset by peer"),
+    # and srun ended it. The cause is rank 1, its host and its own log's last line.
+    report = ("srun: error: node2: task 1: Killed\n"
+              "srun: error: node1: task 0: Exited with exit code 1")
+    logs = {0: "step 30\nRuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer",
+            1: "step 30\nsaving nothing, about to die"}
+    scripts = [Script(exit=1, steps=25, checkpoint=True, logs=logs, srun_report=report), Script(exit=0, steps=10)]
+    job = Job(tmp_path, base_config, scripts)
+    assert job.sup.drive() == 0
+    (relaunched,) = job.events("relaunched")
+    assert relaunched["detail"] == ("rank 1 on node2 died first (Killed); its log ends: saving nothing, about to die;"
+                                    " the other ranks' errors are consequences")
+    assert (job.run.path / "logs" / "start_00" / "srun.log").read_text().startswith("srun: error: node2: task 1")
+
+
 def test_crashes_beyond_max_restarts_fail_the_job_with_the_last_cause(tmp_path, base_config):
     job = Job(tmp_path, base_config, [Script(exit=1, log=CRASH_LOG) for _ in range(3)])
     with pytest.raises(DriverFailed) as failed:

@@ -7,6 +7,11 @@ from pathlib import Path
 
 _ERROR = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*)$")
 _CONFIG_ERROR = re.compile(r"^(\[rank\d+\]:\s*)?(error: .*)$")  # what a worker prints before exit code 2
+# srun's own report of a task that ended badly: `srun: error: node3: task 1: Killed`,
+# `srun: error: node2: tasks 0-1: Exited with exit code 1`. With --kill-on-bad-exit the first
+# such line is the task that died; the lines after it are the tasks srun then ended.
+_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)[\d,\-]*: (.+)$")
+SRUN_LOG = "srun.log"
 
 
 def _rank_logs(logs: Path) -> list[Path]:
@@ -20,9 +25,29 @@ def _lines(log: Path) -> list[str]:
         return []
 
 
+def first_dead_task(srun_log: Path) -> tuple[int, str, str] | None:
+    """(rank, host, how) of the first task srun reported ending badly, or None."""
+    for line in _lines(srun_log):
+        m = _SRUN_TASK.search(line.strip())
+        if m:
+            return int(m.group(2)), m.group(1), m.group(3).strip()
+    return None
+
+
 def failure_cause(logs: Path, code: int | None) -> str:
-    """`rank 1: RuntimeError: boom` from the last exception line of the first rank whose log
-    has one; otherwise how the step ended."""
+    """Why the step failed. Where srun reported the first task that died (logs/srun.log), that
+    rank, its host and its own log's last error (or last line); the other ranks' errors
+    (a peer's collective reset, a SIGTERM) are consequences and are labelled so. Otherwise
+    `rank 1: RuntimeError: boom` from the first rank whose log has an exception line, or how
+    the step ended."""
+    first = first_dead_task(logs / SRUN_LOG)
+    if first is not None:
+        rank, host, how = first
+        log = logs / f"rank_{rank}.log"
+        errors = [m.group(2) for m in (_ERROR.match(ln.strip()) for ln in _lines(log)) if m]
+        said = errors[-1] if errors else last_line(log)
+        return (f"rank {rank} on {host} died first ({how}); its log ends: {said[:300] or '(empty)'}"
+                "; the other ranks' errors are consequences")
     for log in _rank_logs(logs):
         errors = [m.group(2) for m in (_ERROR.match(ln.strip()) for ln in _lines(log)) if m]
         if errors:

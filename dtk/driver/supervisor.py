@@ -23,7 +23,7 @@ from pathlib import Path
 from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
 from dtk.driver.exclusions import add_exclusions, read_exclusions
 from dtk.driver.local import free_port, stop_request_text
-from dtk.driver.logs import config_error_line, failure_cause
+from dtk.driver.logs import SRUN_LOG, config_error_line, failure_cause
 from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.timeleft import TimeLeft
@@ -148,7 +148,7 @@ class Supervisor:
         print("driver:", " ".join(cmd), flush=True)
         signalled_before = self.signalled
         started = self.clock.time()
-        proc = self.slurm.start_step(cmd, env=env)
+        proc = self.slurm.start_step(cmd, env=env, report=logs / SRUN_LOG)
         hung = self._watch(proc, started, nodes)
         if hung is not None:
             return hung

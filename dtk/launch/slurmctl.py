@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from dtk.errors import UserError
 
@@ -66,9 +69,24 @@ class Runner:
         _require(argv[0])
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
-    def start(self, argv: list[str], *, env: Mapping[str, str]) -> subprocess.Popen:
+    def start(self, argv: list[str], *, env: Mapping[str, str], report: Path | None = None) -> subprocess.Popen:
+        """Start a step; srun's own messages (which task died first) go to `report` too."""
         _require(argv[0])
-        return subprocess.Popen(argv, env=dict(env))
+        if report is None:
+            return subprocess.Popen(argv, env=dict(env))
+        proc = subprocess.Popen(argv, env=dict(env), stderr=subprocess.PIPE, text=True, errors="replace")
+        threading.Thread(target=_tee, args=(proc.stderr, report), daemon=True).start()
+        return proc
+
+
+def _tee(stream, path: Path) -> None:
+    """Copy a step's stderr to the driver's stderr (its Slurm log) and to `path`, line by line."""
+    with open(path, "a") as fh:
+        for line in stream:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            fh.write(line)
+            fh.flush()
 
 
 def _require(program: str) -> None:
@@ -255,8 +273,8 @@ class Slurm:
             self.clock.sleep(0.5)
         return False
 
-    def start_step(self, argv: list[str], *, env: Mapping[str, str]):
-        return self.runner.start(argv, env=env)
+    def start_step(self, argv: list[str], *, env: Mapping[str, str], report: Path | None = None):
+        return self.runner.start(argv, env=env, report=report)
 
 
 IN_SERVICE = ("idle", "mixed", "allocated", "completing")
