@@ -38,7 +38,8 @@ def test_text_dataset_trains_evaluates_and_pins_its_version(tmp_path):
     data = tmp_path / "data"
     version = prepare(tmp_path / "a.txt", data)
     job = [*JOB, "data=hdf5", f"data.path={data}", "data.val_fraction=0.1", "train.steps=12",
-           "train.eval_every=6", "checkpoint.every=4", f"run.root={tmp_path}"]
+           "train.eval_every=6", "checkpoint.every=4", f"run.root={tmp_path}",
+           "fault.max_restarts=0"]  # the driver stops at the kill (no relaunch)
     run = RunDir(tmp_path / "r")
 
     # Start, stop after the first checkpoint, change the data under the same path.

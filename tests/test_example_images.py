@@ -96,7 +96,8 @@ def test_killed_and_resumed_the_losses_are_bitwise_equal_and_changed_data_is_ref
     run = project / "runs" / "killed"
     log = open(project / "killed_driver.log", "w")
     driver = subprocess.Popen(
-        [sys.executable, "-m", "dtk.submit", *JOB, "tasks_per_node=2", "run.name=killed"],
+        [sys.executable, "-m", "dtk.submit", *JOB, "tasks_per_node=2", "run.name=killed",
+         "fault.max_restarts=0"],  # the driver stops at the kill (no relaunch); the next command resumes
         cwd=project, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 240

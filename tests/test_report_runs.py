@@ -71,7 +71,8 @@ def test_identical_runs_say_identical_and_another_lr_diverged(tmp_path):
 def test_killed_and_resumed_run_shows_redone_work_and_restart_time(tmp_path):
     root = tmp_path / "runs"
     # Records are written every train.log_every steps: those of steps 11..15 are on disk before the kill.
-    job = ["train.steps=40", "checkpoint.every=10", "train.log_every=5", "train.global_batch=32", f"run.root={root}"]
+    job = ["train.steps=40", "checkpoint.every=10", "train.log_every=5", "train.global_batch=32", f"run.root={root}",
+           "fault.max_restarts=0"]  # the driver stops at the kill (no relaunch); the next command resumes
     env = dict(os.environ, PYTHONPATH=str(REPO))
     driver = subprocess.Popen([sys.executable, "-m", "dtk.submit", *job], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
