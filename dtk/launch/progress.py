@@ -34,37 +34,22 @@ class Progress:
         self.every = max(1, every)
         self.out = out
         self.state = state
-        self._offset = 0
+        self._tail = _Tail(metrics)
+        self._eval_tail = _Tail(metrics.parent / "eval.jsonl")  # validation lines, shown with the next step line
+        self._eval: dict | None = None
         self._last_printed = -1
         self._last: dict | None = None
         self._times: list[float] = []
 
     def skip_existing(self) -> None:
         """Follow from now on: records of earlier starts are not reprinted."""
-        try:
-            self._offset = self.metrics.stat().st_size
-        except FileNotFoundError:
-            self._offset = 0
-
-    def _read_new(self) -> list[dict]:
-        try:
-            with open(self.metrics, "rb") as fh:
-                fh.seek(self._offset)
-                chunk = fh.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
-        self._offset += end
-        records = []
-        for line in chunk[:end].splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
+        self._tail.skip_existing()
+        self._eval_tail.skip_existing()
 
     def poll(self, final: bool = False) -> dict | None:
-        for rec in self._read_new():
+        for rec in self._eval_tail.read_new():
+            self._eval = rec
+        for rec in self._tail.read_new():
             self._last = rec
             self._times = (self._times + [rec.get("step_time_s", 0.0)])[-50:]
             step = rec["step"]
@@ -82,11 +67,45 @@ class Progress:
         filled = int(width * step / max(1, self.total))
         bar = "#" * filled + "." * (width - filled)
         state = f" [{self.state()}]" if self.state else ""
+        val = ""
+        if self._eval is not None:
+            shown = " ".join(f"{k} {v:.4f}" for k, v in self._eval.items() if k.startswith("val_") and isinstance(v, float))
+            val = f" | {shown} (step {self._eval.get('step')})"
         print(
             f"[{bar}] step {step}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.2e}"
-            f" {per_step * 1000:.0f} ms/step ETA {eta}{state}",
+            f" {per_step * 1000:.0f} ms/step ETA {eta}{val}{state}",
             file=self.out,
             flush=True,
         )
         self._last_printed = step
 
+
+class _Tail:
+    """The complete JSON lines appended to a file since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def skip_existing(self) -> None:
+        try:
+            self.offset = self.path.stat().st_size
+        except FileNotFoundError:
+            self.offset = 0
+
+    def read_new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self.offset += end
+        records = []
+        for line in chunk[:end].splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
