@@ -111,6 +111,9 @@ def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
     resumed = named(run, "resumed")[-1]
     assert resumed["step"] == preempted["step"] and resumed["restart"] == 1
     assert steps_once_each(run), "a step was computed twice or lost"
+    second = json.loads(dtk("dtk.status", str(run), "--json").stdout)["starts"][1]
+    assert second["cause"].startswith("preempted") and second["resumed_from"] == preempted["step"], second
+    assert second["steps_redone"] == 0 and second["downtime_s"] > 0, second
     assert losses(run) == reference
 
 
@@ -193,6 +196,10 @@ def test_node_failure_without_spare_continues_on_one_node(lab, tmp_path, referen
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["world_size"] == 1
     assert math.isclose(losses(run)[STEPS], reference[STEPS], rel_tol=1e-5)
+    (failed,) = named(run, "node_failed")
+    second = json.loads(dtk("dtk.status", str(run), "--json").stdout)["starts"][1]
+    assert second["cause"] == f"node failed: {victim}" and second["resumed_from"] == failed["resume_from"], second
+    assert second["steps_redone"] >= 0 and second["downtime_s"] > 0, second
 
 
 def test_crash_and_hang_recover_and_the_hang_is_seen_in_time(lab, tmp_path, reference):
