@@ -189,7 +189,15 @@ def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, refe
 
 
 def test_node_failure_without_spare_continues_on_one_node(lab, tmp_path, reference):
-    run, _, victim = node_fail_drill(tmp_path)
+    # The third lab node is held by another job: no node can take the failed one's place, so
+    # the run goes on at world 1 (with an idle node it would grow back: tests/test_grow.py).
+    hold = subprocess.run(["sbatch", "--parsable", "-w", "node3", "-N1", "--job-name=dtk-test-hold", "--output=/dev/null",
+                           "--wrap=sleep 600"], capture_output=True, text=True).stdout.strip()
+    try:
+        wait_for(lambda: job_field(hold, "JobState") == "RUNNING", 30, "the job holding node3")
+        run, _, victim = node_fail_drill(tmp_path)
+    finally:
+        subprocess.run(["scancel", hold], capture_output=True)
     started = named(run, "started")
     assert started[-1]["nodes"] == [started[0]["nodes"][0]] and started[-1]["world_size"] == 1
     assert victim in [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
