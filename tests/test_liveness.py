@@ -4,6 +4,7 @@ inside it), while a SIGSTOPped rank is still detected within the timeout + 5 s."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ def test_a_save_longer_than_the_hang_timeout_is_no_hang_but_a_stopped_rank_is(tm
            "train.log_every=10", f"fault.hang_timeout_s={TIMEOUT_S}", "fault.max_restarts=0", f"run.root={tmp_path}"]
     env = dict(os.environ, PYTHONPATH=str(REPO), DTK_TEST_COMMIT_DELAY_S=str(SAVE_S))
     driver = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped: list[int] = []
     try:
         root = tmp_path
         run = _wait("the run directory", lambda: next((p for p in root.iterdir() if (p / "plan.json").exists()), None),
@@ -37,12 +39,19 @@ def test_a_save_longer_than_the_hang_timeout_is_no_hang_but_a_stopped_rank_is(tm
         _wait("a step after the slow save", lambda: max(_steps(run), default=0) > 10, driver, timeout=180)
         assert not _events(run, "hang_detected")
         stopped_at = time.time()
-        os.kill(_rank_pid(run, 0, 1, driver), signal.SIGSTOP)  # alive and silent: a hang
+        stopped.append(_rank_pid(run, 0, 1, driver))
+        os.kill(stopped[0], signal.SIGSTOP)  # alive and silent: a hang
         (hang,) = _wait("the hang verdict", lambda: _events(run, "hang_detected"), driver, timeout=60)
         assert hang["time"] - stopped_at <= TIMEOUT_S + 5, hang
+        driver.communicate(timeout=60)  # max_restarts=0: the driver ends the workers and fails the run
+        assert driver.returncode != 0
     finally:
-        driver.kill()
-        driver.communicate(timeout=60)
+        for pid in stopped:  # a stopped process does not act on its parent's death signal
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate(timeout=60)
 
 
 def _steps(run) -> list[int]:
