@@ -160,9 +160,10 @@ def test_time_limit_saves_before_each_limit_and_finishes_over_allocations(lab, t
     assert all(e["signal_lead_s"] == 40 for e in named(run, "submitted"))
 
 
-def node_fail_drill(tmp_path: Path, *extra: str) -> tuple[Path, dict, str]:
+def node_fail_drill(tmp_path: Path, *extra: str, grow: bool = False) -> tuple[Path, dict, str]:
     """Submit, set a node of the run DOWN once it trains, wait for the end; the node is
-    resumed afterwards whatever happened."""
+    resumed afterwards whatever happened. `grow`: the job may grow back (a requeue) when the
+    failed node returns to service before the end."""
     job, run = submit(tmp_path, *extra)
     wait_for(lambda: step_reached(run, 60), 120, "step 60")
     victim = named(run, "started")[0]["nodes"][-1]
@@ -172,7 +173,7 @@ def node_fail_drill(tmp_path: Path, *extra: str) -> tuple[Path, dict, str]:
     finally:
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
     assert summary["status"] == "finished", summary
-    assert not named(run, "requeued")
+    assert all(grow and r["reason"].startswith("grow back") for r in named(run, "requeued")), named(run, "requeued")
     return run, summary, victim
 
 
@@ -195,14 +196,21 @@ def test_node_failure_without_spare_continues_on_one_node(lab, tmp_path, referen
                            "--wrap=sleep 600"], capture_output=True, text=True).stdout.strip()
     try:
         wait_for(lambda: job_field(hold, "JobState") == "RUNNING", 30, "the job holding node3")
-        run, _, victim = node_fail_drill(tmp_path)
+        run, _, victim = node_fail_drill(tmp_path, grow=True)
     finally:
         subprocess.run(["scancel", hold], capture_output=True)
     started = named(run, "started")
-    assert started[-1]["nodes"] == [started[0]["nodes"][0]] and started[-1]["world_size"] == 1
+    assert started[1]["nodes"] == [started[0]["nodes"][0]] and started[1]["world_size"] == 1
     assert victim in [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["world_size"] == 1
+    if named(run, "grown"):  # the node came back to service and passed its health job: world 2 again
+        (grown,) = named(run, "grown")
+        assert [s["world_size"] for s in started] == [2, 1, 2] and victim in grown["nodes"]
+        assert named(run, "preempted")[-1]["step"] == named(run, "requeued")[-1]["step"] == named(run, "resumed")[-1]["step"]
+        assert last["world_size"] == 2
+    else:
+        assert len(started) == 2 and last["world_size"] == 1
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
     assert math.isclose(losses(run)[STEPS], reference[STEPS], rel_tol=1e-5)
     (failed,) = named(run, "node_failed")
     second = json.loads(dtk("dtk.status", str(run), "--json").stdout)["starts"][1]
