@@ -25,7 +25,7 @@ what is left (evaluation, teardown, failure detection, a step in flight when kil
 _QUEUE_STARTS = ("submitted", "requeued")
 
 
-def _start_segments(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def start_segments(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Events grouped by start: each group begins with a `started` event."""
     groups: list[list[dict[str, Any]]] = []
     for e in events:
@@ -106,7 +106,7 @@ def account(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
         queue += max(0.0, end - pending)
 
     trained = {r.get("restart") for r in metric_lines}
-    starts = [_one_start(g, end, trained) for g in _start_segments(events)]
+    starts = [_one_start(g, end, trained) for g in start_segments(events)]
     startup = sum(s["startup_s"] for s in starts)
     load = sum(s["checkpoint_load_s"] for s in starts)
 

@@ -19,19 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtk.report.goodput import start_segments
+
 # The events that end a start, newest first wins; each names the cause of the next start.
 _ENDINGS = ("relaunched", "node_failed", "requeued", "hang_detected", "preempted", "time_limit_near",
             "node_returned", "stopped", "failed", "finished")
-
-
-def _segments(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    groups: list[list[dict[str, Any]]] = []
-    for e in events:
-        if e.get("event") == "started":
-            groups.append([e])
-        elif groups:
-            groups[-1].append(e)
-    return groups
 
 
 def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
@@ -67,7 +59,7 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
 def history(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *, max_restarts: int) -> list[dict[str, Any]]:
     """One dict per start, oldest first (the fields in the module doc string)."""
     events = sorted((e for e in events if "time" in e), key=lambda e: float(e["time"]))
-    groups = _segments(events)
+    groups = start_segments(events)
     by_restart: dict[Any, list[dict[str, Any]]] = {}
     for r in metric_lines:
         if "time" in r and "step" in r:
