@@ -64,7 +64,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     else:
         state = "stopped"
     last_step = max(metrics) if metrics else 0
-    max_restarts = int(plan["config"]["fault"]["max_restarts"])
+    max_restarts = _max_restarts(plan)
     history = start_history.history(events, list(read_jsonl(run.metrics)), max_restarts=max_restarts)
     # Sizes against the manifest, not checksums: status must stay quick on large checkpoints
     # (python -m dtk.checkpoint list RUN_DIR reads every byte).
@@ -88,6 +88,17 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
         "audit": audit.read(audit.run_root_of(run.path), run=plan.get("run_name", run.path.name)),
     }
+
+
+def _max_restarts(plan: dict[str, Any]) -> int:
+    """fault.max_restarts of the run, from its plan.json (the schema's default for a plan
+    written without its config)."""
+    fault = plan["config"]["fault"] if "config" in plan and "fault" in plan["config"] else {}
+    if "max_restarts" in fault:
+        return int(fault["max_restarts"])
+    from dtk.config.schema import FaultConfig
+
+    return FaultConfig().max_restarts
 
 
 def _by_cause(history: list[dict[str, Any]]) -> dict[str, int]:
