@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_resume import kill_workers
 
 from conftest import REPO, dtk, losses
 from dtk.rundir import RunDir
@@ -80,16 +80,6 @@ def test_validation_accuracy_rises_and_the_split_is_recorded(runs):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     split = json.loads((runs["one"] / "data.json").read_text())
     assert (split["target"], split["num_train"], split["num_validation"]) == ("images.load", 768, 256)
-
-
-def kill_workers(run: Path, driver: subprocess.Popen) -> None:
-    starts = sorted((run / "logs").glob("start_*"))
-    for pid in (starts[-1] / "pids").read_text().split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert driver.wait(timeout=60) == 1
 
 
 def test_killed_and_resumed_the_losses_are_bitwise_equal_and_changed_data_is_refused(runs, project):
