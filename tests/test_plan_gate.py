@@ -100,3 +100,17 @@ def test_a_user_model_is_counted_on_the_meta_device_in_a_subprocess_with_a_time_
                           "depth": 4, "expansion": 2})
     with pytest.raises(NotCounted, match="took over"):
         count_user_model(model, timeout_s=0.01)  # the login path never waits longer than its limit
+
+
+def test_plan_md_of_a_user_model_whose_split_points_fix_the_pipeline_stages(tmp_path):
+    from dtk.submit import plan_points
+
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mlp_lm.yaml").write_text(USER_MODEL_YAML + "split_points: [blocks.2]\n")
+    [point] = plan_points([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mlp_lm", "+scheme=pp",
+                           "tasks_per_node=2", "train.global_batch=16", "train.micro_batch=4",
+                           f"run.root={tmp_path / 'runs'}"], multirun=False)
+    text = point.files()["plan.md"]
+    rows = [ln for ln in text.split("## Expanding")[1].splitlines() if ln.startswith("| 2 ")]
+    # Two split points' worth of stages stay two stages on more nodes: the layout is replicated.
+    assert rows and "dp_replicate=2 pp=2" in rows[0], text

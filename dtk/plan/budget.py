@@ -69,11 +69,17 @@ class Context:
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None) -> Variant:
-        return make_variant(
+        v = make_variant(
             key, scheme, nodes=nodes, tasks_per_node=tasks_per_node or self.tasks_per_node,
             global_batch=self.global_batch, micro_batch=self.micro_batch, model=self.model_checks,
             blocks=sum(1 for _, is_block in self.shape.units if is_block),
         )
+        stages = v.degrees.pp * int(v.scheme["pp_virtual_stages"]) if v.degrees.pp > 1 else 1
+        if self.split_points and stages > 1 and len(self.split_points) + 1 != stages:
+            # A model's own split points fix its number of stages (checked here for any model,
+            # not only the built-in transformer that check_scheme reads).
+            raise UserError(f"model.split_points make {len(self.split_points) + 1} pipeline stages, not {stages}")
+        return v
 
     def standard(self, key: str, nodes: int, tasks_per_node: int | None = None) -> Variant:
         tpn = tasks_per_node or self.tasks_per_node
