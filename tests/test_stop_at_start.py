@@ -19,7 +19,7 @@ from conftest import REPO, dtk
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-JOB = ["tasks_per_node=2", "train.global_batch=16", "train.steps=60", "checkpoint.every=20", "train.log_every=20",
+JOB = ["tasks_per_node=2", "train.global_batch=16", "train.steps=300", "checkpoint.every=20", "train.log_every=20",
        "run.name=stopped"]
 
 
@@ -42,22 +42,24 @@ def test_usr2_while_the_workers_start_and_load_saves_at_the_first_step_and_stops
 
     # The same command again; USR2 to every worker as soon as it says where it runs (its pid
     # file comes before the process group, the model and the checkpoint load).
+    before = set((run / "logs").glob("start_*"))
     again = subprocess.Popen([sys.executable, "-m", "dtk.submit", *JOB, f"run.root={tmp_path / 'runs'}"],
                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    logs = run / "logs" / "start_01"
     signalled: set[int] = set()
     deadline = time.monotonic() + 120
     while len(signalled) < 2:
         assert again.poll() is None and time.monotonic() < deadline, again.communicate()
-        for pid_file in logs.glob("rank_*.pid") if logs.is_dir() else []:
+        new = sorted(set((run / "logs").glob("start_*")) - before)  # this launch's first start
+        for pid_file in new[0].glob("rank_*.pid") if new else []:
             text = pid_file.read_text().split()
             if len(text) == 2 and int(text[1]) not in signalled:
                 os.kill(int(text[1]), signal.SIGUSR2)
                 signalled.add(int(text[1]))
         time.sleep(0.01)
     out, err = again.communicate(timeout=240)
-    assert again.returncode == 3, out + err  # stopped after a committed checkpoint, not killed
+    history = (run / "events.jsonl").read_text()
+    assert again.returncode == 3, out + err + history  # stopped after a committed checkpoint, not killed
     (loaded,) = [e for e in events(run, "checkpoint_loaded") if e["time"] > events(run, "started")[-1]["time"]]
     assert loaded["step"] == resumed_from
     preempted = events(run, "preempted")[-1]
