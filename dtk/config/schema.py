@@ -19,12 +19,12 @@ from dtk.config.choices import (
     DataParallel,
     DeviceKind,
     Dtype,
-    FabricRequire,
     MatmulPrecision,
     OptimizerName,
     PipelineSchedule,
     TpStyle,
 )
+from dtk.config.fabric import DoctorConfig, FabricConfig, PlanConfig  # part of this schema
 from dtk.config.sections import (  # the data and task sections, part of this schema
     DATA_SCHEMAS as DATA_SCHEMAS,
 )
@@ -251,32 +251,6 @@ class DistConfig:
 
 
 @dataclass
-class FabricConfig:
-    require: FabricRequire = FabricRequire.auto
-    """Transport check at start (NCCL): `auto` stops the job when a node has InfiniBand / RoCE but NCCL chose TCP sockets, `ib` also when a node has no RDMA port or the report is missing, `any` accepts sockets."""
-    detect: bool = True
-    """Discover each node at start and set NCCL / gloo interfaces and the master address from it (topology.json). False: leave them to NCCL, gloo and the environment."""
-
-
-@dataclass
-class DoctorConfig:
-    min_mb: float = 1.0
-    """Smallest all-reduce message of the doctor's sweep, in MB."""
-    max_mb: float = 1024.0
-    """Largest all-reduce message of the sweep, in MB (1 GB, as nccl-tests sweeps); capped by max_mb_cpu on the CPU."""
-    max_mb_cpu: float = 64.0
-    """Largest message on the CPU (gloo): a 1 GB gloo sweep on a small machine takes minutes and its memory."""
-    repeats: int = 5
-    """Timed repetitions per message size (after one warm-up); the median is reported."""
-    p2p_mb: float = 64.0
-    """Message size of the point-to-point test between each ordered pair of nodes, in MB."""
-    slow_factor: float = 1.5
-    """A node is flagged slow when its p2p send or receive bandwidth, or its matmul throughput, is this many times below the median of the nodes."""
-    matmul_n: int = 1024
-    """Matrix size n of the per-device n x n x n matrix-multiply throughput test."""
-
-
-@dataclass
 class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
@@ -300,30 +274,6 @@ class RunConfig:
     """Folder that holds run directories; must be on storage every node sees."""
     name: str | None = None
     """Run directory name. None: `<model>-<hash of the semantic keys>`, so the same command continues the same run."""
-
-
-@dataclass
-class PlanConfig:
-    """What-if inputs of the memory budget (python -m dtk.plan): plan a model that is not written yet."""
-
-    params: float | None = None
-    """Parameter count, e.g. 7.5e9: plan this many parameters instead of the model's. None: the model's own."""
-    layers: int | None = None
-    """Repeated blocks of the what-if model (FSDP units, pipeline stages, per-layer buffers)."""
-    hidden: int | None = None
-    """Hidden size of the what-if model (activations, gathered layers)."""
-    seq_len: int | None = None
-    """Sequence length of the what-if model (activations)."""
-    heads: int | None = None
-    """Attention heads of the what-if model (attention scores in activations)."""
-    vocab_size: int | None = None
-    """Vocabulary of the what-if model (embedding, output head and logits)."""
-    param_bytes: float | None = None
-    """Bytes per parameter held, to follow another framework's accounting (the ZeRO paper: 2). None: dtk's fp32 (4)."""
-    grad_bytes: float | None = None
-    """Bytes per gradient element (the ZeRO paper: 2). None: dtk's fp32 (4)."""
-    optimizer_bytes: float | None = None
-    """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""The schemas of the `fabric`, `doctor` and `plan` sections: the network a job checks and
+the what-if inputs of the memory budget (part of dtk/config/schema.py, which imports them;
+kept here to keep each module short)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtk.config.choices import FabricRequire
+
+
+@dataclass
+class FabricConfig:
+    require: FabricRequire = FabricRequire.auto
+    """Transport check at start (NCCL): `auto` stops the job when a node has InfiniBand / RoCE but NCCL chose TCP sockets, `ib` also when a node has no RDMA port or the report is missing, `any` accepts sockets."""
+    detect: bool = True
+    """Discover each node at start and set NCCL / gloo interfaces and the master address from it (topology.json). False: leave them to NCCL, gloo and the environment."""
+
+
+@dataclass
+class DoctorConfig:
+    min_mb: float = 1.0
+    """Smallest all-reduce message of the doctor's sweep, in MB."""
+    max_mb: float = 1024.0
+    """Largest all-reduce message of the sweep, in MB (1 GB, as nccl-tests sweeps); capped by max_mb_cpu on the CPU."""
+    max_mb_cpu: float = 64.0
+    """Largest message on the CPU (gloo): a 1 GB gloo sweep on a small machine takes minutes and its memory."""
+    repeats: int = 5
+    """Timed repetitions per message size (after one warm-up); the median is reported."""
+    p2p_mb: float = 64.0
+    """Message size of the point-to-point test between each ordered pair of nodes, in MB."""
+    slow_factor: float = 1.5
+    """A node is flagged slow when its p2p send or receive bandwidth, or its matmul throughput, is this many times below the median of the nodes."""
+    matmul_n: int = 1024
+    """Matrix size n of the per-device n x n x n matrix-multiply throughput test."""
+
+
+@dataclass
+class PlanConfig:
+    """What-if inputs of the memory budget (python -m dtk.plan): plan a model that is not written yet."""
+
+    params: float | None = None
+    """Parameter count, e.g. 7.5e9: plan this many parameters instead of the model's. None: the model's own."""
+    layers: int | None = None
+    """Repeated blocks of the what-if model (FSDP units, pipeline stages, per-layer buffers)."""
+    hidden: int | None = None
+    """Hidden size of the what-if model (activations, gathered layers)."""
+    seq_len: int | None = None
+    """Sequence length of the what-if model (activations)."""
+    heads: int | None = None
+    """Attention heads of the what-if model (attention scores in activations)."""
+    vocab_size: int | None = None
+    """Vocabulary of the what-if model (embedding, output head and logits)."""
+    param_bytes: float | None = None
+    """Bytes per parameter held, to follow another framework's accounting (the ZeRO paper: 2). None: dtk's fp32 (4)."""
+    grad_bytes: float | None = None
+    """Bytes per gradient element (the ZeRO paper: 2). None: dtk's fp32 (4)."""
+    optimizer_bytes: float | None = None
+    """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
