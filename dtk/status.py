@@ -45,6 +45,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     metrics = run.latest_metrics()
     summary = run.read_summary()
     starts = [e for e in events if e.get("event") == "started"]
+    fabrics = [e for e in events if e.get("event") == "topology"]
     job_ids = list(dict.fromkeys(str(e["job_id"]) for e in events if e.get("job_id")))
     slurm_ids = [j for j in job_ids if not j.startswith("local-")]
     last_job = slurm_ids[-1] if slurm_ids else None
@@ -83,6 +84,9 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "relaunches_left": history[-1]["budget_left"] if history else max_restarts,
         "job_ids": job_ids,
         "starts": history,
+        # The latest start's fabric: what its workers chose before their process group.
+        "fabric": {k: fabrics[-1][k] for k in ("restart", "transport", "interface", "master_addr") if k in fabrics[-1]}
+        if fabrics else None,
         "error": summary.get("error") if summary and state == "failed" else None,
         "stopped_by": summary.get("stopped_by") if summary and state == "stopped" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
@@ -122,6 +126,11 @@ def render(info: dict[str, Any]) -> str:
         + (f" ({', '.join(f'{k} {v}' for k, v in info['restarts_by_cause'].items())})" if info["restarts_by_cause"] else "")
         + f"; crash/hang relaunches left in this allocation: {info['relaunches_left']} (fault.max_restarts)",
     ]
+    if info["fabric"]:
+        fabric = info["fabric"]
+        lines.append(f"fabric       {fabric.get('transport')} across nodes over"
+                     f" {fabric.get('interface') or 'the interface NCCL/gloo chose'}, master {fabric.get('master_addr')}"
+                     f" (start {fabric.get('restart')}; why: topology.json)")
     if info["final_loss"] is not None:
         lines.append(f"final loss   {info['final_loss']:.6f}")
     if info["error"]:

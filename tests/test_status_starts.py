@@ -37,6 +37,7 @@ EVENTS = [
     ev(80.0, "preempted", step=45, signal="SIGTERM", saved=True, checkpoint_step=45),
     ev(80.5, "requeued", job_id="7", step=45, reason="stopped on a signal"),
     ev(90.0, "started", restart=4, job_id="7", nodes=["n1", "n3"], world_size=2, slurm_restart_count=1),
+    ev(90.5, "topology", restart=4, transport="socket", interface="lab0", master_addr="10.77.0.2"),
     ev(91.0, "checkpoint_loaded", step=45),
 ]
 METRICS = ([rec(1.5 + s, s, 0) for s in range(1, 13)]
@@ -92,3 +93,5 @@ def test_status_prints_and_returns_the_history(tmp_path):
     assert info["relaunches_left"] == 3
     text = dtk("dtk.status", str(run), env={"PATH": "/nonexistent"}).stdout
     assert "cause: hung: no heartbeat" in text and "from step 30, 3 steps redone, down 11.0 s" in text
+    assert info["fabric"] == {"restart": 4, "transport": "socket", "interface": "lab0", "master_addr": "10.77.0.2"}
+    assert "fabric       socket across nodes over lab0, master 10.77.0.2 (start 4; why: topology.json)" in text
