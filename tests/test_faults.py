@@ -324,7 +324,7 @@ def test_a_save_slower_than_the_signal_lead_still_commits_before_the_time_limit(
     # before the limit: alone it would be killed in the middle of its save. The driver
     # watches the time left and stops the workers early enough for the save to commit.
     proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", *TRAIN[:1], "train.steps=1000000",
-               "checkpoint.every=0", "train.log_every=500", "cluster.time_min=2", "fault.signal_lead_floor_s=5",
+               "checkpoint.every=0", "train.log_every=500", "cluster.time_min=1", "fault.signal_lead_floor_s=5",
                f"run.root={tmp_path}", cwd=tmp_path, env={"DTK_TEST_COMMIT_DELAY_S": "20"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = proc.stdout.split("submitted job ", 1)[1].split()[0]
