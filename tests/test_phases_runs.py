@@ -1,7 +1,14 @@
 """Phase timings of real training on 2 gloo ranks: the trainer, DDP, the step profiler and
 the metrics log as the worker wires them, in three runs: a plain one, one with a slow data
 source, and one in which rank 1 sleeps in every forward. One start of the ranks runs all
-three (the arithmetic alone: test_phases.py)."""
+three (the arithmetic alone: test_phases.py).
+
+The comparisons hold on a loaded machine by construction: every forward on every rank
+waits DEVICE_S (the time an accelerator would take; a sleep, which CPU contention does not
+stretch), so the tiny model's CPU time is a small part of a step, and the injected delays
+are several times a step. Twice the CPU time on one rank moves a plain run's busy ratio
+well under the straggler factor, and leaves a slow read far above the step it hides
+behind."""
 
 from __future__ import annotations
 
@@ -32,8 +39,10 @@ from multirank import run_on_ranks
 pytestmark = pytest.mark.dist
 WORLD = 2
 STEPS, LOG_EVERY, BATCH, SEQ, VOCAB = 8, 4, 8, 32, 64
-SLOW_DATA_S = 0.08  # per batch read: the loader cannot keep up with the step
-SLEEP_S = 0.06  # rank 1's extra time in every forward
+DEVICE_S = 0.03  # every forward on every rank: the device's share of a step
+SLOW_DATA_S = 0.25  # per batch read: several steps' worth, the loader cannot keep up
+SLEEP_S = 0.2  # rank 1's extra time in every forward
+FACTOR = 2.0  # fault.straggler_factor: a rank 2x the other's busy time is flagged
 
 
 class SlowData:
@@ -51,7 +60,8 @@ class SlowData:
 
 
 class Sleepy(torch.nn.Module):
-    """The model, slower by `seconds` in every forward (a slow GPU or a busy host)."""
+    """The model, slower by `seconds` in every forward: the device's time, and for the
+    straggler a slow GPU or a busy host."""
 
     def __init__(self, inner: torch.nn.Module, seconds: float) -> None:
         super().__init__()
@@ -89,8 +99,7 @@ def one_run(rank: int, folder: Path, *, slow_data: bool, sleep_on_rank1: bool) -
     mesh = build_mesh(Degrees(dp_replicate=1, pp=1, dp_shard=WORLD, tp=1), "cpu")
     torch.manual_seed(0)
     model = build(vocab_size=VOCAB, dim=64, num_layers=2, num_heads=4, seq_len=SEQ)
-    if sleep_on_rank1 and rank == 1:
-        model = Sleepy(model, SLEEP_S)
+    model = Sleepy(model, DEVICE_S + (SLEEP_S if sleep_on_rank1 and rank == 1 else 0.0))
     model = torch.nn.parallel.DistributedDataParallel(model)
     data = SyntheticTokens(num_samples=256, seq_len=SEQ, vocab_size=VOCAB, seed=0, branching=2)
     batches = StepBatches(SlowData(data) if slow_data else data, seed=0, global_batch=BATCH, micro_batch=BATCH // WORLD,
@@ -99,7 +108,7 @@ def one_run(rank: int, folder: Path, *, slow_data: bool, sleep_on_rank1: bool) -
     metrics = MetricsLog(run.metrics if rank == 0 else None, world_size=WORLD, restart=0, global_batch=BATCH,
                          tokens_per_step=BATCH * SEQ, total_steps=STEPS, log_every=LOG_EVERY,
                          samples_per_epoch=len(data), flops_per_token=None, peak_tflops=None)
-    profile = StepProfiler(device=torch.device("cpu"), enabled=True, straggler_factor=1.5,
+    profile = StepProfiler(device=torch.device("cpu"), enabled=True, straggler_factor=FACTOR,
                            run=run if rank == 0 else None, rank=rank, log_every=LOG_EVERY, total_steps=STEPS,
                            metrics=metrics, saving=None)
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
@@ -162,7 +171,7 @@ def test_a_slow_data_source_shows_as_data_the_main_idle_part(results):
     others = {p: _median(records, p) for p in IDLE_PHASES if p != "data"}
     assert all(data > v for v in others.values()), (data, others)
     # The loader reads ahead in a thread, so the wait is what the read takes beyond the step.
-    assert data > SLOW_DATA_S / 4
+    assert data > SLOW_DATA_S / 2
     plain = results["plain"]["records"]
     assert data > 5 * _median(plain, "data")
     assert not [e for e in results["slow_data"]["events"] if e["event"] == "straggler"]
@@ -174,8 +183,8 @@ def test_a_rank_that_sleeps_is_flagged_and_the_others_wait_for_it(results):
     assert _median(records, "straggler") > SLEEP_S / 2
     assert _median(records, "straggler") > 3 * _median(results["plain"]["records"], "straggler")
     flagged = [e for e in results["straggler"]["events"] if e["event"] == "straggler"]
-    assert flagged and {e["rank"] for e in flagged} == {1}
-    assert all(e["host"] and e["ratio"] > 1.5 for e in flagged)
+    assert [(e["step"], e["rank"]) for e in flagged] == [(LOG_EVERY, 1), (2 * LOG_EVERY, 1)]  # every interval
+    assert all(e["host"] and e["ratio"] > FACTOR for e in flagged)
     busy = records[-1]["ranks"]["busy_s"]
     assert busy[1] > busy[0]
     assert not [e for e in results["plain"]["events"] if e["event"] == "straggler"]
