@@ -144,9 +144,12 @@ def worker(rank: int, args, folder: str) -> None:
     trainer.fit(start_step=step, total_steps=step + args.segment, policies=_policies(metrics, clock))
     own = calls.seconds / (time.perf_counter() - t0)
     if rank == 0:
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         print(f"model dim={args.dim} layers={args.layers} seq={args.seq_len} batch={args.batch} ({WORLD} gloo ranks,"
-              f" DDP, {args.threads} thread(s) each), log_every={args.log_every}: profiled / not ="
-              f" {statistics.median(ratios):.4f} (median of {args.pairs} pairs); the profiler's own time"
+              f" DDP, {args.threads} thread(s) each), log_every={args.log_every}, {args.pairs} pairs of"
+              f" {args.segment}-step segments: profiled / not = {statistics.median(ratios):.4f} (median of pairs;"
+              f" quartiles {quartiles[0]:.4f}-{quartiles[2]:.4f}, range {min(ratios):.4f}-{max(ratios):.4f},"
+              f" on slower in {sum(r > 1 for r in ratios)} of {len(ratios)}); the profiler's own time"
               f" {100 * own:.3f}% of the steps (rank 0); target < 1%", flush=True)
     batches.close()
     dist.destroy_process_group()
