@@ -102,6 +102,7 @@ def test_a_user_model_is_counted_on_the_meta_device_in_a_subprocess_with_a_time_
         count_user_model(model, timeout_s=0.01)  # the login path never waits longer than its limit
 
 
+@pytest.mark.slow  # counts the user model on the meta device: a torch import in a subprocess
 def test_plan_md_of_a_user_model_whose_split_points_fix_the_pipeline_stages(tmp_path):
     from dtk.submit import plan_points
 
