@@ -91,7 +91,7 @@ def test_resume_false_is_refused_where_committed_checkpoints_exist(tmp_path):
 def test_a_second_local_submit_of_a_running_run_is_refused(tmp_path):
     """The first submit holds the run while its workers train; the second is refused naming
     it, and writes nothing: the first finishes with its own checkpoints."""
-    args = ["train.steps=400", "checkpoint.every=100", "train.log_every=100", "run.name=twice",
+    args = ["train.steps=400", "train.global_batch=16", "checkpoint.every=100", "train.log_every=100", "run.name=twice",
             f"run.root={tmp_path / 'runs'}"]
     first = subprocess.Popen([sys.executable, "-m", "dtk.submit", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
