@@ -49,9 +49,8 @@ def _attempt(run, seed: int) -> dict[str, Any]:
 
 
 def check(rank: int, world: int, folder: str) -> dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-
     from dtk.checkpoint import load as loading
+    from dtk.checkpoint.reading import HashingReader
     from dtk.rundir import RunDir
 
     out: dict[str, Any] = {}
@@ -70,7 +69,7 @@ def check(rank: int, world: int, folder: str) -> dict[str, Any]:
         manager.close()
         out["saved"] = model.weight.detach().clone()
 
-        real_rng, real_read = loading.set_rng_state, FileSystemReader.read_data
+        real_rng, real_read = loading.set_rng_state, HashingReader.read_data
         if rank == 1:  # out of memory while applying the state, on this rank alone
             def no_memory(state):
                 raise MemoryError("injected on rank 1")
@@ -81,9 +80,9 @@ def check(rank: int, world: int, folder: str) -> dict[str, Any]:
         if rank == 1:  # an I/O error reading a shard, on this rank alone
             def io_error(self, plan, planner):
                 raise OSError(errno.EIO, "Input/output error (injected)")
-            FileSystemReader.read_data = io_error
+            HashingReader.read_data = io_error
         out["io"] = _attempt(run, seed=9)
-        FileSystemReader.read_data = real_read
+        HashingReader.read_data = real_read
 
         out["again"] = _attempt(run, seed=9)
         dist.barrier()

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from dtk.checkpoint import manifest as mf
+from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.rng import set_rng_state
 from dtk.checkpoint.sharded import _OPTIONS, TRAINER_STATE, Comm, Parts, _state_dicts, cause, rng_file
 
@@ -46,17 +47,18 @@ def _agree(comm: Comm, path: Path, fn: Callable[[], Any]) -> Any:
     problems = [p for p in comm.all_gather(problem) if p]
     rejected = [why for kind, why in problems if kind == "rejected"]
     failed = [why for kind, why in problems if kind == "failed"]
+    if rejected:  # a corrupt file explains a failure elsewhere (DCP raises one rank's failure on all)
+        raise mf.Rejected(rejected[0])
     if failed:
         raise CheckpointLoadError(f"checkpoint {path.name} could not be read: {failed[0]}")
-    if rejected:
-        raise mf.Rejected(rejected[0])
     return result
 
 
-def verify(comm: Comm, path: Path) -> dict[str, Any]:
+def verify(comm: Comm, path: Path, *, checksums: bool = True) -> dict[str, Any]:
     """Collective: the manifest of a checkpoint whose files all match it, else mf.Rejected on
     every rank (CheckpointLoadError when a file could not be read at all). Ranks share the
-    checksum reading."""
+    checksum reading. `checksums=False`: the manifest and file sizes only, no file read (a
+    resume checks the CRCs while loading: `load`)."""
 
     def read() -> dict[str, Any] | None:
         if comm.rank != 0:
@@ -68,24 +70,49 @@ def verify(comm: Comm, path: Path) -> dict[str, Any]:
         return manifest
 
     manifest = comm.broadcast(_agree(comm, path, read))
-    names = sorted(manifest["files"])
+    if checksums:
+        _check_checksums(comm, path, manifest, sorted(manifest["files"]))
+    return manifest
+
+
+def _check_checksums(comm: Comm, path: Path, manifest: dict[str, Any], names: list[str]) -> None:
+    """Collective: read `names` for their CRCs, shared among the ranks; mf.Rejected on every
+    rank when one differs from the manifest."""
     problems = _agree(comm, path, lambda: mf.check_checksums(path, manifest, names[comm.rank :: comm.world_size]))
     every = [p for share in comm.all_gather(problems) for p in share]
     if every:
         raise mf.Rejected(mf.summarize(every))
-    return manifest
 
 
-def load(path: Path, *, parts: Parts, comm: Comm) -> tuple[dict[str, Any], bool]:
+def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Collective: load model and optimizer (resharded to the current layout); return the
     trainer state and whether this rank's RNG was restored (only when the world size is
     unchanged: a rank's stream means nothing to another layout). CheckpointLoadError on
-    every rank when any rank failed."""
+    every rank when any rank failed.
+
+    The files' CRCs are checked on the way (dtk.checkpoint.reading), and the files no rank
+    read whole after it: mf.Rejected on every rank when one differs from `manifest`, before
+    the state is applied to the optimizer and the RNG."""
     model_sd, optim_sd, keys = _agree(comm, path, lambda: _state_dicts(parts))
     state = {"model": model_sd, "optim": optim_sd}
-    # DCP gathers every rank's read result: a failed read raises on all ranks.
-    _agree(comm, path, lambda: dcp.load(state, checkpoint_id=str(path), process_group=comm.group,
-                                        no_dist=comm.group is None))
+    reader = HashingReader(path)
+
+    def read() -> None:
+        # DCP gathers every rank's read result: a failed read raises on all ranks.
+        try:
+            dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=comm.group is None)
+        except (Exception, CheckpointException) as exc:
+            bad = reader.mismatches(manifest)
+            if bad:
+                raise mf.Rejected(mf.summarize(bad)) from exc
+            raise
+        bad = reader.mismatches(manifest)
+        if bad:
+            raise mf.Rejected(mf.summarize(bad))
+
+    _agree(comm, path, read)
+    hashed = {name for share in comm.all_gather(sorted(reader.crcs)) for name in share}
+    _check_checksums(comm, path, manifest, sorted(set(manifest["files"]) - hashed))
 
     def apply() -> tuple[dict[str, Any], bool]:
         for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
