@@ -130,9 +130,8 @@ def test_async_save_holds_the_state_at_save_time_not_later(tmp_path):
     train_step(model, optimizer, scheduler)
     at_save = params(model)
     ckpt.save(1)
-    with torch.no_grad():  # training goes on while the background write runs
-        for p in model.parameters():
-            p.add_(1.0)
+    train_step(model, optimizer, scheduler)  # training goes on while the state is copied and written
+    assert not all(torch.equal(a, b) for a, b in zip(params(model), at_save, strict=True))
     ckpt.close()
     step, fresh = resume_fresh(run)
     assert step == 1

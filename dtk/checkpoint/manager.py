@@ -56,12 +56,25 @@ class CheckpointManager:
         # its own because the checkpoint group may be busy with a background save.
         self._vote = ckpt.Comm.create() if self.every_s > 0 else None
         self._saver = ckpt.Saver(self.comm, asynchronous=checkpoint.async_save, on_commit=self._committed)
+        if checkpoint.async_save:
+            self._guard_state(parts)
         self._last_save_t = time.monotonic()
         self.verified_step: int | None = None  # newest checkpoint known good: retention never deletes it
         self.rng_restored = False
         self._last_step: int | None = None  # the step of the newest save started by this process
         self._inflight: int | None = None  # the step of the save not yet known committed or failed
         self._rejected: set[int] = set()  # committed folders that failed verification on resume
+
+    def _guard_state(self, parts: ckpt.Parts) -> None:
+        """An async save copies the state in the background while training goes on: what
+        changes the state in place waits for the copy first. Parameters and optimizer state
+        change only in the optimizer step; buffers that are saved (a BatchNorm's running
+        statistics) may change in any forward, so a model that has them waits before it."""
+        for module, optimizer in parts:
+            optimizer.register_step_pre_hook(lambda *_: self._saver.staged())
+            if any(name not in m._non_persistent_buffers_set
+                   for m in module.modules() for name, b in m._buffers.items() if b is not None):
+                module.register_forward_pre_hook(lambda *_: self._saver.staged())
 
     # --- resume -------------------------------------------------------------------------
 
@@ -247,6 +260,7 @@ class CheckpointManager:
             path=str(self.run.checkpoint_dir(step)),
             seconds=manifest["save_seconds"],
             blocked_seconds=manifest["blocked_seconds"],
+            staging_seconds=manifest["staging_seconds"],  # async: the copy to host memory, beside training
             bytes=sum(f["size"] for f in manifest["files"].values()),
             asynchronous=self._saver.asynchronous,
         )

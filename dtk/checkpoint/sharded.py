@@ -18,8 +18,13 @@ A rank may hold several model parts (pipeline stages), each with its own optimiz
 A save runs in three phases; only the first blocks training:
 
     1. main thread, every rank: wait for the previous save; create the folder; write this
-       rank's RNG file (and rank 0 trainer.json); stage model and optimizer state into
-       CPU buffers kept from one save to the next (`DefaultStager`); start `dcp.async_save`.
+       rank's RNG file (and rank 0 trainer.json); start staging model and optimizer state
+       into host buffers kept from one save to the next (`DefaultStager`: pinned memory and
+       a copy stream of its own on a GPU) and start `dcp.async_save`.
+    1b. the stager's thread copies the state while training goes on; the next optimizer
+       step (and the next forward, where the model has buffers a forward may change) waits
+       for the copy first (`staged`, hooked by the CheckpointManager), so the checkpoint
+       holds the state of the step it names.
     2. DCP's thread: plan and write the shards, rank 0 writes `.metadata`. When it returns on
        any rank, every rank's files are on disk (DCP gathers the write results first).
     3. our finisher thread, every rank: gather the sizes and CRCs of the files each rank
@@ -33,6 +38,7 @@ same phases and waits for them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -152,14 +158,30 @@ class Saver:
         self.comm = comm
         self.asynchronous = asynchronous
         self.on_commit = on_commit  # rank 0, finisher thread, right after the manifest is written
+        gpu = torch.cuda.is_available()
         self._stager = (
-            DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                         use_async_staging=False, use_non_blocking_copy=False))
+            DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
+                                         use_non_blocking_copy=gpu))
             if asynchronous
             else None
         )
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-ckpt")
         self._pending: Future | None = None
+        self._staging: Future | None = None  # the copy of the state in flight (async saves)
+        # Clock readings of the save in flight: "copy_from", "copied" (the copy's start and
+        # end), "wait_from" (when `staged` began to wait for it).
+        self._times: dict[str, float] = {}
+
+    def staged(self) -> None:
+        """Block until the state of the save in flight is copied (local, no collective): before
+        anything changes the state in place. A failed copy fails the save (reported by `wait`)."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        if not staging.done():
+            self._times["wait_from"] = time.perf_counter()
+            with contextlib.suppress(Exception):
+                staging.result()
 
     def _writer(self, path: Path) -> HashingWriter:
         # Files are fsynced before the manifest can count them, and checksummed as written.
@@ -206,10 +228,16 @@ class Saver:
         model_sd, optim_sd, _ = _state_dicts(parts)
         state = {"model": model_sd, "optim": optim_sd}
         writer = self._writer(path)
+        self._times = {}
         try:  # DCP gathers every rank's write result: a failure raises on all of them
             if self.asynchronous:
-                written = dcp.async_save(state, storage_writer=writer, process_group=self.comm.group,
-                                         async_stager=self._stager, no_dist=self.comm.group is None)
+                self._copy_after_queued_work()
+                times = self._times
+                times["copy_from"] = time.perf_counter()
+                response = dcp.async_save(state, storage_writer=writer, process_group=self.comm.group,
+                                          async_stager=self._stager, no_dist=self.comm.group is None)
+                self._staging, written = response.staging_completion, response.upload_completion
+                self._staging.add_done_callback(lambda _: times.setdefault("copied", time.perf_counter()))
             else:
                 dcp.save(state, storage_writer=writer, process_group=self.comm.group, no_dist=self.comm.group is None)
                 written = Future()
@@ -222,6 +250,18 @@ class Saver:
             self.wait()
             blocked = time.perf_counter() - t0
         return blocked
+
+    def _copy_after_queued_work(self) -> None:
+        """On a GPU the stager copies on a stream of its own: it must first wait for the work
+        already queued on this one (the optimizer step that produced the state). A device-side
+        wait, no host sync; the host waits only where torch exposes no stream to order."""
+        if not torch.cuda.is_available():
+            return
+        stream = getattr(self._stager, "_staging_stream", None)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        else:
+            torch.cuda.current_stream().synchronize()
 
     def _agree(self, fn: Callable[[], Any], *, everyone: bool = True) -> Any:
         """Run `fn` (on every rank, or rank 0 alone), then agree: SaveFailed on every rank
@@ -260,13 +300,20 @@ class Saver:
                                           if n not in files}, everyone=False))
         if self.comm.rank == 0 and os.environ.get(COMMIT_DELAY_ENV):  # a test hook: a slow save
             time.sleep(float(os.environ[COMMIT_DELAY_ENV]))
+        times = dict(self._times)  # the copy ended before the write could: its readings are in
+        copy_s = times["copied"] - times["copy_from"] if "copied" in times else None
+        waited = max(0.0, times["copied"] - times["wait_from"]) if "copied" in times and "wait_from" in times else 0.0
         manifest = {
             "format": FORMAT_VERSION,
             **header,
             "rng_files": [rng_file(r) for r in range(self.comm.world_size)],
             "files": files,
             "save_seconds": round(time.perf_counter() - t0, 4),
-            "blocked_seconds": round(time.perf_counter() - t0 if not self.asynchronous else blocked, 4),
+            # what training waited: the save() call, then (async) for the copy to finish
+            "blocked_seconds": round(time.perf_counter() - t0 if not self.asynchronous
+                                     else blocked + waited, 4),
+            # async: from the start of the copy to host memory to its end, overlapping training
+            "staging_seconds": round(copy_s, 4) if copy_s is not None else None,
             "time": round(time.time(), 3),
         }
         self._agree(lambda: mf.commit(path, manifest), everyone=False)  # the commit point
@@ -287,6 +334,7 @@ class Saver:
 
     def close(self) -> None:
         try:
+            self.staged()
             self.wait()
         finally:
             self._finisher.shutdown(wait=True)
