@@ -166,6 +166,21 @@ def test_both_drivers_write_the_one_table_and_the_worker_reads_it(tmp_path):
     assert (first.source, first.rank, first.restart, first.recovery_from) == ("dtk", 1, 0, 0.0)
 
 
+def test_once_the_heartbeat_thread_runs_a_step_touches_no_file(tmp_path):
+    """Rank 0's step boundary does no file I/O for liveness: the thread beats for it."""
+    path = tmp_path / "heartbeat"
+    heartbeat = Heartbeat(path, interval_s=3600.0)  # the thread never gets to beat here
+    heartbeat.after_step(0)  # before the thread: this beat creates the file
+    os.utime(path, ns=(1, 1))
+    heartbeat.start()
+    try:
+        for step in range(1, 6):
+            heartbeat.after_step(step)
+        assert os.stat(path).st_mtime_ns == 1 and heartbeat.progress == 6
+    finally:
+        heartbeat.close()
+
+
 def test_the_heartbeat_thread_beats_while_the_training_thread_progresses_or_is_busy(tmp_path):
     """A real thread and a real file: beats follow progress (ticks) and declared long
     operations (a save, the first step); a training thread that neither ticks nor is busy

@@ -119,7 +119,9 @@ class Heartbeat:
     def after_step(self, step: int, result: Any = None) -> None:
         self._first_step = False
         self.tick()
-        self.beat()
+        if self._thread is None:  # before `start` (the first beat) or on a rank without a thread
+            self.beat()
+        # else the thread beats within interval_s of this tick: no file touched per step here
 
 
 class ResumedEvent:
