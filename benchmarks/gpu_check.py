@@ -91,8 +91,9 @@ def throughput(run: Path, plan_json: Path | None) -> None:
     saves = [e for e in _jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_saved"]
     for e in saves:
         rate = e["bytes"] / e["seconds"] / 1e9 if e.get("seconds") else float("nan")
-        print(f"checkpoint      step {e['step']}: {e['bytes'] / 1e9:.2f} GB, training blocked {e['blocked_seconds']:.2f} s,"
-              f" {e['seconds']:.1f} s to the committed manifest = {rate:.2f} GB/s"
+        copy = f", copy to pinned host memory {e['staging_seconds']:.2f} s" if e.get("staging_seconds") is not None else ""
+        print(f"checkpoint      step {e['step']}: {e['bytes'] / 1e9:.2f} GB, training blocked {e['blocked_seconds']:.2f} s"
+              f"{copy}, {e['seconds']:.1f} s to the committed manifest = {rate:.2f} GB/s"
               f" ({'async' if e.get('asynchronous') else 'sync'})")
     if not saves:
         print("checkpoint      no checkpoint_saved event")
@@ -101,10 +102,11 @@ def throughput(run: Path, plan_json: Path | None) -> None:
 SYNC_STEPS, SYNC_INTERVAL = 30, 10  # steps measured, and the metrics' read interval (train.log_every) they use
 
 
-def syncs() -> None:
+def syncs(device_name: str = "cuda") -> None:
     """A small model trained on the GPU through dtk's loop and policies with CUDA's sync
     debug mode on: every operation that makes the host wait for the device warns; the
-    warnings per step are the syncs per step."""
+    warnings per step are the syncs per step. `device_name` cpu runs the same loop without
+    counting (the CPU has no syncs to see): a check of this script without a GPU."""
     import tempfile
 
     import torch
@@ -127,7 +129,8 @@ def syncs() -> None:
             pass
 
     steps, log_every = SYNC_STEPS, SYNC_INTERVAL
-    dev = torch.device("cuda", 0)
+    dev = torch.device(device_name, 0) if device_name == "cuda" else torch.device(device_name)
+    cuda = dev.type == "cuda"
     torch.manual_seed(0)
     with torch.device(dev):
         model = build(vocab_size=256, dim=128, num_layers=2, num_heads=4, seq_len=64)
@@ -151,18 +154,24 @@ def syncs() -> None:
         policies = StepPolicies(metrics=metrics, heartbeat=Heartbeat(Path(folder) / "heartbeat"), resumed=Nothing(),
                                 evaluation=Nothing(), checkpoint=Nothing(), stop=stop, profile=profiler)
         trainer.fit(start_step=0, total_steps=steps, policies=policies)  # warm-up: allocator, first copies
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
             try:
                 trainer.fit(start_step=steps, total_steps=2 * steps, policies=policies)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
         metrics.close()
         profiler.close()
         batches.close()
     found = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    if not cuda:
+        print(f"host syncs      not counted on {dev.type} ({2 * steps} steps of the loop ran; counting needs CUDA)")
+        return
     print(f"host syncs      {len(found) / steps:.2f} per step ({len(found)} over {steps} steps, train.log_every="
           f"{log_every}; CUDA sync debug mode)")
     for line in sorted(set(found))[:5]:
@@ -196,7 +205,8 @@ def main(argv: list[str]) -> int:
     t = sub.add_parser("throughput")
     t.add_argument("run", type=Path)
     t.add_argument("plan_json", type=Path, nargs="?")
-    sub.add_parser("syncs")
+    sy = sub.add_parser("syncs")
+    sy.add_argument("--device", default="cuda", help="cuda (default); cpu runs the loop without counting")
     e = sub.add_parser("equivalence")
     e.add_argument("reference", type=Path)
     e.add_argument("runs", type=Path, nargs="+")
@@ -206,7 +216,7 @@ def main(argv: list[str]) -> int:
     elif args.what == "throughput":
         throughput(args.run, args.plan_json)
     elif args.what == "syncs":
-        syncs()
+        syncs(args.device)
     else:
         return equivalence(args.reference, args.runs)
     return 0
