@@ -12,6 +12,10 @@ in one transfer. After the profiler's read of the same interval (which waited fo
 device already) that transfer waits for nothing; without the profiler it is the
 interval's one host-device synchronisation.
 
+The records are written to the file (and TensorBoard, and the progress line printed) by a
+thread of their own: the training thread computes them and goes on, and a slow shared file
+system costs it nothing. A write that failed is raised at the next write or at `close`.
+
 Each record: loss, learning rate, gradient norm, step time, throughput (samples/s,
 tokens/s), achieved TFLOP/s per device and MFU where the model's FLOPs and the device's
 peak are known, the step's `phases` and `idle_share` when profiled, `epoch_time_s` at a
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +112,8 @@ class MetricsLog:
         self.tensorboard = tensorboard  # TensorBoardLog or None
         self.epochs = EpochClock(samples_per_epoch=samples_per_epoch, global_batch=global_batch)
         self._pending: list[tuple[int, float, Any]] = []
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-metrics") if path else None
+        self._written: Future | None = None  # the last write handed to the thread
 
     def after_step(self, step: int, result: Any) -> None:
         if self.path is not None:
@@ -116,6 +123,7 @@ class MetricsLog:
         """Write one step's record now (no phases): for a loop that runs without the profiler."""
         self.after_step(step, result)
         self.write(None)
+        self.flush()
 
     def record(self, step: int, at: float, result: Any, interval: Interval | None) -> dict[str, Any]:
         profiled = interval is not None and step in interval.phases
@@ -157,6 +165,13 @@ class MetricsLog:
         if interval is not None:
             records[-1]["ranks"] = {k: [round(x, 6) if isinstance(x, float) else x for x in v]
                                     for k, v in interval.ranks.items()}
+        self.flush()  # the previous write: done long ago, unless the file system is that slow
+        assert self._writer is not None
+        self._written = self._writer.submit(self._emit, records)
+
+    def _emit(self, records: list[dict[str, Any]]) -> None:
+        """The writer thread: the records, TensorBoard, the progress line."""
+        assert self.path is not None
         for record in records:
             append_jsonl(self.path, record)
             if self.tensorboard is not None:
@@ -174,6 +189,17 @@ class MetricsLog:
                 flush=True,
             )
 
+    def flush(self) -> None:
+        """Wait until the records handed over so far are written; raise if that failed."""
+        written, self._written = self._written, None
+        if written is not None:
+            written.result()
+
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        try:
+            self.flush()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+            if self.tensorboard is not None:
+                self.tensorboard.close()
