@@ -25,7 +25,8 @@ PYTHON=${PYTHON:-python}
 fail() { echo "error: $*" >&2; exit 2; }
 
 command -v nvidia-smi >/dev/null 2>&1 || fail "gpu_check needs an NVIDIA GPU: nvidia-smi is not on PATH (no GPU or no driver on this machine)"
-nvidia-smi -L 2>/dev/null | grep -q "GPU" || fail "gpu_check needs an NVIDIA GPU: nvidia-smi lists none"
+LISTED=$(nvidia-smi -L 2>/dev/null || true)  # captured, not piped into grep -q: pipefail and SIGPIPE
+[[ $LISTED == *GPU* ]] || fail "gpu_check needs an NVIDIA GPU: nvidia-smi lists none"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1 \
     || fail "gpu_check needs a CUDA build of torch that sees the GPU: torch.cuda.is_available() is False"
 
@@ -82,10 +83,14 @@ block_equivalence() {
     small_run fsdp_1 1 +scheme=fsdp
     small_run tp1_1 1 +scheme=tp scheme.tp=1
     local runs=("$ROOT/fsdp_1" "$ROOT/tp1_1")
-    if [ "$NUM_GPUS" -gt 1 ]; then
-        small_run "fsdp_$NUM_GPUS" "$NUM_GPUS" +scheme=fsdp
-        small_run "tp_$NUM_GPUS" "$NUM_GPUS" +scheme=tp scheme.tp="$NUM_GPUS"
-        runs+=("$ROOT/fsdp_$NUM_GPUS" "$ROOT/tp_$NUM_GPUS")
+    # Across the node's GPUs: the largest power of two up to 8 that they hold, which divides
+    # the batch (16 = 8 ranks x 2), the heads (8) and the vocabulary.
+    local n=1
+    while [ $((n * 2)) -le "$NUM_GPUS" ] && [ $((n * 2)) -le 8 ]; do n=$((n * 2)); done
+    if [ "$n" -gt 1 ]; then
+        small_run "fsdp_$n" "$n" +scheme=fsdp
+        small_run "tp_$n" "$n" +scheme=tp scheme.tp="$n"
+        runs+=("$ROOT/fsdp_$n" "$ROOT/tp_$n")
     fi
     report equivalence "$ROOT/ddp_1" "${runs[@]}" || fail "losses differ between schemes (above)"
 }

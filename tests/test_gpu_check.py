@@ -35,6 +35,17 @@ def test_without_nvidia_smi_the_check_is_one_error_line_and_exit_2(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+def test_an_nvidia_smi_that_lists_no_gpu_is_one_error_line_and_exit_2(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    fake.chmod(0o755)
+    proc = run_script(tmp_path, f"{bin_dir}:/usr/bin:/bin")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == ["error: gpu_check needs an NVIDIA GPU: nvidia-smi lists none"]
+
+
 def test_a_gpu_torch_cannot_see_is_one_error_line_and_exit_2(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
