@@ -372,3 +372,17 @@ def test_a_file_written_out_of_order_is_not_trusted_to_its_running_checksum(tmp_
     hashed = fs.hashed()
     assert hashed == {"renamed": mf.describe_file(tmp_path / "renamed"), "large": mf.describe_file(tmp_path / "large")}
     assert hashed["renamed"]["size"] == 7
+
+
+def test_a_large_file_is_handed_to_the_disk_as_it_is_written_not_only_at_its_fsync(tmp_path, monkeypatch):
+    from dtk.checkpoint import hashing
+
+    kicked: list[tuple[int, int]] = []
+    monkeypatch.setattr(hashing, "_SYNC_FILE_RANGE", lambda fd, start, length, flags: kicked.append((start, length)))
+    fs = hashing.HashingFileSystem()
+    with fs.create_stream(tmp_path / "big", "wb") as stream:
+        for _ in range(3):
+            stream.write(bytes(hashing.CHUNK))
+        stream.write(b"tail")  # small: left to the fsync
+    assert kicked == [(i * hashing.CHUNK, hashing.CHUNK) for i in range(3)]
+    assert fs.hashed()["big"] == mf.describe_file(tmp_path / "big")
