@@ -51,6 +51,27 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def memory_figure(summary: dict, budget: dict | None) -> str:
+    """Peak memory against dtk.plan's prediction, as the workers recorded both in
+    summary.json (`memory`: every rank's torch.cuda.max_memory_allocated against its planned
+    states + activations + buffers); `budget` (python -m dtk.plan --json) adds the total
+    with the margin."""
+    memory = summary.get("memory") or {}
+    if memory.get("measured_bytes") is None or not memory.get("predicted_bytes"):
+        why = memory.get("error") or "summary.json has no prediction"
+        return f"peak memory     {summary.get('peak_memory_gib')} GiB measured (rank 0); not against the plan: {why}"
+    measured, predicted = memory["measured_bytes"], memory["predicted_bytes"]
+    text = (f"peak memory     {measured / GIB:.2f} GiB measured ({memory['basis']}, largest rank) against"
+            f" {predicted / GIB:.2f} GiB predicted by dtk.plan (states + activations + buffers):"
+            f" measured / predicted {measured / predicted:.2f}")
+    if memory["mismatch_ranks"]:
+        text += f" (plan_mismatch on rank(s) {', '.join(map(str, memory['mismatch_ranks']))})"
+    total = ((budget or {}).get("per_device_bytes") or {}).get("total")
+    if total:
+        text += f"; {total / GIB:.2f} GiB with the plan's margin"
+    return text
+
+
 def throughput(run: Path, plan_json: Path | None) -> None:
     import torch
 
@@ -78,16 +99,7 @@ def throughput(run: Path, plan_json: Path | None) -> None:
               f" ({accelerator_of(torch.cuda.get_device_name(0)) or 'cluster.peak_tflops'})")
     else:
         print("MFU             unknown: this GPU is not in dtk's accelerator table; set PEAK_TFLOPS")
-    measured = summary.get("peak_memory_gib")
-    print(f"peak memory     {measured} GiB measured (torch.cuda.max_memory_allocated, rank 0)")
-    if plan_json is not None and plan_json.exists():
-        budget = json.loads(plan_json.read_text())
-        parts = budget.get("per_device_bytes") or {}
-        if parts:
-            without_margin = sum(v for k, v in parts.items() if k not in ("margin", "total"))
-            ratio = f", measured / predicted {measured * GIB / without_margin:.2f}" if measured else ""
-            print(f"peak predicted  {without_margin / GIB:.2f} GiB by python -m dtk.plan (states + activations +"
-                  f" buffers; {parts['total'] / GIB:.2f} GiB with its margin){ratio}")
+    print(memory_figure(summary, json.loads(plan_json.read_text()) if plan_json and plan_json.exists() else None))
     saves = [e for e in _jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_saved"]
     for e in saves:
         rate = e["bytes"] / e["seconds"] / 1e9 if e.get("seconds") else float("nan")

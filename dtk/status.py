@@ -90,8 +90,16 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "error": summary.get("error") if summary and state == "failed" else None,
         "stopped_by": summary.get("stopped_by") if summary and state == "stopped" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
+        "memory": _memory(summary.get("memory") if summary and state == "finished" else None),
         "audit": audit.read(audit.run_root_of(run.path), run=plan.get("run_name", run.path.name)),
     }
+
+
+def _memory(memory: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The largest rank's measured memory against its plan (summary.json's `memory`)."""
+    if not memory or memory.get("gap") is None:
+        return None
+    return {k: memory[k] for k in ("device", "predicted_bytes", "measured_bytes", "gap", "mismatch_ranks")}
 
 
 def _max_restarts(plan: dict[str, Any]) -> int:
@@ -133,6 +141,11 @@ def render(info: dict[str, Any]) -> str:
                      f" (start {fabric.get('restart')}; why: topology.json)")
     if info["final_loss"] is not None:
         lines.append(f"final loss   {info['final_loss']:.6f}")
+    memory = info["memory"]
+    if memory:
+        off = f"; plan_mismatch on rank(s) {', '.join(map(str, memory['mismatch_ranks']))}" if memory["mismatch_ranks"] else ""
+        lines.append(f"memory       {memory['measured_bytes'] / 1e9:.3f} GB measured on the largest rank against"
+                     f" {memory['predicted_bytes'] / 1e9:.3f} GB planned ({memory['gap']:+.0%}, {memory['device']}){off}")
     if info["error"]:
         lines.append(f"error        {info['error']}")
     if info["stopped_by"]:

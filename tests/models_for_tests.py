@@ -51,3 +51,16 @@ def build(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_le
     """The factory named by `_target_`; `seq_len` is read by the data loader, not the model."""
     del seq_len
     return MlpLM(vocab_size, width, depth, expansion)
+
+
+class OutOfMemoryLM(MlpLM):
+    """Runs out of device memory in its forward, as a model too large for its device does
+    (the error a CUDA allocation raises, raised on any device)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (raised by the test model)")
+
+
+def build_out_of_memory(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
+    del seq_len
+    return OutOfMemoryLM(vocab_size, width, depth, expansion)

@@ -76,3 +76,20 @@ def test_equivalence_passes_within_the_tolerance_and_fails_beyond_it(tmp_path, c
     assert gpu_check.equivalence(ref, [short]) == 1
     out = capsys.readouterr().out
     assert "close vs ref" in out and "FAILED" in out
+
+
+def test_peak_memory_figure_reads_what_the_workers_recorded_against_the_plan():
+    from dtk.plan.memory import RankBytes
+    from dtk.plan.predict import rank_record, summarize
+
+    gib = 2**30
+    planned = RankBytes(rank=0, params=4 * gib, grads=4 * gib, optimizer=8 * gib, activations=3 * gib, buffers=gib,
+                        margin=2 * gib, host=0)
+    ranks = [rank_record(planned, {"total": round(measured * gib)}, rank=r, device="cuda", reshard_after_forward=True,
+                         activations_estimated=True) for r, measured in enumerate((19.0, 25.0))]
+    summary = {"peak_memory_gib": 19.0, "memory": summarize(ranks, device="cuda")}
+    line = gpu_check.memory_figure(summary, {"per_device_bytes": {"total": 22 * gib}})
+    assert line == ("peak memory     25.00 GiB measured (max_memory_allocated, largest rank) against 20.00 GiB"
+                    " predicted by dtk.plan (states + activations + buffers): measured / predicted 1.25"
+                    " (plan_mismatch on rank(s) 1); 22.00 GiB with the plan's margin")
+    assert "not against the plan: summary.json has no prediction" in gpu_check.memory_figure({"peak_memory_gib": 3}, None)

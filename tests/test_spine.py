@@ -44,6 +44,16 @@ def test_default_job_leaves_a_complete_run_directory(reference):
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["final_step"] == 60
     assert summary["final_loss"] == records[-1]["loss"]
+    # Predicted against measured on both ranks: the states plus what one step kept for backward.
+    memory = summary["memory"]
+    assert [r["rank"] for r in memory["ranks"]] == [0, 1] and memory["device"] == "cpu"
+    for r in memory["ranks"]:
+        assert r["measured"]["params"] == r["predicted"]["params"] and r["measured"]["grads"] == r["predicted"]["grads"]
+        assert r["measured"]["optimizer"] == r["predicted"]["optimizer"]
+        assert abs(r["gap"]) <= 0.10 and r["measured_bytes"] > 0, r
+    assert memory["mismatch_ranks"] == []
+    shown = dtk("dtk.status", str(reference)).stdout
+    assert f"memory       {memory['measured_bytes'] / 1e9:.3f} GB measured on the largest rank against" in shown
     events = [json.loads(line)["event"] for line in (reference / "events.jsonl").read_text().splitlines()]
     assert events[0] == "submitted" and events[1] == "started" and events[-1] == "finished"
     # The fabric, chosen before the process group: one node, so the loopback; the check recorded.

@@ -46,14 +46,16 @@ def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> 
     return shape_from_counted(json.loads(proc.stdout))
 
 
-def count(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The record count_user_model reads; runs in the subprocess (imports torch)."""
+def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
+    """The record count_user_model reads; runs in the subprocess (imports torch), or in a
+    worker with the model it built on meta (`model`, not yet parallelized)."""
     from torch import nn
 
     from dtk.models.build import build_model
     from dtk.parallel.units import pipeline_units
 
-    model = build_model(model_cfg, device="meta", seed=0)
+    if model is None:
+        model = build_model(model_cfg, device="meta", seed=0)
     units = pipeline_units(model)
     blocks = dict(units)
     tp_plan = dict(model_cfg.tp_plan)

@@ -16,7 +16,8 @@ On a GPU the real peak comes from the caching allocator instead
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -89,3 +90,47 @@ class LiveActivations(TorchDispatchMode):
             storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
             total += storage.nbytes() if storage is not None else 0
         return total
+
+
+class StepMemory:
+    """This rank's real memory, measured once per start at almost no cost.
+
+    On a GPU: `torch.cuda.max_memory_allocated` at the end (`result`). On the CPU: one step
+    (`index`: the second of the start when it has two, so that what a pipeline allocates
+    once exists already) runs under LiveActivations; at the end of its backward the
+    gradients are counted, and at the end of the run the parameters and the optimizer
+    state. Only that one step pays for the dispatch mode. A compiled model is not traced
+    by a dispatch mode: there the activations are not measured (`activations: None`).
+
+    `around(step)` is what the trainer wraps each step's forward and backward in."""
+
+    def __init__(self, *, device: torch.device, parts: list[torch.nn.Module], optimizers: list, index: int,
+                 trace: bool = True) -> None:
+        self.device, self.parts, self.optimizers, self.index = device, parts, optimizers, index
+        self.trace = trace and device.type == "cpu"
+        self.activations: int | None = None
+        self.grads: int | None = None
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if step != self.index:
+            yield
+            return
+        if not self.trace:
+            yield
+        else:
+            tracker = LiveActivations(exclude=[p for part in self.parts for p in part.parameters()])
+            with tracker:
+                yield
+            self.activations = tracker.peak
+        self.grads = state_bytes(self.parts, [])["grads"]
+
+    def result(self) -> dict[str, int | None]:
+        """Bytes by kind and `total`, the figure held against the plan (None: not measured)."""
+        states = state_bytes(self.parts, self.optimizers)
+        if self.device.type == "cuda":
+            return {**states, "grads": self.grads, "total": torch.cuda.max_memory_allocated(self.device)}
+        measured: dict[str, int | None] = {**states, "grads": self.grads, "activations": self.activations}
+        known = self.grads is not None and self.activations is not None
+        measured["total"] = states["params"] + states["optimizer"] + self.grads + self.activations if known else None
+        return measured

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,7 @@ class Trainer:
         grad_clip: float,
         mesh: ParallelMesh,
         timer: PhaseTimer | None = None,
+        around_step: Callable[[int], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None, loss_parallel=False)
@@ -95,6 +97,9 @@ class Trainer:
         self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.timer = timer if timer is not None else PhaseTimer(device=batches.device, enabled=False)
         self.timer.watch_gradients(self._params)  # the moment the last gradient is ready: sync begins
+        # Wraps each step's forward and backward (0-based step): dtk.train.measure.StepMemory
+        # measures one of them against the plan.
+        self.around_step = around_step or (lambda step: contextlib.nullcontext())
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
@@ -160,10 +165,11 @@ class Trainer:
         micro = self.batches.get(step)
         t_data = time.perf_counter() - t0
         self.timer.lap("data")
-        if self.parallel.pipeline is not None:
-            local = self._pipeline(micro)
-        else:
-            local = self._accumulate(micro)
+        with self.around_step(step):
+            if self.parallel.pipeline is not None:
+                local = self._pipeline(micro)
+            else:
+                local = self._accumulate(micro)
         grad_norm = clip_grad_norm_(self._params, self.grad_clip, pp_group=self.mesh.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         for optimizer in self.optimizers:

@@ -30,6 +30,7 @@ from dtk.rundir import HEARTBEAT, RunDir, read_jsonl, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
+from dtk.train.measure import StepMemory
 from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
 from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
@@ -39,9 +40,10 @@ from dtk.train.system import SYSTEM_LOG, SystemSampler
 from dtk.train.task import LmTask, Task, build_task
 from dtk.train.tensorboard import TensorBoardLog
 from dtk.train.trainer import Trainer, peak_memory_gib
-from dtk.worker.codes import EXIT_STOPPED
+from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.fabric import after_process_group, before_process_group
+from dtk.worker.memory import Prediction, gather_memory, is_out_of_memory, measure_index, oom_error
 from dtk.worker.meshfile import record_mesh
 from dtk.worker.signals import stop_flag, vote_group
 
@@ -75,6 +77,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     loss = TokenCrossEntropy()  # the token loss component: the LM task and a pipeline's last stage score with it
     task = build_task(cfg.task, loss=loss)  # what a step computes: the trainer and the evaluator run it
     meta_model = build_model(cfg.model, device="meta", seed=seed)
+    prediction = Prediction(plan, rank=env.rank, device=device, meta_model=meta_model)  # before it is sharded
     model = parallelize(
         meta_model,
         mesh=mesh,
@@ -130,6 +133,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         mesh=mesh, device=device, checkpoints=checkpoints, start_step=start_step, samples_per_epoch=len(dataset),
         heartbeat=heartbeat,
     )
+    # This rank's real memory, held against the plan at the end (one step measured on the CPU).
+    memory = StepMemory(device=device, parts=model.parts, optimizers=optimizers, trace=not cfg.scheme.compile,
+                        index=measure_index(start_step, plan.steps))
     trainer = Trainer(
         model=model,
         optimizer=optimizers,
@@ -139,6 +145,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         grad_clip=cfg.optim.grad_clip,
         mesh=mesh,
         timer=policies.profile.timer,
+        around_step=memory.around,
     )
     policies.heartbeat.after_step(start_step)
     heartbeat.start()
@@ -164,6 +171,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         raise RuntimeError(f"the final checkpoint (step {plan.steps}) could not be saved (checkpoint_failed in"
                            f" events.jsonl); the newest verified checkpoint is step {checkpoints.verified_step}")
     batches.close()
+    measured = gather_memory(prediction, memory, run, rank=env.rank, world=env.world_size, step=plan.steps)
 
     summary = {}
     if rank0:
@@ -179,6 +187,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
             "config_hash": plan.config_hash,
             "data_version": dataset.version,
             "peak_memory_gib": peak_memory_gib(device),  # rank 0's GPU; None on the CPU
+            "memory": measured,  # every rank's measured bytes against the plan's
             "flops_per_token": policies.metrics.flops_per_token,
             "peak_tflops": policies.metrics.peak_tflops,
             "goodput": goodput_account(run.events_list(), list(read_jsonl(run.metrics)), end=time.time()),
@@ -291,6 +300,13 @@ def main(argv: list[str]) -> int:
     except StopRequested as stop:
         print(f"worker {env.rank}: {stop}", flush=True)
         return EXIT_STOPPED
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        # Not a crash to relaunch: the same job runs out again. One line, the driver's to report.
+        device = pick_device(plan.config.dist.device, env)
+        print(f"error: {oom_error(plan, None, rank=env.rank, device=device)}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,173 @@
+"""The plan held against the run: what each worker predicts for its own rank, how that
+compares with what it measured, and the one line an out-of-memory error stops the job with.
+
+The prediction is dtk.plan.memory's, for the job's own scheme at its real size, of the
+model the workers really train (the built-in transformer from its config, a user's model
+counted on the meta device; the plan.* what-if keys are for planning without a model and
+are not used here). What is compared is what each device measures:
+
+- on a GPU, `torch.cuda.max_memory_allocated`: every tensor the caching allocator handed
+  out, at the run's peak. Predicted: parameters + gradients + optimizer state + activations
+  (with backward's working set) + device buffers; not the margin (the allocator's reserve
+  and the CUDA/NCCL runtime are outside what it counts).
+- on the CPU, the bytes of live tensors: the states (parameters, gradients, optimizer
+  state, counted from the tensors) plus the peak of the tensors kept for backward during
+  one step (dtk.train.measure.LiveActivations). Predicted: the states plus the activations
+  kept for backward (`activations_saved`), plus FSDP's gathered parameters when they stay
+  gathered from forward to backward (reshard_after_forward=false).
+
+A gap above MISMATCH (either way) on any rank is a `plan_mismatch` event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from dtk.errors import UserError
+from dtk.plan.memory import FRAGMENTATION, RUNTIME_BYTES, RankBytes, rank_bytes
+
+if TYPE_CHECKING:
+    from dtk.config.schema import Config
+    from dtk.plan.plan import Plan
+    from dtk.plan.report import MemoryPlan
+    from dtk.plan.shape import ModelShape
+
+MISMATCH = 0.10
+"""Largest gap between measured and predicted bytes, as a share of the prediction, that is not an event."""
+
+
+def real_shape(cfg: Config, meta_model: Any = None) -> ModelShape:
+    """The shape of the model the workers train: the built-in transformer from its config
+    (no torch), any other model counted on the meta device in this process (`meta_model`,
+    a build on meta not yet parallelized, saves building it again)."""
+    from dtk.config.convert import builtin_transformer
+    from dtk.plan.shape import builtin_shape, is_builtin, shape_from_counted
+
+    if is_builtin(cfg.model):
+        return builtin_shape(builtin_transformer(cfg.model))
+    from dtk.plan.count_model import count
+
+    return shape_from_counted(count(cfg.model, model=meta_model))
+
+
+def real_context(cfg: Config, plan: Plan, shape: ModelShape, *, device: str, capacity: int | None = None):
+    """The budget's inputs as the worker sees them: its real device kind (and, on a GPU, its
+    real memory when the config names none), dtk's own accounting (no plan.* keys)."""
+    from dtk.plan.inputs import context
+
+    ctx = context(cfg, plan, shape)
+    changes: dict[str, Any] = {"device": device, "plan_keys": {}}
+    named = cfg.cluster.device_memory_gb or cfg.cluster.accelerator
+    if capacity is not None and not named:
+        changes.update(capacity=capacity, capacity_source=f"this {device} device ({capacity / 1e9:.1f} GB)")
+    return dataclasses.replace(ctx, **changes)
+
+
+def rank_prediction(cfg: Config, plan: Plan, shape: ModelShape, *, rank: int, device: str) -> RankBytes:
+    """dtk.plan's bytes for one rank of this job."""
+    from dtk.plan.report import chosen_variant
+
+    ctx = real_context(cfg, plan, shape, device=device)
+    return rank_bytes(shape, ctx.job(chosen_variant(ctx, plan)), rank)
+
+
+def comparable(b: RankBytes, device: str, *, reshard_after_forward: bool) -> int:
+    """The part of a prediction that the device's measurement sees (see the module doc)."""
+    states = b.params + b.grads + b.optimizer
+    if device == "cuda":
+        return states + b.activations + b.buffers
+    gathered = 0 if reshard_after_forward else b.detail.get("fsdp_gather", 0)
+    return states + b.activations_saved + gathered
+
+
+def rank_record(b: RankBytes, measured: dict[str, int | None], *, rank: int, device: str,
+                reshard_after_forward: bool, activations_estimated: bool) -> dict[str, Any]:
+    """One rank's prediction against its measurement, for summary.json."""
+    predicted = comparable(b, device, reshard_after_forward=reshard_after_forward)
+    total = measured.get("total")
+    return {
+        "rank": rank,
+        "predicted_bytes": predicted,
+        "measured_bytes": total,
+        "gap": None if total is None or not predicted else round(total / predicted - 1, 4),
+        "predicted": {**b.as_dict(), "activations_saved": b.activations_saved},
+        "measured": measured,
+        "activations_estimated": activations_estimated,
+    }
+
+
+def summarize(ranks: list[dict[str, Any]], *, device: str) -> dict[str, Any]:
+    """summary.json's `memory`: the largest rank's figures, every rank's, and the ranks whose
+    gap is above MISMATCH."""
+    worst = max(ranks, key=lambda r: r["measured_bytes"] or 0)
+    off = [r for r in ranks if r["gap"] is not None and abs(r["gap"]) > MISMATCH]
+    return {
+        "device": device,
+        "basis": "max_memory_allocated" if device == "cuda" else "live tensors: states + kept for backward (one step)",
+        "predicted_bytes": max(r["predicted_bytes"] for r in ranks),
+        "measured_bytes": worst["measured_bytes"],
+        "gap": worst["gap"],
+        "mismatch_ranks": [r["rank"] for r in off],
+        "ranks": ranks,
+    }
+
+
+def mismatch_event(memory: dict[str, Any]) -> dict[str, Any] | None:
+    """The `plan_mismatch` event's fields, or None when every rank is within MISMATCH."""
+    off = [r for r in memory["ranks"] if r["rank"] in memory["mismatch_ranks"]]
+    if not off:
+        return None
+    r = max(off, key=lambda x: abs(x["gap"]))
+    why = "" if r["activations_estimated"] else " (activations of this model are not estimated)"
+    return {
+        "rank": r["rank"], "predicted_bytes": r["predicted_bytes"], "measured_bytes": r["measured_bytes"],
+        "gap": r["gap"], "ranks": [x["rank"] for x in off], "limit": MISMATCH,
+        "detail": f"rank {r['rank']} measured {r['measured_bytes'] / 1e9:.3f} GB against {r['predicted_bytes'] / 1e9:.3f}"
+                  f" GB planned ({r['gap']:+.0%}, limit {MISMATCH:.0%}){why}",
+    }
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f}"
+
+
+def _tighter(mp: MemoryPlan) -> int:
+    """The memory a plan must fit in after this job, planned to fit, ran out: its variable
+    part (all but the runtime allowance) FRAGMENTATION smaller than this job's."""
+    runtime = RUNTIME_BYTES[mp.ctx.device]
+    return runtime + round((mp.chosen.bytes.total - runtime) / (1 + FRAGMENTATION))
+
+
+def oom_line(cfg: Config, plan: Plan, shape: ModelShape, *, rank: int, host: str, device: str,
+             capacity: int | None) -> str:
+    """The one line an out-of-memory error stops the job with: the planned numbers and the
+    overrides that would fit (the budget's recommendation; when the plan said this job fits,
+    the recommendation for memory a little under this job's plan)."""
+    from dtk.plan.report import memory_plan
+
+    ctx = real_context(cfg, plan, shape, device=device, capacity=capacity)
+    mp = memory_plan(ctx, plan)
+    b, v = mp.chosen.bytes, mp.chosen.variant
+    parts = " + ".join(f"{k} {_gb(getattr(b, k))}" for k in ("params", "grads", "optimizer", "activations",
+                                                             "buffers", "margin"))
+    text = (f"out of memory on rank {rank} ({host}): planned {_gb(b.total)} GB per device under {mp.key} on"
+            f" {v.nodes} node(s) x {v.tasks_per_node} = {parts} GB, against {_gb(ctx.capacity)} GB"
+            f" ({ctx.capacity_source})")
+    if not shape.has_activation_shape:
+        text += "; activations of this model are not estimated"
+    if mp.fits:
+        tighter = _tighter(mp)
+        mp = memory_plan(dataclasses.replace(ctx, capacity=tighter, capacity_source="tighter"), plan)
+        text += f"; the plan said it fits, so it needs more than planned: planning for {_gb(tighter)} GB"
+    r = mp.recommended
+    if r.scheme:
+        text += f"; would fit: {' '.join(r.overrides)} ({r.reason})"
+    else:
+        text += f"; no override found: {r.reason}"
+    return text + "; python -m dtk.plan with the same overrides shows the whole budget"
+
+
+def describe_error(exc: BaseException) -> str:
+    """A budget that cannot be made for the OOM line: why, in a few words."""
+    return str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"

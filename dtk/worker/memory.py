@@ -1,0 +1,96 @@
+"""The plan against the worker's real memory (dtk.plan.predict says what is compared):
+each rank's prediction made before the model is parallelized, its measurement
+(dtk.train.measure.StepMemory), both gathered to rank 0 for summary.json, and the one
+line an out-of-memory error stops the job with."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtk.errors import UserError
+from dtk.plan.plan import Plan
+from dtk.plan.predict import (
+    describe_error,
+    mismatch_event,
+    oom_line,
+    rank_prediction,
+    rank_record,
+    real_shape,
+    summarize,
+)
+from dtk.plan.shape import ModelShape
+from dtk.rundir import RunDir
+from dtk.train.measure import StepMemory
+
+
+class Prediction:
+    """This rank's planned bytes (or why there are none), made from the meta build."""
+
+    def __init__(self, plan: Plan, *, rank: int, device: torch.device, meta_model: torch.nn.Module) -> None:
+        self.plan, self.rank, self.device = plan, rank, device
+        self.shape: ModelShape | None = None
+        self.error: str | None = None
+        try:
+            self.shape = real_shape(plan.config, meta_model)
+            self.bytes = rank_prediction(plan.config, plan, self.shape, rank=rank, device=device.type)
+        except UserError as exc:  # a model the budget cannot lay out: the run goes on, unplanned
+            self.error = str(exc)
+
+    def record(self, measured: StepMemory) -> dict[str, Any]:
+        if self.error is not None:
+            return {"rank": self.rank, "error": self.error}
+        return rank_record(self.bytes, measured.result(), rank=self.rank, device=self.device.type,
+                           reshard_after_forward=self.plan.config.scheme.reshard_after_forward,
+                           activations_estimated=self.shape.has_activation_shape)
+
+
+def measure_index(start_step: int, total_steps: int) -> int:
+    """The step measured on the CPU: the second of this start when there is one."""
+    return start_step + 1 if total_steps - start_step >= 2 else start_step
+
+
+def gather_memory(prediction: Prediction, measured: StepMemory, run: RunDir, *, rank: int, world: int,
+                  step: int) -> dict[str, Any] | None:
+    """Collective: every rank's record to rank 0, which returns summary.json's `memory` and
+    writes a `plan_mismatch` event when a rank is off by more than the limit."""
+    mine = prediction.record(measured)
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return None
+    errors = [r for r in everyone if "error" in r]
+    if errors:
+        return {"device": prediction.device.type, "error": errors[0]["error"], "ranks": everyone}
+    memory = summarize(everyone, device=prediction.device.type)
+    event = mismatch_event(memory)
+    if event is not None:
+        run.event("plan_mismatch", step=step, **event)
+    return memory
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An out-of-memory error, or one raised because of it (a pipeline or compile wrapper)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def oom_error(plan: Plan, prediction: Prediction | None, *, rank: int, device: torch.device) -> str:
+    """The `error:` line's text for an out-of-memory error on this rank."""
+    host = socket.gethostname()
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    try:
+        shape = prediction.shape if prediction is not None and prediction.shape is not None else real_shape(plan.config)
+        return oom_line(plan.config, plan, shape, rank=rank, host=host, device=device.type, capacity=capacity)
+    except Exception as exc:  # the line must come out whatever the budget does
+        return f"out of memory on rank {rank} ({host}); no memory plan for this job: {describe_error(exc)}"
