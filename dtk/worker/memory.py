@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtk.errors import UserError
 from dtk.plan.plan import Plan
 from dtk.plan.predict import (
     describe_error,
@@ -37,8 +36,8 @@ class Prediction:
         try:
             self.shape = real_shape(plan.config, meta_model)
             self.bytes = rank_prediction(plan.config, plan, self.shape, rank=rank, device=device.type)
-        except UserError as exc:  # a model the budget cannot lay out: the run goes on, unplanned
-            self.error = str(exc)
+        except Exception as exc:  # a model the budget cannot lay out: the run goes on, the reason recorded
+            self.error = describe_error(exc)
 
     def record(self, measured: StepMemory) -> dict[str, Any]:
         if self.error is not None:
