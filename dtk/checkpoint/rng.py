@@ -34,10 +34,10 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_rng(path: Path) -> None:
-    """Written and fsynced before the manifest can list it."""
+def save_rng(path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """`state` (default: the streams now), written and fsynced before the manifest can list it."""
     with open(path, "wb") as fh:
-        torch.save(rng_state(), fh)
+        torch.save(rng_state() if state is None else state, fh)
         fh.flush()
         os.fsync(fh.fileno())
 

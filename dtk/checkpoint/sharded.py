@@ -17,8 +17,8 @@ A rank may hold several model parts (pipeline stages), each with its own optimiz
 
 A save runs in three phases; only the first blocks training:
 
-    1. main thread, every rank: wait for the previous save; create the folder; write this
-       rank's RNG file (and rank 0 trainer.json); start staging model and optimizer state
+    1. main thread, every rank: wait for the previous save; create the folder; take this
+       rank's RNG state (and rank 0 the trainer state); start staging model and optimizer state
        into host buffers kept from one save to the next (`DefaultStager`: pinned memory and
        a copy stream of its own on a GPU) and start `dcp.async_save`.
     1b. the stager's thread copies the state while training goes on; the next optimizer
@@ -27,7 +27,8 @@ A save runs in three phases; only the first blocks training:
        holds the state of the step it names.
     2. DCP's thread: plan and write the shards, rank 0 writes `.metadata`. When it returns on
        any rank, every rank's files are on disk (DCP gathers the write results first).
-    3. our finisher thread, every rank: gather the sizes and CRCs of the files each rank
+    3. our finisher thread, every rank: write and fsync the RNG file (rank 0 trainer.json
+       too) while DCP writes the shards, wait for DCP, gather the sizes and CRCs of the files each rank
        wrote (computed while writing: dtk.checkpoint.hashing), and rank 0 commits the
        manifest - then prunes and logs `checkpoint_saved`.
 
@@ -39,6 +40,7 @@ same phases and waits for them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -57,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
-from dtk.checkpoint.rng import save_rng
+from dtk.checkpoint.rng import rng_state, save_rng
 from dtk.rundir import write_json_atomic
 
 TRAINER_STATE = "trainer.json"
@@ -218,13 +220,11 @@ class Saver:
                 path.mkdir(parents=True)
 
         self._agree(prepare, everyone=False)  # also the barrier: the folder exists before anyone writes
-
-        def write_small() -> None:
-            save_rng(path / rng_file(rank))
-            if rank == 0:
-                write_json_atomic(path / TRAINER_STATE, trainer_state)
-
-        self._agree(write_small)
+        # The small files hold the state of now; the finisher writes them (and fsyncs them) off
+        # the training thread, beside DCP's write.
+        small = {rng_file(rank): rng_state()}
+        if rank == 0:
+            small[TRAINER_STATE] = json.loads(json.dumps(trainer_state, default=str))  # a copy: training goes on
         model_sd, optim_sd, _ = _state_dicts(parts)
         state = {"model": model_sd, "optim": optim_sd}
         writer = self._writer(path)
@@ -245,7 +245,7 @@ class Saver:
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise SaveFailed(cause(exc)) from exc
         blocked = time.perf_counter() - t0
-        self._pending = self._finisher.submit(self._finish, path, written, writer, header, t0, blocked)
+        self._pending = self._finisher.submit(self._finish, path, written, small, writer, header, t0, blocked)
         if not self.asynchronous:
             self.wait()
             blocked = time.perf_counter() - t0
@@ -283,9 +283,20 @@ class Saver:
         return result
 
     def _finish(
-        self, path: Path, written: Future, writer: HashingWriter, header: dict[str, Any], t0: float, blocked: float
+        self, path: Path, written: Future, small: dict[str, Any], writer: HashingWriter, header: dict[str, Any],
+        t0: float, blocked: float,
     ) -> dict[str, Any] | None:
-        self._agree(written.result)
+        def small_files_then_shards() -> None:
+            try:
+                for name, content in small.items():
+                    if name == TRAINER_STATE:
+                        write_json_atomic(path / name, content)
+                    else:
+                        save_rng(path / name, content)
+            finally:  # DCP's thread is done with the group before this thread's collectives
+                written.result()
+
+        self._agree(small_files_then_shards)
         # Every rank describes the files it wrote: the DCP files were checksummed while they
         # were written; its small RNG file (and rank 0's trainer.json) are read back.
         hashed = writer.hashed()
