@@ -83,6 +83,10 @@ def test_the_slow_rank_is_flagged_and_the_others_show_straggler_time():
     assert idle_share(ph, 0.080) == pytest.approx((0.001 + 0.005 + 0.050) / 0.080)
     assert [s["rank"] for s in interval.stragglers] == [1]
     assert interval.ranks["busy_s"] == pytest.approx([0.030, 0.080])
+    # Every rank's phases: where the slow rank's time went, and what the others waited.
+    assert interval.ranks["forward_s"] == pytest.approx([0.010, 0.060])
+    assert interval.ranks["straggler_s"] == pytest.approx([0.050, 0.0])
+    assert interval.ranks["comm_s"] == pytest.approx([0.005, 0.005])
     mine = combine([7], [[fast.vector()], [slow.vector()]], factor=1.5, me=1).phases[7]
     assert mine["straggler"] == 0.0
 

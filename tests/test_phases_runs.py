@@ -185,6 +185,9 @@ def test_a_rank_that_sleeps_is_flagged_and_the_others_wait_for_it(results):
     flagged = [e for e in results["straggler"]["events"] if e["event"] == "straggler"]
     assert [(e["step"], e["rank"]) for e in flagged] == [(LOG_EVERY, 1), (2 * LOG_EVERY, 1)]  # every interval
     assert all(e["host"] and e["ratio"] > FACTOR for e in flagged)
-    busy = records[-1]["ranks"]["busy_s"]
-    assert busy[1] > busy[0]
+    ranks = records[-1]["ranks"]
+    assert ranks["busy_s"][1] > ranks["busy_s"][0]
+    # Per rank, where the time goes: rank 1's forward is the slow part, rank 0 waits.
+    assert ranks["forward_s"][1] > ranks["forward_s"][0] + SLEEP_S / 2
+    assert ranks["straggler_s"][0] > SLEEP_S / 2 > ranks["straggler_s"][1]
     assert not [e for e in results["plain"]["events"] if e["event"] == "straggler"]

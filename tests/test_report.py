@@ -117,6 +117,22 @@ def test_figures_have_one_curve_per_run_phase_and_rank(tmp_path):
     assert len(rank_times(c).axes[0].get_lines()) == 2
 
 
+def test_per_rank_phases_name_where_the_slowest_rank_spends_its_time(tmp_path):
+    run = write_run(tmp_path / "r", {1: 5.0, 2: 4.0})
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Rank 2 computes its forward 40 ms longer; ranks 0 and 1 wait for it at the reduction.
+    lines[-1]["ranks"] = {"step_time_s": [0.1] * 3, "busy_s": [0.06, 0.06, 0.1], "wait_s": [0.04, 0.04, 0.0],
+                          **{f"{p}_s": [v] * 3 for p, v in PHASES.items()}}
+    lines[-1]["ranks"]["forward_s"] = [0.03, 0.03, 0.07]
+    lines[-1]["ranks"]["straggler_s"] = [0.04, 0.04, 0.0]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    ranks = run_numbers(load_run(run))["ranks"]
+    assert ranks["forward_s"] == [0.03, 0.03, 0.07]
+    assert ranks["slowest"] == {"rank": 2, "phase": "forward", "seconds": 0.07, "median_s": 0.03}
+    text = dtk("dtk.report", str(run), "--no-plots").stdout
+    assert "slowest rank 2: most of its extra time in forward, 70.0 ms per step against 30.0 ms" in text
+
+
 def _png(path: Path):
     from PIL import Image
 

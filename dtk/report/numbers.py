@@ -37,18 +37,26 @@ def phase_profile(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def per_rank(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Median over the logging intervals of each rank's step time and idle time."""
+    """Median over the logging intervals of each rank's step time, idle time and phases, and
+    the slowest rank's phase that most exceeds the median rank's (where its time goes)."""
     gathered = [r["ranks"] for r in records if isinstance(r.get("ranks"), dict) and r["ranks"].get("step_time_s")]
     if not gathered:
         return None
     num_ranks = len(gathered[-1]["step_time_s"])
     out: dict[str, Any] = {"num_ranks": num_ranks, "intervals": len(gathered)}
-    for key in ("step_time_s", "busy_s", "wait_s"):
+    for key in ("step_time_s", "busy_s", "wait_s", *(f"{p}_s" for p in PHASES)):
         cols = [g[key] for g in gathered if len(g.get(key) or []) == num_ranks]
         if cols:
             out[key] = [round(statistics.median(c[i] for c in cols), 6) for i in range(num_ranks)]
     if gathered[-1].get("hosts"):
         out["hosts"] = gathered[-1]["hosts"]
+    busy = out.get("busy_s")
+    own = [p for p in PHASES if p != "straggler" and f"{p}_s" in out]  # waiting for others is no rank's own
+    if num_ranks > 1 and busy and own:
+        slow = max(range(num_ranks), key=lambda r: busy[r])
+        medians = {p: statistics.median_low(out[f"{p}_s"]) for p in own}
+        phase = max(own, key=lambda p: out[f"{p}_s"][slow] - medians[p])
+        out["slowest"] = {"rank": slow, "phase": phase, "seconds": out[f"{phase}_s"][slow], "median_s": medians[phase]}
     return out
 
 

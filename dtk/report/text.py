@@ -70,6 +70,10 @@ def run_block(n: dict[str, Any]) -> list[str]:
     if r and r.get("busy_s"):
         cells = "  ".join(f"{i}:{_s(t)}" for i, t in enumerate(r["busy_s"]))
         lines.append(f"per rank     busy time per step (median): {cells}")
+        slow = r.get("slowest")
+        if slow:
+            lines.append(f"slowest rank {slow['rank']}: most of its extra time in {slow['phase']},"
+                         f" {_s(slow['seconds'])} per step against {_s(slow['median_s'])} on the median rank")
     sysl = n["system"]
     if sysl:
         parts = [f"CPU {sysl['cpu_percent_mean']:.0f}%" if sysl.get("cpu_percent_mean") is not None else None,

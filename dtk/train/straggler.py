@@ -33,7 +33,8 @@ class Interval:
     """Per step: rank 0's phases (seconds), `comm` including its exposed share of the reduction."""
     step_time_s: dict[int, float]
     ranks: dict[str, list[float]]
-    """Per rank, mean over the interval: `step_time_s`, `busy_s` (less straggler wait), `wait_s`."""
+    """Per rank, mean over the interval: `step_time_s`, `busy_s` (less straggler wait), `wait_s`,
+    and each phase as `<phase>_s` (`forward_s`, ...: where a slow rank's time goes)."""
     stragglers: list[dict[str, Any]]
     """Ranks flagged in this interval: rank, busy seconds, ratio to the median."""
 
@@ -44,26 +45,26 @@ def combine(steps: list[int], per_rank: list[list[list[float]]], *, factor: floa
     phases: dict[int, dict[str, float]] = {}
     totals: dict[int, float] = {}
     waits = [[0.0] * len(steps) for _ in range(num_ranks)]
+    sums = [dict.fromkeys(PHASES, 0.0) for _ in range(num_ranks)]  # per rank, over the interval
     for i, step in enumerate(steps):
         syncs = [per_rank[r][i][_COL["sync"]] for r in range(num_ranks)]
         exposed = min(syncs)
         for r in range(num_ranks):
             waits[r][i] = syncs[r] - exposed
-        mine = per_rank[me][i]
-        ph = {p: mine[_COL[p]] for p in PHASES if p in _COL}
-        ph["comm"] += exposed
-        ph["straggler"] = waits[me][i]
-        phases[step] = ph
-        totals[step] = mine[_TOTAL]
+            ph = {p: per_rank[r][i][_COL[p]] for p in PHASES if p in _COL}
+            ph["comm"] += exposed
+            ph["straggler"] = waits[r][i]
+            for p in PHASES:
+                sums[r][p] += ph[p]
+            if r == me:
+                phases[step] = ph
+        totals[step] = per_rank[me][i][_TOTAL]
     step_times = [statistics.fmean(per_rank[r][i][_TOTAL] for i in range(len(steps))) for r in range(num_ranks)]
     wait_means = [statistics.fmean(w) for w in waits]
     busy = [t - w for t, w in zip(step_times, wait_means, strict=True)]
-    return Interval(
-        phases=phases,
-        step_time_s=totals,
-        ranks={"step_time_s": step_times, "busy_s": busy, "wait_s": wait_means},
-        stragglers=flag(busy, factor=factor),
-    )
+    ranks = {"step_time_s": step_times, "busy_s": busy, "wait_s": wait_means}
+    ranks.update({f"{p}_s": [sums[r][p] / len(steps) for r in range(num_ranks)] for p in PHASES})
+    return Interval(phases=phases, step_time_s=totals, ranks=ranks, stragglers=flag(busy, factor=factor))
 
 
 def flag(busy: list[float], *, factor: float) -> list[dict[str, Any]]:
