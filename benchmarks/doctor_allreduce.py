@@ -1,8 +1,9 @@
 """The doctor's all-reduce figures next to a plain torch.distributed all-reduce loop, on the
 same ranks and group, in the same processes.
 
-    doctor   dtk.doctor.measure.all_reduce_sweep: per size one warm-up, then `repeats`
-             all-reduces each timed alone after a barrier, the slowest rank's median
+    doctor   dtk.doctor.measure.all_reduce_sweep: per size a warm-up, then `repeats` timed
+             batches (each after a barrier, back-to-back all-reduces filling about 25 ms,
+             per all-reduce), the slowest rank's median
     plain    what one writes by hand (nccl-tests' way): one warm-up, then `repeats`
              all-reduces back to back, total / repeats on each rank, the slowest rank's
 
@@ -11,7 +12,8 @@ doctor algbw / plain algbw (1.0: the doctor reports the bandwidth a plain loop s
 its barriers and per-call timing cost bandwidth that is not the fabric's).
 
     python benchmarks/doctor_allreduce.py --ranks 2 --max-mb 64 --repeats 5 --rounds 5
-    srun -p debug -N 2 -n 2 python benchmarks/doctor_allreduce.py --max-mb 64   (lab: one rank per node)
+    srun -p debug -N 2 -n 2 python benchmarks/doctor_allreduce.py --max-mb 64   (lab: one rank per node;
+        on a lab with --netns, GLOO_SOCKET_IFNAME=lab0 in srun's environment, as dtk's fabric sets it)
 """
 
 from __future__ import annotations

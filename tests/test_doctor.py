@@ -109,3 +109,11 @@ def test_doctor_on_the_lab_measures_every_pair_of_nodes(lab, tmp_path):
     assert all(bw > 0 for bw in found["p2p_gbs"].values())
     # whatever it flagged (a shared 2-core machine is noisy) is what exclude.txt lists
     assert read_exclude_file(str(out / "exclude.txt")) == tuple(f["node"] for f in found["flagged"])
+
+
+def test_a_timed_batch_fills_about_25_ms_and_never_less_than_one():
+    from dtk.doctor.measure import BATCH_S, MAX_BATCH, batch_size
+
+    assert batch_size(0.002) == 13  # a 1 MB gloo all-reduce: 13 back to back spread the barrier's skew
+    assert batch_size(BATCH_S) == 1 and batch_size(3.0) == 1
+    assert batch_size(0.0) == MAX_BATCH and batch_size(1e-5) == MAX_BATCH

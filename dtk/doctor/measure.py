@@ -6,10 +6,19 @@ taking t seconds, algorithm bandwidth algbw = S / t, and bus bandwidth busbw = a
 2 (n - 1) / n for n ranks, the share each link carries in a ring, which makes busbw
 comparable across rank counts and with the link's speed. t is the slowest rank's median
 of the timed repeats (a collective ends when its last rank ends).
+
+Each timed repeat is, as in nccl-tests, a batch of back-to-back all-reduces started
+together after a barrier, divided by its count. A batch holds as many as fill about
+BATCH_S (one for a message that takes longer), the same count on every rank. Timing one
+all-reduce alone after a barrier would add the barrier's release skew (the first rank out
+starts its clock while the last is still inside) to every sample: negligible for large
+messages, but for a 1 MB message on gloo (about 2 ms) it cost 20% of the bandwidth a
+plain back-to-back loop sees (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +27,10 @@ import torch
 import torch.distributed as dist
 
 MB = 1_000_000
+BATCH_S = 0.025
+"""A timed batch of all-reduces lasts about this long: long enough to spread the barrier's
+skew (tens to hundreds of microseconds) below 1%, short enough for a quick sweep."""
+MAX_BATCH = 64
 
 
 def _sync(device: torch.device) -> None:
@@ -33,18 +46,31 @@ class AllReduceRow:
     busbw_gbs: float
 
 
+def batch_size(seconds: float) -> int:
+    """How many all-reduces of `seconds` each fill a timed batch (module doc)."""
+    return max(1, min(MAX_BATCH, math.ceil(BATCH_S / max(seconds, 1e-6))))
+
+
 def time_all_reduce(buf: torch.Tensor, *, group, repeats: int, device: torch.device) -> float:
-    """Median seconds of one all-reduce of `buf` on this rank, after one warm-up."""
+    """Median seconds of one all-reduce of `buf` on this rank: after a warm-up, `repeats`
+    timed batches of back-to-back all-reduces (module doc), per all-reduce."""
     dist.all_reduce(buf, group=group)
     _sync(device)
+    start = time.perf_counter()  # a second warm-up, timed: how many make a batch
+    dist.all_reduce(buf, group=group)
+    _sync(device)
+    count = torch.tensor([batch_size(time.perf_counter() - start)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # every rank runs the same batches
+    num = int(count.item())
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         _sync(device)
         start = time.perf_counter()
-        dist.all_reduce(buf, group=group)
+        for _ in range(num):
+            dist.all_reduce(buf, group=group)
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / num)
     return statistics.median(times)
 
 
@@ -94,17 +120,24 @@ def p2p_matrix(*, leaders: list[int], size_mb: float, repeats: int, device: torc
 
 
 def matmul_tflops(*, n: int, repeats: int, device: torch.device) -> float:
-    """This device's throughput on an n x n x n float32 matrix multiply (2 n^3 flops)."""
+    """This device's throughput on an n x n x n float32 matrix multiply (2 n^3 flops):
+    the median of `repeats` timed batches of back-to-back multiplies, each filling about
+    BATCH_S (a single small multiply takes microseconds, below a busy machine's noise)."""
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     torch.mm(a, b)
     _sync(device)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _sync(device)
+    num = batch_size(time.perf_counter() - start)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b)
+        for _ in range(num):
+            torch.mm(a, b)
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / num)
     return 2 * n**3 / statistics.median(times) / 1e12
 
 

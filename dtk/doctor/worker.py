@@ -31,7 +31,9 @@ def run(out: Path) -> None:
     env = read_env()
     device = pick_device(DeviceKind(req["device"]), env)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        # What Slurm allotted the task, else the node's cores split: ranks of lab nodes share
+        # one machine, and threads beyond its cores make one rank's matmul several times slower.
+        torch.set_num_threads(env.cpus_per_task or max(1, (os.cpu_count() or 1) // env.local_world_size))
     backend = req["backend"] if req["backend"] != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     num_nodes, tpn = env.world_size // env.local_world_size, env.local_world_size
     folder = out / "topology"

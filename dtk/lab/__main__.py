@@ -1,4 +1,4 @@
-"""python -m dtk.lab up [--nodes N] [--no-install] [--force] | status | down [--force]"""
+"""python -m dtk.lab up [--nodes N] [--netns] [--no-install] [--force] | status | slow NODE RATE | down [--force]"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 from dtk.errors import ArgumentParser, run_cli
 from dtk.lab import access as lab_access
-from dtk.lab import cluster, files
+from dtk.lab import cluster, files, netns
 from dtk.lab.daemons import DaemonError
 from dtk.lab.programs import LabError
 
@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an access policy (conf/access/NAME.yaml, or its NAME): partitions admit its submitter "
                             "group only (AllowGroups), and its account only, with accounting, when it names one; "
                             "without --access the partitions admit every user")
+    start.add_argument("--netns", action="store_true",
+                       help="each node in a network namespace of its own, with its own address on a veth (lab0)"
+                            " joined by a bridge, so jobs see separate network stacks; see docs/lab.md")
+    slow = commands.add_parser("slow", help="limit what one node sends (tc tbf on its veth), to make a slow node;"
+                                            " needs a lab started with --netns (root)")
+    slow.add_argument("node", metavar="NODE", help="the node, e.g. node2")
+    slow.add_argument("rate", metavar="RATE", help="a tc rate (100mbit, 1gbit, 500kbit), or off to lift the limit")
     commands.add_parser("status", help="who started the lab, its jobs (whose, which run), sinfo and its daemons; "
                                        "exit 0 when up, 1 if not")
     stop = commands.add_parser("down", help="stop every process the lab started (root); refused while jobs "
@@ -59,6 +66,10 @@ def describe(status: cluster.LabStatus) -> str:
         lines.append(f"jobs: {len(status.jobs)}")
         lines.append(f"  {'JOBID':<8} {'USER':<10} {'STATE':<11} {'NODES':<12} NAME  (run RUN_DIR)")
         lines += [f"  {job.line()}" for job in status.jobs]
+    if record.netns:
+        lines.append(f"network: each node in its own namespace ({netns.NS_PREFIX}NODE), {netns.NODE_IFACE}"
+                     f" {netns.node_address(1)}.. on bridge {netns.BRIDGE} {netns.bridge_address()}")
+        lines += [f"  {node} sends at most {rate}" for node, rate in record.slow]
     lines.append(lab_access.describe(status.layout))
     lines.append("daemons:")
     for daemon in status.record.daemons:
@@ -77,9 +88,12 @@ def main(argv: list[str]) -> int:
         return 0 if status.up else 1
     try:
         if args.command == "up":
-            status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force)
+            status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force,
+                                netns=args.netns)
             lab_access.apply(args.access, layout=status.layout, system=files.system_files(),
                              install=not args.no_install, timeout_s=args.timeout, log=print)
+        elif args.command == "slow":
+            cluster.slow(args.node, None if args.rate == "off" else args.rate)
         else:
             cluster.down(force=args.force)
     except (DaemonError, OSError) as exc:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtk.lab import daemons, files, ownership
+from dtk.lab import daemons, files, netns, ownership
 from dtk.lab.daemons import Daemon, DaemonError
 from dtk.lab.files import LabLayout, SystemFiles
 from dtk.lab.jobs import LabJob, lab_jobs
@@ -36,6 +36,7 @@ from dtk.lab.start import start_all, start_slurmd, wait_for_nodes
 
 DEFAULT_DIR = Path("/var/lib/dtk-lab")
 MAX_NODES = 64
+_NETNS = {True: ", each in its own network namespace", False: ""}
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def status(*, root: Path | None = None) -> LabStatus:
 
 
 def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, timeout_s: float = 60.0,
-       force: bool = False, log: Log = print) -> LabStatus:
-    """Bring the lab up with `num_nodes` idle nodes; see the module doc for what it keeps."""
+       force: bool = False, netns: bool = False, log: Log = print) -> LabStatus:
+    """Bring the lab up with `num_nodes` idle nodes, each in a network namespace of its own
+    with `netns` (dtk.lab.netns); see the module doc for what it keeps."""
     if not 1 <= num_nodes <= MAX_NODES:
         raise LabError(f"--nodes={num_nodes} is out of range: the lab runs 1 to {MAX_NODES} nodes")
     require_root("up")
@@ -100,28 +102,31 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
                                               + ", ".join(ownership.describe(p) for p in strangers)]))
         if record is not None:
             dead = [d for d in record.daemons if not daemons.is_alive(d)]
-            if record.num_nodes == num_nodes and not dead:
-                log(f"lab is already up with {num_nodes} nodes ({layout.root})")
+            same = record.num_nodes == num_nodes and record.netns == netns
+            if same and not dead:
+                log(f"lab is already up with {num_nodes} nodes{_NETNS[netns]} ({layout.root})")
                 return status(root=layout.root)
-            if record.num_nodes == num_nodes and all(d.program == "slurmd" for d in dead):
+            if same and all(d.program == "slurmd" for d in dead):
                 return _restart_nodes(layout, system, record, dead, timeout_s, log)
             why = (f"from {record.num_nodes} to {num_nodes} nodes" if record.num_nodes != num_nodes
+                   else ("with each node in a network namespace of its own" if netns
+                         else "with every node on this machine's network stack") if record.netns != netns
                    else "because " + ", ".join(d.label for d in dead) + " died")
             _refuse_busy(layout, system, record, force, f"restarting the lab {why}")
             log(f"restarting the lab {why}")
         _stop_all(layout, record or LabRecord(0), log)  # with no record: leftovers of a lab that lost it
         started = _install(install, layout, log)
         try:
-            start_all(layout, system, LabRecord.new(num_nodes), started, log)
+            start_all(layout, system, LabRecord.new(num_nodes, netns=netns), started, log)
             wait_for_nodes(layout, system, started, num_nodes, timeout_s, ready=lambda state: state == "idle")
         except (LabError, DaemonError, OSError) as exc:
             # Leave nothing half-started: stop exactly what this call started.
             try:
-                _stop_all(layout, LabRecord(num_nodes, tuple(started)), lambda _: None)
+                _stop_all(layout, LabRecord(num_nodes, tuple(started), netns=netns), lambda _: None)
             except (LabError, DaemonError) as cleanup:
                 raise LabError(f"{exc}; and while stopping what had started: {cleanup}") from None
             raise LabError(str(exc)) from None
-        log(f"lab is up: {num_nodes} nodes, partitions debug (default) and high; "
+        log(f"lab is up: {num_nodes} nodes{_NETNS[netns]}, partitions debug (default) and high; "
             f"config {system.slurm_conf}, state in {layout.root}")
         return status(root=layout.root)
 
@@ -137,12 +142,30 @@ def down(*, root: Path | None = None, force: bool = False, log: Log = print) -> 
     with _locked(layout):
         record = read_record(layout)
         census = ownership.census(layout, record)
-        if record is None and not (census.ours or census.steps):
+        if record is None and not (census.ours or census.steps) and netns.owner() != str(layout.root):
             log(f"lab is not up ({layout.root})")
             return
         _refuse_busy(layout, files.system_files(), record, force, "stopping the lab")
         _stop_all(layout, record or LabRecord(0), log)
         log("lab is down")
+
+
+def slow(node: str, rate: str | None, *, root: Path | None = None, log: Log = print) -> None:
+    """Limit what `node` sends to `rate` (a tc rate such as 100mbit), or lift the limit
+    (None). Needs a lab with network namespaces: without them the nodes share one stack."""
+    require_root("slow")
+    layout = LabLayout(root or lab_dir())
+    with _locked(layout):
+        record = read_record(layout)
+        if record is None or not record.netns:
+            raise LabError("`python -m dtk.lab slow` needs a lab whose nodes have network namespaces of their own"
+                           " (python -m dtk.lab up --netns); without them every node shares one network stack")
+        if node not in files.node_names(record.num_nodes):
+            raise LabError(f"node {node!r} is not in the lab; it has {', '.join(files.node_names(record.num_nodes))}")
+        netns.slow(node, None if rate is None else netns.check_rate(rate))
+        limits = dict(record.slow) | {node: rate}
+        write_record(layout, replace(record, slow=tuple(sorted((n, r) for n, r in limits.items() if r))))
+    log(f"{node} sends at most {rate} ({netns.qdisc(node)})" if rate else f"{node} sends at full speed again")
 
 
 def _install(install: bool, layout: LabLayout, log: Log) -> list[Daemon]:
@@ -173,7 +196,7 @@ def _restart_nodes(layout: LabLayout, system: SystemFiles, record: LabRecord, de
                    timeout_s: float, log: Log) -> LabStatus:
     """Bring back slurmds that died (a node-failure drill, say) without touching jobs."""
     log("restarting " + ", ".join(d.label for d in dead))
-    fresh = {d.label: start_slurmd(layout, system, d.label.split()[1]) for d in dead}
+    fresh = {d.label: start_slurmd(layout, system, d.label.split()[1], in_netns=record.netns) for d in dead}
     new_record = replace(record, daemons=tuple(fresh.get(d.label, d) for d in record.daemons))
     write_record(layout, new_record)
     # A node that went DOWN comes back by itself (ReturnToService=2) once its slurmd
@@ -204,6 +227,11 @@ def _stop_all(layout: LabLayout, record: LabRecord, log: Log) -> None:
     leftover += [ownership.describe(p) for p in (*after.steps, *after.ours)]
     if leftover:
         raise LabError("still running after stopping the lab: " + ", ".join(leftover))
+    # Once nothing of the lab runs in them: its namespaces, veths, bridge (and their qdiscs).
+    if record.netns or netns.owner() == str(layout.root):
+        removed = netns.remove()
+        if removed:
+            log("removed the network namespaces and bridge: " + ", ".join(removed))
     layout.record.unlink(missing_ok=True)
 
 

@@ -124,18 +124,30 @@ def node_port(index: int) -> int:
     return FIRST_NODE_PORT + index - 1
 
 
-def render_slurm_conf(layout: LabLayout, num_nodes: int, template: str | None = None) -> str:
-    """The lab's slurm.conf, header included."""
+def node_lines(num_nodes: int, addresses: list[str] | None = None) -> str:
+    """slurm.conf's NodeName lines: one for all nodes on 127.0.0.1, or, given each node's
+    address (the lab with --netns), one per node."""
+    rest = f"CPUs={CPUS_PER_NODE} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
+    if addresses is not None:
+        return "\n".join(f"NodeName={node_name(k)} NodeHostname=localhost NodeAddr={addr} Port={node_port(k)} {rest}"
+                         for k, addr in enumerate(addresses, start=1))
+    # A one-node range ("node[1-1]", "17001-17001") is legal but reads oddly in sinfo.
+    names = "node1" if num_nodes == 1 else f"node[1-{num_nodes}]"
+    ports = str(FIRST_NODE_PORT) if num_nodes == 1 else f"{FIRST_NODE_PORT}-{node_port(num_nodes)}"
+    return f"NodeName={names} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports} {rest}"
+
+
+def render_slurm_conf(layout: LabLayout, num_nodes: int, template: str | None = None, *,
+                      controller_addr: str | None = None, addresses: list[str] | None = None) -> str:
+    """The lab's slurm.conf, header included; `controller_addr` and `addresses` (one per
+    node) for a lab whose nodes have network namespaces of their own."""
     if template is None:
         template = TEMPLATE.read_text()
-    last_port = node_port(num_nodes)
     body = string.Template(template).substitute(
         num_nodes=num_nodes,
-        # A one-node range ("node[1-1]", "17001-17001") is legal but reads oddly in sinfo.
-        node_names="node1" if num_nodes == 1 else f"node[1-{num_nodes}]",
-        node_ports=str(FIRST_NODE_PORT) if num_nodes == 1 else f"{FIRST_NODE_PORT}-{last_port}",
+        controller=f"localhost({controller_addr})" if controller_addr else "localhost",
+        node_lines=node_lines(num_nodes, addresses),
         cpus=CPUS_PER_NODE,
-        real_memory_mb=REAL_MEMORY_MB,
         grace_time_s=GRACE_TIME_S,
         state_dir=layout.state_dir,
         spool_dir=layout.spool_dir,
@@ -164,19 +176,23 @@ def write_system_conf(text: str, path: Path) -> None:
     tmp.replace(path)
 
 
-def hosts_with_lab_line(text: str, num_nodes: int) -> str:
-    """/etc/hosts text in which node1..nodeN resolve to 127.0.0.1 through one marked line.
+def hosts_with_lab_line(text: str, num_nodes: int, addresses: list[str] | None = None) -> str:
+    """/etc/hosts text in which node1..nodeN resolve to 127.0.0.1 through one marked line,
+    or each to its own address (`addresses`, the lab with --netns), a marked line each.
 
     Slurm itself reaches the nodes by NodeAddr; the names must resolve for code that uses
     a node name as an address (a torch.distributed master address, for instance)."""
     kept = [line for line in text.splitlines() if not line.rstrip().endswith(HOSTS_MARK)]
-    kept.append(f"127.0.0.1 {' '.join(node_names(num_nodes))} {HOSTS_MARK}")
+    if addresses is None:
+        kept.append(f"127.0.0.1 {' '.join(node_names(num_nodes))} {HOSTS_MARK}")
+    else:
+        kept += [f"{addr} {node_name(k)} {HOSTS_MARK}" for k, addr in enumerate(addresses, start=1)]
     return "\n".join(kept) + "\n"
 
 
-def ensure_hosts(num_nodes: int, path: Path) -> None:
+def ensure_hosts(num_nodes: int, path: Path, addresses: list[str] | None = None) -> None:
     old = path.read_text()
-    new = hosts_with_lab_line(old, num_nodes)
+    new = hosts_with_lab_line(old, num_nodes, addresses)
     if new != old:
         replace_text(path, new)
 

@@ -24,23 +24,28 @@ class LabRecord:
     """The user who ran `up` (the one behind sudo, when it was sudo)."""
     started_at: float = 0.0
     host: str = ""
+    netns: bool = False
+    """Each node in a network namespace of its own (`up --netns`, dtk.lab.netns)."""
+    slow: tuple[tuple[str, str], ...] = ()
+    """(node, rate) of every node whose sending `dtk.lab slow` limits."""
 
     def to_json(self) -> str:
         return json.dumps({"num_nodes": self.num_nodes, "daemons": [d.to_json() for d in self.daemons],
-                           "started_by": self.started_by, "started_at": self.started_at, "host": self.host},
-                          indent=1)
+                           "started_by": self.started_by, "started_at": self.started_at, "host": self.host,
+                           "netns": self.netns, "slow": dict(self.slow)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> LabRecord:
         data = json.loads(text)
         return cls(int(data["num_nodes"]), tuple(Daemon.from_json(d) for d in data["daemons"]),
                    started_by=data.get("started_by", ""), started_at=float(data.get("started_at", 0.0)),
-                   host=data.get("host", ""))
+                   host=data.get("host", ""), netns=bool(data.get("netns", False)),
+                   slow=tuple(sorted(data.get("slow", {}).items())))
 
     @classmethod
-    def new(cls, num_nodes: int) -> LabRecord:
+    def new(cls, num_nodes: int, *, netns: bool = False) -> LabRecord:
         return cls(num_nodes, (), started_by=invoking_user(), started_at=round(time.time(), 3),
-                   host=socket.gethostname())
+                   host=socket.gethostname(), netns=netns)
 
 
 def invoking_user() -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from dtk.lab import daemons, files
+from dtk.lab import daemons, files, netns
 from dtk.lab.daemons import Daemon
 from dtk.lab.files import LabLayout, SystemFiles
 from dtk.lab.programs import LabError, Log, program, slurm
@@ -36,10 +36,15 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
         folder.mkdir(parents=True)
     for name in files.node_names(num_nodes):
         (layout.spool_dir / name).mkdir()
-    conf = files.render_slurm_conf(layout, num_nodes)
+    addresses = [netns.node_address(k) for k in range(1, num_nodes + 1)] if base.netns else None
+    conf = files.render_slurm_conf(layout, num_nodes, addresses=addresses,
+                                   controller_addr=netns.bridge_address() if base.netns else None)
     layout.conf.write_text(conf)
     files.write_system_conf(conf, system.slurm_conf)
-    files.ensure_hosts(num_nodes, system.hosts)
+    files.ensure_hosts(num_nodes, system.hosts, addresses)
+    if base.netns:
+        write_record(layout, replace(base, daemons=tuple(started)))  # first: a crash from here on leaves a record that says what to remove
+        netns.create(files.node_names(num_nodes), lab_root=str(layout.root))
 
     def record(daemon: Daemon) -> None:
         started.append(daemon)
@@ -55,11 +60,14 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
                          layout.pid_dir / "slurmctld.pid", output=startup_log(layout),
                          log=log_file(layout, "slurmctld")))
     for index in range(1, num_nodes + 1):
-        record(start_slurmd(layout, system, files.node_name(index)))
+        record(start_slurmd(layout, system, files.node_name(index), in_netns=base.netns))
 
 
-def start_slurmd(layout: LabLayout, system: SystemFiles, name: str) -> Daemon:
-    return daemons.start(f"slurmd {name}", [program("slurmd"), "-f", str(system.slurm_conf), "-N", name],
+def start_slurmd(layout: LabLayout, system: SystemFiles, name: str, *, in_netns: bool) -> Daemon:
+    """slurmd for node `name`; `in_netns`: inside the node's network namespace, where its
+    job steps run too (they are its children)."""
+    prefix = netns.daemon_prefix(name, layout.root / "netns-hold") if in_netns else []
+    return daemons.start(f"slurmd {name}", [*prefix, program("slurmd"), "-f", str(system.slurm_conf), "-N", name],
                          layout.pid_dir / f"slurmd-{name}.pid", output=startup_log(layout),
                          log=log_file(layout, f"slurmd {name}"))
 
