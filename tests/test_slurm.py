@@ -71,6 +71,8 @@ def test_two_node_job_trains_to_completion_and_records_lineage(lab, tmp_path):
     assert info["state"] == "finished" and info["step"] == 20 and info["job_ids"] == [job]
     assert info["final_loss"] == losses(run)[20]
     assert_plan_md_matches_mesh(run)  # rank 0 on the first node, rank 1 on the second, as plan.md says
+    memory = json.loads((run / "summary.json").read_text())["memory"]  # gathered from both nodes
+    assert [r["rank"] for r in memory["ranks"]] == [0, 1] and memory["measured_bytes"] > 0
 
 
 def test_status_reports_a_running_job_step(lab, tmp_path):
