@@ -7,7 +7,9 @@ rank's times and the records' write); segments alternate between profiling on (l
 gradient-ready hooks, gather) and off (no laps, no hooks, records written without phases),
 so machine noise hits both alike. The figure is the median over pairs of (mean step of
 the "on" segment / mean step of the "off" one), each step timed from outside the loop (the
-mean, so that the interval's read at its last step counts). Target: < 1.01.
+mean, so that the interval's read at its last step counts). Target: < 1.01. Also printed:
+the median step with profiling on over the median step with it off, over all segments (a
+median leaves out the one step in ten that reads the interval).
 
 On a shared machine that ratio is as noisy as the machine (a few percent from one pair to
 the next), far above what it measures; so the profiler's own time is also measured
@@ -113,6 +115,7 @@ def worker(rank: int, args, folder: str) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     trainer.fit(start_step=0, total_steps=args.log_every, policies=_policies(metrics, StepClock(profile)))  # warm-up
     ratios = []
+    steps = {True: [], False: []}  # every step's time, on and off
     step = args.log_every
     for pair in range(args.pairs):
         medians = {}
@@ -127,6 +130,7 @@ def worker(rank: int, args, folder: str) -> None:
             trainer.fit(start_step=step, total_steps=step + args.segment, policies=_policies(metrics, clock))
             step += args.segment
             medians[on] = statistics.fmean(clock.times)  # the interval's read and write included
+            steps[on] += clock.times
         ratios.append(medians[True] / medians[False])
         if rank == 0:
             print(f"pair {pair}: on {medians[True] * 1000:.2f} ms/step  off {medians[False] * 1000:.2f} ms/step"
@@ -144,12 +148,14 @@ def worker(rank: int, args, folder: str) -> None:
     trainer.fit(start_step=step, total_steps=step + args.segment, policies=_policies(metrics, clock))
     own = calls.seconds / (time.perf_counter() - t0)
     if rank == 0:
-        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
         print(f"model dim={args.dim} layers={args.layers} seq={args.seq_len} batch={args.batch} ({WORLD} gloo ranks,"
               f" DDP, {args.threads} thread(s) each), log_every={args.log_every}, {args.pairs} pairs of"
               f" {args.segment}-step segments: profiled / not = {statistics.median(ratios):.4f} (median of pairs;"
               f" quartiles {quartiles[0]:.4f}-{quartiles[2]:.4f}, range {min(ratios):.4f}-{max(ratios):.4f},"
-              f" on slower in {sum(r > 1 for r in ratios)} of {len(ratios)}); the profiler's own time"
+              f" on slower in {sum(r > 1 for r in ratios)} of {len(ratios)}); median step on / off ="
+              f" {statistics.median(steps[True]) / statistics.median(steps[False]):.4f} ({len(steps[True])} steps"
+              f" each); the profiler's own time"
               f" {100 * own:.3f}% of the steps (rank 0); target < 1%", flush=True)
     batches.close()
     dist.destroy_process_group()
