@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -61,8 +62,9 @@ def test_identical_runs_say_identical_and_another_lr_diverged(tmp_path):
         assert sum(r["phases"].values()) == pytest.approx(r["step_time_s"], rel=0.05)
         assert 0 <= r["idle_share"] <= 1 and r["tflops"] > 0 and "mfu" not in r  # no peak on the CPU
     assert [r["step"] for r in records if "ranks" in r] == [6, 12]
-    # The saves at steps 6 and 12 block for a while; steps 1-5 had nothing to save.
-    before = max(r["phases"]["checkpoint"] for r in records[:5])
+    # The saves at steps 6 and 12 block for a while; steps 1-5 had nothing to save (their
+    # median: a step descheduled in that microsecond lap on a loaded machine moves no verdict).
+    before = statistics.median(r["phases"]["checkpoint"] for r in records[:5])
     assert records[5]["phases"]["checkpoint"] > 10 * before and records[11]["phases"]["checkpoint"] > 10 * before
     ready = [json.loads(line) for line in (a / "events.jsonl").read_text().splitlines() if '"ready"' in line]
     assert ready and ready[0]["import_s"] > 0 and ready[0]["process_group_s"] >= 0
