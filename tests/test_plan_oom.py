@@ -5,6 +5,7 @@ of a user model whose forward raises torch.OutOfMemoryError, as a CUDA allocatio
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -33,10 +34,11 @@ def test_out_of_memory_stops_the_job_with_one_line_and_no_relaunch(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, proc.stderr
     (line,) = errors
+    assert re.search(r"; see python -m dtk\.plan \(worker rank \d; log \S+\)$", line), line  # whole, not cut
     assert line.startswith("error: out of memory on rank ") and " planned " in line
     assert "GB per device under ddp on 1 node(s) x 2 = params " in line
     assert "activations of this model are not estimated" in line
-    assert "the plan said it fits, so it needs more than planned" in line
+    assert "it needs more than planned: planned again for " in line
     assert "would fit: +scheme=" in line or "no override found: " in line
     assert "Traceback" not in proc.stderr and "relaunching" not in proc.stderr
     run = only_run_dir(tmp_path / "runs")

@@ -159,13 +159,11 @@ def oom_line(cfg: Config, plan: Plan, shape: ModelShape, *, rank: int, host: str
     if mp.fits:
         tighter = _tighter(mp)
         mp = memory_plan(dataclasses.replace(ctx, capacity=tighter, capacity_source="tighter"), plan)
-        text += f"; the plan said it fits, so it needs more than planned: planning for {_gb(tighter)} GB"
+        text += f"; it needs more than planned: planned again for {_gb(tighter)} GB"
     r = mp.recommended
-    if r.scheme:
-        text += f"; would fit: {' '.join(r.overrides)} ({r.reason})"
-    else:
-        text += f"; no override found: {r.reason}"
-    return text + "; python -m dtk.plan with the same overrides shows the whole budget"
+    # The overrides only (the reason is python -m dtk.plan's): drivers keep 500 characters of the line.
+    text += f"; would fit: {' '.join(r.overrides)}" if r.scheme else f"; no override found: {r.reason}"
+    return text + "; see python -m dtk.plan"
 
 
 def describe_error(exc: BaseException) -> str:
