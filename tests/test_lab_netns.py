@@ -43,8 +43,9 @@ def test_netns_conf_puts_each_node_on_its_veth_and_the_controller_on_the_bridge(
 
 def test_netns_hosts_name_each_node_at_its_address_and_revert_cleanly():
     text = "127.0.0.1 localhost\n"
-    two = files.hosts_with_lab_line(text, 2, [netns.node_address(1), netns.node_address(2)])
-    assert two == f"{text}10.77.0.2 node1 {files.HOSTS_MARK}\n10.77.0.3 node2 {files.HOSTS_MARK}\n"
+    two = files.hosts_with_lab_line(text, 2, [netns.node_address(1), netns.node_address(2)], netns.bridge_address())
+    assert two == (f"{text}10.77.0.2 node1 {files.HOSTS_MARK}\n10.77.0.3 node2 {files.HOSTS_MARK}\n"
+                   f"10.77.0.1 dtklab-controller {files.HOSTS_MARK}\n")
     assert files.hosts_with_lab_line(two, 2) == files.hosts_with_lab_line(text, 2)
 
 

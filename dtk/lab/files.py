@@ -176,9 +176,13 @@ def write_system_conf(text: str, path: Path) -> None:
     tmp.replace(path)
 
 
-def hosts_with_lab_line(text: str, num_nodes: int, addresses: list[str] | None = None) -> str:
+def hosts_with_lab_line(text: str, num_nodes: int, addresses: list[str] | None = None,
+                        controller: str | None = None) -> str:
     """/etc/hosts text in which node1..nodeN resolve to 127.0.0.1 through one marked line,
-    or each to its own address (`addresses`, the lab with --netns), a marked line each.
+    or each to its own address (`addresses`, the lab with --netns), a marked line each,
+    and the controller's address there as `dtklab-controller`: inside a node's namespace no
+    name server answers, and a reverse lookup of an address that no line names waits 10 s
+    (torch's store looks up the peers of its connections).
 
     Slurm itself reaches the nodes by NodeAddr; the names must resolve for code that uses
     a node name as an address (a torch.distributed master address, for instance)."""
@@ -187,12 +191,14 @@ def hosts_with_lab_line(text: str, num_nodes: int, addresses: list[str] | None =
         kept.append(f"127.0.0.1 {' '.join(node_names(num_nodes))} {HOSTS_MARK}")
     else:
         kept += [f"{addr} {node_name(k)} {HOSTS_MARK}" for k, addr in enumerate(addresses, start=1)]
+        if controller:
+            kept.append(f"{controller} dtklab-controller {HOSTS_MARK}")
     return "\n".join(kept) + "\n"
 
 
-def ensure_hosts(num_nodes: int, path: Path, addresses: list[str] | None = None) -> None:
+def ensure_hosts(num_nodes: int, path: Path, addresses: list[str] | None = None, controller: str | None = None) -> None:
     old = path.read_text()
-    new = hosts_with_lab_line(old, num_nodes, addresses)
+    new = hosts_with_lab_line(old, num_nodes, addresses, controller)
     if new != old:
         replace_text(path, new)
 

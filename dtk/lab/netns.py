@@ -158,8 +158,9 @@ def create(nodes: list[str], *, lab_root: str) -> None:
         _run([ip, "-n", ns, "addr", "add", f"{node_address(index)}/{PREFIX_LEN}", "dev", NODE_IFACE])
         _run([ip, "-n", ns, "link", "set", "lo", "up"])
         _run([ip, "-n", ns, "link", "set", NODE_IFACE, "up"])
-        # The machine's other addresses (a login shell's, accounting's) through the bridge.
-        _run([ip, "-n", ns, "route", "add", "default", "via", bridge_address()])
+        # No route beyond the bridge: nothing outside answers in a namespace (the machine's
+        # name server included), and without a route a lookup fails at once instead of
+        # waiting 10 s for it (torch's store looks up the address of every connection).
 
 
 def remove() -> list[str]:

@@ -41,7 +41,7 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
                                    controller_addr=netns.bridge_address() if base.netns else None)
     layout.conf.write_text(conf)
     files.write_system_conf(conf, system.slurm_conf)
-    files.ensure_hosts(num_nodes, system.hosts, addresses)
+    files.ensure_hosts(num_nodes, system.hosts, addresses, netns.bridge_address() if base.netns else None)
     if base.netns:
         write_record(layout, replace(base, daemons=tuple(started)))  # first: a crash from here on leaves a record that says what to remove
         netns.create(files.node_names(num_nodes), lab_root=str(layout.root))
