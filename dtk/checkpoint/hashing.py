@@ -196,7 +196,10 @@ class HashingFileSystem(FileSystem):
             return
         with super().create_stream(path, mode) as raw:
             stream = HashingStream(raw)
-            yield stream
+            try:
+                yield stream
+            finally:
+                stream.close()  # waits for its write-back kicks before the descriptor closes
         name = Path(path).name
         ok = stream.sequential and os.stat(path).st_size == stream.size
         with self._lock:
