@@ -18,6 +18,9 @@ from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch.launch import read_exclude_file
 from dtk.plan.plan import DEFAULT_CPU_TASKS
 
+# Slurm job states before the end (squeue's long names).
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "STAGE_OUT")
+
 EPILOG = """examples:
   python -m dtk.doctor                              2 ranks on this machine
   python -m dtk.doctor cluster=lab nodes=3 tasks_per_node=1
@@ -78,6 +81,17 @@ def sbatch_script(cfg, *, out: Path, nodes: int, tasks: int, exclude: tuple[str,
     return "\n".join(lines) + "\n"
 
 
+def _wait_for_job(job_id: str) -> int:
+    """0 once the job completed, 1 if it ended otherwise. Polled every half second: `sbatch
+    --wait` doubles its pause up to 32 s, which kept a 10 s doctor job waiting half a minute."""
+    from dtk.launch.slurmctl import Slurm
+
+    slurm = Slurm()
+    while (state := slurm.job_state(job_id)) in ACTIVE:
+        time.sleep(0.5)
+    return 0 if state in ("COMPLETED", None) else 1
+
+
 def _run_local(out: Path, world: int) -> int:
     from dtk.driver.local import free_port
     from dtk.worker.env import driver_env, rank_env
@@ -111,10 +125,10 @@ def main(argv: list[str]) -> int:
     if slurm:
         script = out / "doctor.sbatch"
         script.write_text(sbatch_script(cfg, out=out, nodes=cfg.nodes, tasks=tasks, exclude=exclude))
-        proc = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], capture_output=True, text=True)
-        code = proc.returncode
-        if code and not (out / "doctor.json").exists() and "rank_0.log" not in os.listdir(out):
+        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        if proc.returncode:
             raise UserError(f"sbatch refused the doctor's job: {' '.join(proc.stderr.split())}")
+        code = _wait_for_job(proc.stdout.strip().split(";")[0])
     else:
         code = _run_local(out, tasks)
     if code or not (out / "doctor.json").exists():
