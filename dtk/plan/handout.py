@@ -19,6 +19,7 @@ from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.plan import Plan
 from dtk.plan.report import MemoryPlan, gb
 from dtk.plan.variants import chosen_at
+from dtk.topology.choose import CHOSEN_KEYS
 
 MAX_GROUPS = 64
 """Groups listed per axis; a larger job lists the first ones and the count."""
@@ -155,6 +156,47 @@ def expand_section(mp: MemoryPlan) -> list[str]:
     return lines
 
 
+def fabric_section(plan: Plan) -> list[str]:
+    """What each node will choose at start, and why, as far as the login node can say: the
+    rule, the check, and the settings fixed by hand that win (dtk.topology.choose)."""
+    cfg = plan.config
+    backend = cfg.dist.backend.value
+    if backend == "auto":  # as the worker decides: nccl on a GPU, gloo without
+        backend = "gloo" if cfg.dist.device.value == "cpu" else "auto"
+    nccl = backend in ("nccl", "auto")
+    lines = [
+        "## Fabric",
+        "",
+        "Chosen on each node at start, before the process group, from what the node shows"
+        " (dtk.topology): the login node cannot see the compute nodes' ports. The choice is recorded"
+        " in topology.json, the `topology` event and `python -m dtk.status`.",
+        "",
+    ]
+    if not cfg.fabric.detect:
+        lines.append("- discovery off (fabric.detect=false): NCCL, gloo and the environment choose for themselves.")
+    elif plan.nodes == 1:
+        lines.append("- one node: rendezvous and gloo on the loopback interface.")
+    else:
+        lines.append(f"- interface: the fastest one all {plan.nodes} nodes share, with addresses that tell them apart,"
+                     " never loopback: GLOO_SOCKET_IFNAME" + (" and NCCL_SOCKET_IFNAME" if nccl else "")
+                     + "; MASTER_ADDR is the first node's address on it.")
+    if backend == "auto":
+        lines.append("- backend: NCCL where the workers see a GPU, gloo (TCP on the interface above) where they do not"
+                     " (dist.backend=auto).")
+    if nccl and cfg.fabric.detect:
+        lines.append("- NCCL: InfiniBand where every node has an active IB port (NCCL_IB_HCA = those ports), else RoCE"
+                     " likewise, else TCP sockets (NCCL_IB_DISABLE=1).")
+        lines.append(f"- check: fabric.require={cfg.fabric.require.value}: NCCL's own report of its transport is read"
+                     " before training; `auto` stops a job whose nodes have IB or RoCE when NCCL chose sockets.")
+    elif not nccl:
+        lines.append("- backend gloo: TCP sockets; no transport check (it applies to NCCL).")
+    fixed = [f"{k}={v}" for k, v in sorted(cfg.cluster.env.items()) if k in CHOSEN_KEYS]
+    lines.append(f"- fixed by hand in cluster.env (wins over what is detected): {', '.join(fixed) or 'nothing'}.")
+    if cfg.cluster.setup:
+        lines.append(f"- setup files run first: {', '.join(cfg.cluster.setup)}; what they export wins as well.")
+    return lines
+
+
 def plan_markdown(plan: Plan, mp: MemoryPlan | None, note: str | None = None) -> str:
     lines = [
         f"# Topology scheme of {plan.run_name}",
@@ -165,6 +207,8 @@ def plan_markdown(plan: Plan, mp: MemoryPlan | None, note: str | None = None) ->
         " prints the same budget.",
         "",
         *mesh_section(plan.degrees, plan.nodes, plan.tasks_per_node),
+        "",
+        *fabric_section(plan),
         "",
     ]
     if mp is None:
