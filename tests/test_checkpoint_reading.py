@@ -15,6 +15,7 @@ from test_checkpoint import events, params, resume_fresh, save_three
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.reading import HashingReader
+from dtk.checkpoint.safe import SafeLoadPlanner
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -35,10 +36,10 @@ def test_a_resume_checksums_the_shards_from_the_bytes_it_loads(tmp_path, monkeyp
     monkeypatch.setattr(mf, "file_checksum", spy)
     step, model = resume_fresh(run)
     assert step == 3 and held_equal(model, held[3])
-    # The shard was read once, by DCP's load; only the small files DCP reads otherwise (or
-    # not at all) are read for their CRC alone.
+    # The shard was read once, by DCP's load, and .metadata once, checked before it was
+    # parsed; only the small files DCP does not read are read for their CRC alone.
     assert "__0_0.distcp" not in separately
-    assert set(separately) == {".metadata", "rng_00000.pt", "trainer.json"}
+    assert set(separately) == {"rng_00000.pt", "trainer.json"}
 
 
 def flip(path: Path, at: int) -> None:
@@ -65,19 +66,20 @@ def test_a_file_read_in_part_is_left_to_the_check_after_the_load(tmp_path):
     state = {"big": torch.arange(1 << 16, dtype=torch.float32), "small": torch.arange(4, dtype=torch.float32)}
     writer = HashingWriter(str(tmp_path), sync_files=False, thread_count=1)
     dcp.save(state, storage_writer=writer, no_dist=True)
-    want = writer.hashed()["__0_0.distcp"]["crc32"]
+    files = writer.hashed()
+    want, meta = files["__0_0.distcp"]["crc32"], files[".metadata"]["crc32"]
 
     part = {"small": torch.zeros(4)}
-    reader = HashingReader(tmp_path)
-    dcp.load(part, storage_reader=reader, no_dist=True)
+    reader = HashingReader(tmp_path, manifest={"files": files})
+    dcp.load(part, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     assert torch.equal(part["small"], state["small"])
-    assert reader.crcs == {}  # under half of the file read: no CRC claimed for it
+    assert reader.crcs == {".metadata": meta}  # under half of the shard read: no CRC claimed for it
 
     whole = {"big": torch.zeros(1 << 16), "small": torch.zeros(4)}
-    reader = HashingReader(tmp_path)
-    dcp.load(whole, storage_reader=reader, no_dist=True)
+    reader = HashingReader(tmp_path, manifest={"files": files})
+    dcp.load(whole, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     assert torch.equal(whole["big"], state["big"]) and torch.equal(whole["small"], state["small"])
-    assert reader.crcs == {"__0_0.distcp": want}
+    assert reader.crcs == {"__0_0.distcp": want, ".metadata": meta}
     manifest = {"files": {"__0_0.distcp": {"crc32": want}}}
     assert reader.mismatches(manifest) == []
     manifest["files"]["__0_0.distcp"]["crc32"] = "00000000"

@@ -2,7 +2,9 @@
 
 The folder is first renamed out of the `step_NNNNNNNN` pattern, in one atomic step, so a
 resume or a listing never sees a half-deleted checkpoint, then removed. The newest verified
-checkpoint, the one a resume starts from, is kept unless the caller insists.
+checkpoint, the one a resume starts from, is kept unless the caller insists. Verified means
+what a resume checks: sizes, CRCs and a `.metadata` of DCP metadata only; sizes alone would
+take a corrupt newest checkpoint for the good one and let the only usable one go.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from dtk import audit
-from dtk.checkpoint.manifest import list_checkpoints
+from dtk.checkpoint.manifest import Listing, Rejected, list_checkpoints, verify
 from dtk.errors import UserError
 from dtk.rundir import RunDir
 
@@ -26,9 +28,9 @@ def delete_checkpoint(run_dir: Path, *, step: int, force: bool = False) -> str:
     if step not in found:
         have = ", ".join(str(s) for s in sorted(found)) or "none"
         raise UserError(f"--step {step}: no checkpoint of that step in {run.checkpoints} (steps: {have})")
-    verified = [s for s, c in sorted(found.items()) if c.verified]
-    if verified and step == verified[-1] and not force:
-        earlier = f"step {verified[-2]}" if len(verified) > 1 else "the start"
+    verified = [] if force else newest_verified(found, num=2)  # --force needs no verdict
+    if verified and step == verified[0]:
+        earlier = f"step {verified[1]}" if len(verified) > 1 else "the start"
         raise UserError(f"--step {step} is the newest verified checkpoint, the one a resume starts from; deleting it"
                         f" sends the next resume back to {earlier}. Add --force to delete it anyway")
     folder = found[step].path
@@ -43,3 +45,19 @@ def delete_checkpoint(run_dir: Path, *, step: int, force: bool = False) -> str:
     shutil.rmtree(doomed)
     audit.record_run(run.path, "delete_checkpoint", step=step, forced=force)
     return f"deleted checkpoint step {step} ({folder})"
+
+
+def newest_verified(found: dict[int, Listing], *, num: int) -> list[int]:
+    """The `num` newest steps that verify in full (CRCs read), newest first. Candidates are
+    those whose sizes match, read newest first until `num` verify: a delete reads only the
+    checkpoints it must."""
+    out = []
+    for s in sorted((s for s, c in found.items() if c.verified), reverse=True):
+        if len(out) == num:
+            break
+        try:
+            verify(found[s].path)
+        except Rejected:
+            continue
+        out.append(s)
+    return out

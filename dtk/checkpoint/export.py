@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtk.checkpoint.formats import FORMATS, size_of, write_file, write_hf
 from dtk.checkpoint.manifest import Rejected, verify
+from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
 from dtk.config.convert import model_to_dict
 from dtk.errors import UserError
 from dtk.plan.plan import Plan
@@ -57,9 +57,11 @@ def choose(run: RunDir, step: int | None) -> tuple[int, Path, dict[str, Any]]:
     raise UserError(f"RUN_DIR {run.path}: no checkpoint verifies ({'; '.join(reasons)})")
 
 
-def load_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The full model tensors of a DCP checkpoint, on the CPU, by parameter name."""
-    reader = FileSystemReader(str(path))
+def load_model_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The full model tensors of a DCP checkpoint, on the CPU, by parameter name. Its
+    `.metadata` is checked against `manifest` and parsed as DCP metadata only; Rejected
+    otherwise (dtk.checkpoint.safe)."""
+    reader = SafeReader(path, manifest=manifest)
     metadata = reader.read_metadata()
     model: dict[str, torch.Tensor] = {}
     for key, meta in metadata.state_dict_metadata.items():
@@ -70,7 +72,7 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     state = {"model": model}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]
 
 
@@ -84,7 +86,10 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt
     if run.plan_json.is_file():
         model_cfg = model_to_dict(Plan.from_json(run.plan_json.read_text()).config.model)
     step, path, manifest = choose(run, step)
-    tensors = load_model_state(path)
+    try:
+        tensors = load_model_state(path, manifest)
+    except Rejected as exc:  # changed since it verified a moment ago
+        raise UserError(f"checkpoint {path}: {exc}") from None
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":

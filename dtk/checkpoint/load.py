@@ -15,6 +15,7 @@ no rank falls through to another checkpoint or starts training while the others 
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,9 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.rng import set_rng_state
+from dtk.checkpoint.safe import SafeLoadPlanner
 from dtk.checkpoint.sharded import _OPTIONS, TRAINER_STATE, Comm, Parts, _state_dicts, cause, rng_file
+from dtk.checkpoint.trust import read_checked
 
 
 class CheckpointLoadError(RuntimeError):
@@ -95,16 +98,21 @@ def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> t
     the state is applied to the optimizer and the RNG."""
     model_sd, optim_sd, keys = _agree(comm, path, lambda: _state_dicts(parts))
     state = {"model": model_sd, "optim": optim_sd}
-    reader = HashingReader(path)
+    reader = HashingReader(path, manifest=manifest)
 
     def read() -> None:
+        # .metadata first, checked and parsed as DCP metadata only (Rejected here, not wrapped by DCP)
+        reader.read_metadata()
         # DCP gathers every rank's read result: a failed read raises on all ranks.
         try:
-            dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=comm.group is None)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=comm.group,
+                     no_dist=comm.group is None)
         except (Exception, CheckpointException) as exc:
             bad = reader.mismatches(manifest)
             if bad:
                 raise mf.Rejected(mf.summarize(bad)) from exc
+            if reader.rejection:
+                raise mf.Rejected(reader.rejection) from exc
             raise
         bad = reader.mismatches(manifest)
         if bad:
@@ -115,6 +123,12 @@ def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> t
     _check_checksums(comm, path, manifest, sorted(set(manifest["files"]) - hashed))
 
     def apply() -> tuple[dict[str, Any], bool]:
+        # The small files first, parsed from the bytes that matched the manifest (read once),
+        # so a rejection here leaves the model untouched.
+        trainer_state = json.loads(read_checked(path, TRAINER_STATE, manifest))
+        rng_name, rng = rng_file(comm.rank), None
+        if trainer_state["world_size"] == comm.world_size and rng_name in manifest["files"]:
+            rng = torch.load(io.BytesIO(read_checked(path, rng_name, manifest)), weights_only=True)
         for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
             set_state_dict(
                 module,
@@ -123,11 +137,8 @@ def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> t
                 optim_state_dict={k: state["optim"][k] for k in okeys},
                 options=_OPTIONS,
             )
-        trainer_state = json.loads((path / TRAINER_STATE).read_text())
-        rng = path / rng_file(comm.rank)
-        if trainer_state["world_size"] == comm.world_size and rng.exists():
-            set_rng_state(torch.load(rng, weights_only=True))
-            return trainer_state, True
-        return trainer_state, False
+        if rng is not None:
+            set_rng_state(rng)
+        return trainer_state, rng is not None
 
     return _agree(comm, path, apply)

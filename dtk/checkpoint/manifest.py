@@ -123,14 +123,20 @@ def check_checksums(folder: Path, manifest: dict[str, Any], names: list[str]) ->
 
 
 def verify(folder: Path, *, checksums: bool = True) -> dict[str, Any]:
-    """The manifest of a checkpoint whose files all match it; raises Rejected otherwise.
-    One process reads every file; workers share the reading (see dtk.checkpoint.sharded)."""
+    """The manifest of a checkpoint whose files all match it and whose `.metadata` is DCP's
+    metadata only (dtk.checkpoint.trust, without torch); raises Rejected otherwise. One
+    process reads every file; workers share the reading (see dtk.checkpoint.load).
+    `checksums=False`: the manifest and the sizes only, nothing read or parsed."""
+    from dtk.checkpoint.trust import check_metadata  # it builds on this module
+
     manifest = read_manifest(folder)
     problems = check_sizes(folder, manifest)
     if not problems and checksums:
         problems = check_checksums(folder, manifest, sorted(manifest["files"]))
     if problems:
         raise Rejected(summarize(problems))
+    if checksums:
+        check_metadata(folder, manifest)
     return manifest
 
 

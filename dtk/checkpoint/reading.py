@@ -16,6 +16,13 @@ A file whose bytes do not match the manifest is a corrupt checkpoint whatever DC
 it: a flipped byte in a tensor loads quietly, one in a record header fails in torch.load.
 So a failure while loading still finishes the file's CRC; `mismatches` then names the
 corruption, which the loader reports as a rejection rather than as a load failure.
+
+Nothing from a shard is unpickled as an object (dtk.checkpoint.trust): tensors load with
+weights_only=True, and the few bytes items (the optimizer's param groups) only under the
+keys dtk writes so, as plain values (dtk.checkpoint.safe). In a file read whole they are
+parsed after the file's CRC matched the manifest, in the same pass; in a file read in part
+they are parsed by the same safe loader and the file's CRC is checked after the load,
+before any state is applied.
 """
 
 from __future__ import annotations
@@ -28,21 +35,28 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from dtk.checkpoint.manifest import CHECKSUM, CHUNK
+from dtk.checkpoint.manifest import CHECKSUM, CHUNK, Rejected
+from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
+from dtk.checkpoint.trust import METADATA, bytes_key_refusal
 
 WHOLE_SHARE = 0.5  # read (and hash) a file whole when the rank needs at least this share of it
 
 
-class HashingReader(FileSystemReader):
-    """`dcp.FileSystemReader` that computes the CRC-32 of every file it reads whole (`crcs`)."""
+class HashingReader(SafeReader):
+    """`dcp.FileSystemReader` that computes the CRC-32 of every file it reads whole (`crcs`)
+    and unpickles nothing but data (SafeReader)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, *, manifest: dict[str, Any]) -> None:
+        super().__init__(path, manifest=manifest)
         self.crcs: dict[str, str] = {}  # file name -> CRC-32 of its bytes, for files read whole
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        metadata = super().read_metadata(*args, **kwargs)
+        self.crcs[METADATA] = self.metadata_crc  # checked against the manifest before it was parsed
+        return metadata
 
     def mismatches(self, manifest: dict[str, Any]) -> list[str]:
         """The files this rank read whole whose CRC differs from the manifest's."""
@@ -51,11 +65,14 @@ class HashingReader(FileSystemReader):
                 if name in manifest["files"] and manifest["files"][name].get(CHECKSUM) != crc]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert isinstance(planner, SafeLoadPlanner), "dtk loads checkpoints with SafeLoadPlanner only"
         per_file: dict[str, dict[tuple[int, int], list]] = defaultdict(lambda: defaultdict(list))
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             per_file[info.relative_path][(info.offset, info.length)].append(req)
         for name, items in per_file.items():
+            if name not in self.manifest["files"]:  # parse_metadata refuses such an index: an invariant
+                raise self.reject(f"{name} is not listed in manifest.json")
             self._read_file(name, items, planner)
         done: Future[None] = Future()
         done.set_result(None)
@@ -68,6 +85,7 @@ class HashingReader(FileSystemReader):
             size = os.fstat(fh.fileno()).st_size
             whole = sum(length for _, length in spans) >= WHOLE_SHARE * size
             crc, pos, failure = 0, 0, None
+            deferred: list[tuple[Any, bytearray]] = []  # bytes items of a file read whole: parsed once it checks
             for offset, length in spans:
                 if offset < pos:  # items that overlap: not a file DCP writes; no CRC from this pass
                     whole = False
@@ -82,6 +100,13 @@ class HashingReader(FileSystemReader):
                 if failure is None:
                     try:
                         for req in items[(offset, length)]:
+                            if req.type == LoadItemType.BYTE_IO:
+                                refusal = bytes_key_refusal(req.storage_index.fqn)
+                                if refusal:
+                                    raise self.reject(refusal)
+                                if whole:
+                                    deferred.append((req, data))
+                                    continue
                             self._load(req, data, planner)
                     except Exception as exc:  # finish the CRC first: a corrupt file explains it
                         if not whole:
@@ -93,13 +118,20 @@ class HashingReader(FileSystemReader):
                 self.crcs[name] = f"{crc:08x}"
         if failure is not None:
             raise failure
+        if whole and self.crcs[name] != self.manifest["files"][name].get(CHECKSUM):
+            return  # the file differs from the manifest: `mismatches` names it; its bytes items stay unparsed
+        for req, data in deferred:
+            self._load(req, data, planner)
 
     def _load(self, req, data: bytearray, planner: LoadPlanner) -> None:
         """One read item from its bytes: what FileSystemReader does with a file slice."""
         info = self.storage_data[req.storage_index]
         stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            try:
+                planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            except Rejected as exc:  # DCP wraps what its reader raises: keep the verdict
+                raise self.reject(str(exc)) from None
             return
         if not stream.seekable():
             stream = io.BytesIO(stream.read(-1))
