@@ -24,6 +24,7 @@ from dtk.checkpoint.delete import delete_checkpoint
 from dtk.checkpoint.sharded import _state_dicts
 from dtk.checkpoint.trust import METADATA, MetadataUnpickler, check_metadata
 from dtk.errors import UserError
+from dtk.rundir import RunDir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -186,3 +187,34 @@ def test_delete_tells_the_newest_verified_checkpoint_by_its_checksums(tmp_path):
     step, _ = resume_fresh(run)
     assert step == 2
     assert delete_checkpoint(run.path, step=2, force=True).startswith("deleted checkpoint step 2")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_planted_metadata_in_a_real_run_runs_nothing_and_the_run_resumes_from_the_older_one(tmp_path):
+    job = ["+scheme=fsdp", "tasks_per_node=2", "train.steps=4", "checkpoint.every=2", "run.name=r",
+           f"run.root={tmp_path}"]
+    proc = dtk("dtk.submit", *job, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = RunDir(tmp_path / "r")
+    marker = tmp_path / "owned"
+    plant_metadata(run.checkpoint_dir(4), marker)
+
+    proc = dtk("dtk.checkpoint", "list", str(run.path))
+    assert proc.returncode == 0 and "NO: .metadata refers to posix.system" in proc.stdout, proc.stderr
+    out = tmp_path / "model.pt"
+    proc = dtk("dtk.checkpoint", "export", str(run.path), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.with_name("model.pt.json").read_text())["step"] == 2
+
+    # As after a start killed between its last commit and its summary: the next command resumes.
+    run.summary.unlink()
+    proc = dtk("dtk.submit", *job, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
+    (rejected,) = [e for e in run.events_list() if e["event"] == "checkpoint_rejected"]
+    assert rejected["step"] == 4 and "refers to posix.system" in rejected["reason"]
+    loaded = [e for e in run.events_list() if e["event"] == "checkpoint_loaded"]
+    assert [e["step"] for e in loaded] == [2]
+    assert json.loads(run.summary.read_text())["final_step"] == 4
+    assert mf.verify(run.checkpoint_dir(4))  # saved again by the resumed run, over the planted one
