@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -122,20 +123,26 @@ def test_the_unpickler_admits_dcp_metadata_only(name):
             MetadataUnpickler(io.BytesIO(data), resolve=resolve).load()
 
 
-def test_an_index_that_points_outside_the_checkpoint_is_refused(tmp_path):
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("relative_path", "../../../etc/passwd", "points at '../../../etc/passwd', which is not a shard listed"),
+    ("length", 1 << 40, "points at bytes 0\\+1099511627776 of __0_0.distcp, which has"),
+    ("transform_descriptors", ["zstd"], "asks for stream transforms"),
+])
+def test_an_index_that_points_outside_the_checkpoint_is_refused(tmp_path, field, value, reason):
     run, _ = save_three(tmp_path / "run", asynchronous=False)
     folder = run.checkpoint_dir(3)
     with open(folder / METADATA, "rb") as fh:
         metadata = pickle.load(fh)
     info = next(iter(metadata.storage_data.values()))
-    info.relative_path = "../../../etc/passwd"
+    setattr(info, field, value)
     (folder / METADATA).write_bytes(pickle.dumps(metadata))
     fix_manifest(folder)
     manifest = mf.read_manifest(folder)
-    with pytest.raises(mf.Rejected, match="points at '../../../etc/passwd', which is not a shard listed"):
+    with pytest.raises(mf.Rejected, match=reason):
         check_metadata(folder, manifest)
     step, _ = resume_fresh(run)
     assert step == 2
+    assert re.search(reason, events(run, "checkpoint_rejected")[0]["reason"])
 
 
 def test_a_tensor_declared_as_pickled_bytes_is_refused_unread(tmp_path):

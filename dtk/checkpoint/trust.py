@@ -153,6 +153,13 @@ def parse_metadata(data: bytes, manifest: dict[str, Any], *, resolve: bool) -> A
             raise Rejected(f"{METADATA} indexes a {type(info).__name__}, not a file slice")
         if os.sep in where or where in ("", ".", "..") or where not in manifest["files"] or where == METADATA:
             raise Rejected(f"{METADATA} points at {where!r}, which is not a shard listed in manifest.json")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (type(offset) is int and type(length) is int and 0 <= offset
+                and 0 <= length <= manifest["files"][where]["size"] - offset):
+            raise Rejected(f"{METADATA} points at bytes {offset}+{length} of {where}, which has"
+                           f" {manifest['files'][where]['size']}")
+        if getattr(info, "transform_descriptors", None):  # DCP's stream extensions: dtk saves with none
+            raise Rejected(f"{METADATA} asks for stream transforms {info.transform_descriptors!r}, which dtk never writes")
     return metadata
 
 
