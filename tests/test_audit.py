@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pwd
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,16 +21,21 @@ from dtk.errors import UserError
 
 
 def make_run(root: Path, name: str = "transformer-0123456789", steps: tuple[int, ...] = (10, 20, 30)) -> Path:
-    """A run directory with committed checkpoints whose manifests verify."""
+    """A run directory with committed checkpoints that verify: a tiny DCP save each (verifying
+    reads its `.metadata`), and a manifest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "plan.json").write_text(json.dumps({"run_name": name, "config_hash": "0123456789", "steps": 30}))
     for step in steps:
         folder = run / "checkpoints" / f"step_{step:08d}"
-        folder.mkdir()
-        (folder / "__0_0.distcp").write_bytes(os.urandom(64))
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": {"w": torch.full((4,), float(step))}}, checkpoint_id=str(folder), no_dist=True)
         mf.commit(folder, {"format": mf.FORMAT_VERSION, "step": step, "world_size": 1, "samples_consumed": step,
-                           "files": {"__0_0.distcp": mf.describe_file(folder / "__0_0.distcp")}})
+                           "files": {n: mf.describe_file(folder / n) for n in mf.payload_files(folder)}})
     return run
 
 

@@ -19,9 +19,11 @@ EPILOG = """examples:
   python -m dtk.checkpoint export runs/hf-1a2b3c4d5e --format hf --out my-llama   # from_pretrained("my-llama")
   python -m dtk.checkpoint delete runs/transformer-1a2b3c4d5e --step 100
 
-A checkpoint is verified when its manifest.json exists and every file it lists has the
-recorded size and CRC-32. Training resumes from the newest verified one, which `delete`
-refuses without --force. Exports and deletions are recorded in the run root's audit.jsonl.
+A checkpoint is verified when its manifest.json exists, every file it lists has the
+recorded size and CRC-32, and its .metadata holds DCP's metadata classes only (nothing in
+a checkpoint is ever unpickled as code; docs/checkpoints.md, What is trusted). Training
+resumes from the newest verified one, which `delete` refuses without --force. Exports and
+deletions are recorded in the run root's audit.jsonl.
 """
 
 
