@@ -19,10 +19,11 @@ from test_checkpoint import corrupt_flip, events, params, resume_fresh, save_thr
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from conftest import dtk
+from dtk.checkpoint import load as loading
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.__main__ import main as checkpoint_main
 from dtk.checkpoint.delete import delete_checkpoint
-from dtk.checkpoint.sharded import _state_dicts
+from dtk.checkpoint.sharded import Comm, _state_dicts
 from dtk.checkpoint.trust import METADATA, MetadataUnpickler, check_metadata
 from dtk.errors import UserError
 from dtk.rundir import RunDir
@@ -71,6 +72,9 @@ def test_a_planted_metadata_runs_nothing_and_the_older_checkpoint_is_used(tmp_pa
     marker = tmp_path / "owned"
     plant_metadata(run.checkpoint_dir(3), marker)
     assert mf.verify(run.checkpoint_dir(3), checksums=False)  # sizes and manifest agree: only parsing can tell
+    for verify in (mf.verify, lambda path: loading.verify(Comm(None), path)):  # one process; the ranks' collective
+        with pytest.raises(mf.Rejected, match="refers to posix.system"):
+            verify(run.checkpoint_dir(3))
 
     step, model = resume_fresh(run)
     assert not marker.exists()

@@ -31,7 +31,7 @@ from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.rng import set_rng_state
 from dtk.checkpoint.safe import SafeLoadPlanner
 from dtk.checkpoint.sharded import _OPTIONS, TRAINER_STATE, Comm, Parts, _state_dicts, cause, rng_file
-from dtk.checkpoint.trust import read_checked
+from dtk.checkpoint.trust import check_metadata, read_checked
 
 
 class CheckpointLoadError(RuntimeError):
@@ -60,8 +60,9 @@ def _agree(comm: Comm, path: Path, fn: Callable[[], Any]) -> Any:
 def verify(comm: Comm, path: Path, *, checksums: bool = True) -> dict[str, Any]:
     """Collective: the manifest of a checkpoint whose files all match it, else mf.Rejected on
     every rank (CheckpointLoadError when a file could not be read at all). Ranks share the
-    checksum reading. `checksums=False`: the manifest and file sizes only, no file read (a
-    resume checks the CRCs while loading: `load`)."""
+    checksum reading, and rank 0 checks `.metadata` as DCP metadata only. `checksums=False`:
+    the manifest and file sizes only, no file read (a resume checks the CRCs and `.metadata`
+    while loading: `load`)."""
 
     def read() -> dict[str, Any] | None:
         if comm.rank != 0:
@@ -75,6 +76,7 @@ def verify(comm: Comm, path: Path, *, checksums: bool = True) -> dict[str, Any]:
     manifest = comm.broadcast(_agree(comm, path, read))
     if checksums:
         _check_checksums(comm, path, manifest, sorted(manifest["files"]))
+        _agree(comm, path, lambda: check_metadata(path, manifest) if comm.rank == 0 else None)
     return manifest
 
 
