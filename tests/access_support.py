@@ -18,6 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # the users import this checkout's dtk
 PREFIX = "dtkacc"  # every user and group the tests make starts with it; leftovers of a killed run are removed
 
 
@@ -71,6 +72,20 @@ def as_user(user: str, argv: list[str], *, cwd: Path, env: dict[str, str] | None
             timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `argv` as `user` with the groups the group database gives them now."""
     fixed = {"HOME": str(cwd), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MPLCONFIGDIR": f"/tmp/{user}-mpl",
-             **(env or {})}
+             "PYTHONPATH": str(REPO), **(env or {})}
     cmd = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in fixed.items()), *argv]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def remove_team(team: Path) -> None:
+    """A prepared team folder, with its append-only audit head (root clears the attribute)."""
+    from dtk.access import acl
+
+    head = team / "runs" / "audit.head"
+    if head.is_file() and not head.is_symlink():
+        fd = os.open(head, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            acl.set_append_only(fd, False, shown=str(head))
+        finally:
+            os.close(fd)
+    shutil.rmtree(team, ignore_errors=True)

@@ -22,6 +22,7 @@ import pytest
 import access_support as acc
 import lab_support
 from conftest import REPO, require
+from dtk import audit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -97,14 +98,14 @@ def test_roles_are_enforced_by_dtk_slurm_and_the_run_root(team):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.startswith(f"error: user {OUT} may not submit training: not in group {G_SUB}")
     assert f"gpasswd -a {OUT} {G_SUB}" in out.stderr
-    assert [p.name for p in runs.iterdir()] == ["audit.jsonl"]
+    assert sorted(p.name for p in runs.iterdir()) == ["audit", "audit.head"]
     bypass = plain_sbatch(team, OUT)
     assert bypass.returncode != 0 and "error" in bypass.stderr, bypass.stdout + bypass.stderr
 
     # The submitter trains a run; its directory belongs to the maintainers, group-writable.
     sub = submit_as(team, SUB)
     assert sub.returncode == 0, sub.stdout + sub.stderr
-    (run,) = [p for p in runs.iterdir() if p.is_dir()]
+    (run,) = [p for p in runs.iterdir() if p.is_dir() and p.name != "audit"]
     assert run.stat().st_uid == pwd.getpwnam(SUB).pw_uid
     assert grp.getgrgid(run.stat().st_gid).gr_name == G_MAINT and run.stat().st_mode & stat.S_ISGID
     assert mode(run / "config.yaml") == 0o444
@@ -160,7 +161,9 @@ def test_roles_are_enforced_by_dtk_slurm_and_the_run_root(team):
     assert bypass.returncode != 0 and "not permitted" in bypass.stderr, bypass.stdout + bypass.stderr
 
     # The audit log names the right user for each action.
-    log = [json.loads(line) for line in (runs / "audit.jsonl").read_text().splitlines()]
+    checked = audit.verify(runs)
+    assert checked.problems == [], checked.problems
+    log = checked.entries
     seen = [(e["action"], e["user"]["name"]) for e in log]
     assert seen == [("submit", SUB), ("export", VIEW), ("delete_checkpoint", MAINT)], seen
     plan = json.loads((run / "plan.json").read_text())

@@ -21,10 +21,13 @@ def check_submit(policy: AccessConfig, *, run_dir: Path, cluster_kind: str, part
     fixes, the run root, the run directory's owner."""
     user = user or User.current()
     run_root = run_dir.parent
-    recorded = layout.recorded_policy(run_root)
+    team = layout.find_team(run_root)
+    recorded = layout.recorded_policy(team / layout.RUNS) if team is not None else None
     if recorded is not None and recorded != policy.name:
         raise UserError(f"access={policy.name}: run.root={run_root} is governed by access policy {recorded}"
-                        f" ({run_root.parent / layout.POLICY_FILE}); submit with access={recorded}")
+                        f" ({team / layout.POLICY_FILE}); submit with access={recorded}")
+    if recorded is not None:
+        layout.check_in_team(run_root)
     if not enforced(policy):
         return
     require_role(user, policy, "submitter", doing="submit training")
@@ -41,9 +44,16 @@ def check_submit(policy: AccessConfig, *, run_dir: Path, cluster_kind: str, part
 
 
 def policy_of_run(run_dir: Path) -> AccessConfig | None:
-    """The policy the run root's team folder was prepared with; None where there is none."""
-    path = Path(run_dir).resolve().parent.parent / layout.POLICY_FILE
-    return load_policy(str(path)) if path.is_file() else None
+    """The policy of the nearest prepared team folder above the run (whose run root it must
+    be in); None where there is none."""
+    team = layout.check_in_team(Path(run_dir).resolve().parent)
+    if team is None:
+        return None
+    try:
+        return load_policy(str(team / layout.POLICY_FILE))
+    except PermissionError:
+        raise UserError(f"{run_dir}: you cannot enter the team folder {team}; every role holder of its access"
+                        " policy is in its group (python -m dtk.access show POLICY says who holds which)") from None
 
 
 def check_action(run_dir: Path, role: str, *, doing: str) -> None:
