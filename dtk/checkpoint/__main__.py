@@ -21,7 +21,7 @@ EPILOG = """examples:
 
 A checkpoint is verified when its manifest.json exists and every file it lists has the
 recorded size and CRC-32. Training resumes from the newest verified one, which `delete`
-refuses without --force. Exports and deletions are recorded in the run root's audit.jsonl.
+refuses without --force. Exports and deletions are recorded in the run root's audit log.
 """
 
 

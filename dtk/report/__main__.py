@@ -27,7 +27,7 @@ EPILOG = """examples:
 Per run: final loss, steps/s, samples/s and tokens/s, idle share and its parts (data, comm,
 checkpoint, straggler), goodput over the job's lifetime, MFU where the device's peak is
 known, restarts, checkpoints, stragglers, host and GPU load, and who submitted, drilled,
-exported or deleted what (the run root's audit.jsonl). Plots (PNG) go to
+exported or deleted what (the run root's audit/). Plots (PNG) go to
 RUN_DIR/report/ (loss.png, phases.png, ranks.png, goodput.png), or to --out.
 Given several runs, each is compared with the first: identical (bit-for-bit equal losses),
 within the tolerance (with the largest difference), or diverged (from which step).
