@@ -19,6 +19,7 @@ import pytest
 import access_support as acc
 from conftest import dtk, require
 from dtk import audit
+from dtk.errors import UserError
 
 SUB, VIEW, MAINT = (f"{acc.PREFIX}-t{r}" for r in ("sub", "view", "maint"))
 G_SUB, G_VIEW, G_MAINT = (f"{acc.PREFIX}-tg{g}" for g in ("submit", "view", "maint"))
@@ -179,3 +180,35 @@ def test_a_viewer_cannot_forge_or_erase_the_audit_log(team):
     problems = audit.verify(runs).problems
     assert any("removed" in p for p in problems), problems
     assert dtk_as(team, VIEW, "dtk.access", "audit", str(runs.parent)).returncode == 1
+
+
+def test_refusals_say_what_the_user_holds_and_what_would_work(team):
+    from dtk.access import check, policy
+    from dtk.launch import slurmctl
+
+    runs = team["runs"]
+    run = runs / "refusals"
+    assert sh(SUB, f"umask 002 && mkdir {run}", team).returncode == 0
+    (run / "plan.json").write_text(json.dumps({"run_name": "refusals", "config_hash": "abc", "steps": 30}))
+    # A viewer's report without --out: pointed to --out, not told he lacks the viewer role.
+    err = one_error_line(dtk_as(team, VIEW, "dtk.report", str(run)))
+    assert f"cannot write the plots into {run}/report as user {VIEW}" in err and "--out DIR" in err, err
+    assert "viewer role" not in err and not (run / "report").exists()
+    # A role that is not Slurm's to check: no Slurm hint.
+    err = one_error_line(dtk_as(team, VIEW, "dtk.checkpoint", "delete", str(run), "--step", "4"))
+    assert f"not in group {G_MAINT}, the maintainer role" in err and "slurm" not in err.lower(), err
+    err = one_error_line(dtk_as(team, VIEW, "dtk.stop", str(run)))
+    assert f"not in group {G_SUB}, the submitter role" in err and "Slurm's partitions" in err, err
+    # A partition that admits another group (Slurm hides it from this user): "not admitted".
+    parts = slurmctl.parse_partitions(
+        f"PartitionName=debug Default=YES TotalNodes=3 MaxTime=UNLIMITED State=UP AllowGroups={G_SUB}\n"
+        "PartitionName=high Default=NO TotalNodes=3 MaxTime=UNLIMITED State=UP AllowGroups=ALL\n")
+    viewer = policy.User(int(acc.run(["id", "-u", VIEW]).stdout), VIEW)
+    pol = policy.load_policy(str(team["policy"]))
+    with pytest.raises(UserError) as refused:
+        check.check_admitted(parts, partition=None, policy=pol, user=viewer)
+    text = str(refused.value)
+    assert f"user {VIEW} is not admitted to partition debug (it admits groups {G_SUB}" in text, text
+    assert "you hold viewer" in text and "partitions you may use: high" in text and "no such partition" not in text
+    check.check_admitted(parts, partition="high", policy=pol, user=viewer)
+    check.check_admitted(parts, partition=None, policy=pol, user=policy.User(int(acc.run(["id", "-u", SUB]).stdout), SUB))
