@@ -119,8 +119,12 @@ def explain_denied(filename: str | None) -> str:
     try:
         policy = load_policy(str(team / layout.POLICY_FILE))
     except (UserError, OSError):
-        return (f"you cannot enter the team folder {team}: every role holder of its access policy is in its group"
-                f" ({layout._group_name(os.stat(team).st_gid)})")
+        try:
+            group = layout._group_name(os.stat(team).st_gid)
+        except OSError:
+            group = "see ls -ld"
+        return (f"you cannot enter {team} (group {group}); under an access policy, every role holder is in the"
+                " team folder's group (python -m dtk.access show POLICY says who holds which)")
     roles = roles_of(User.current(), policy)
     return (f"under access policy {policy.name} you hold {', '.join(roles) if roles else 'no role'}; reading runs"
             f" takes the viewer role (group {policy.viewer.group}), changing them the run's user or the maintainer"

@@ -198,16 +198,20 @@ def find_team(path: Path) -> Path | None:
     folder), or one this user cannot look into (a gate whose checks follow); None when
     there is none up to the file system's root."""
     path = Path(os.path.abspath(path))
+    gate = None  # the shallowest folder seen so far that this user cannot search
     for folder in (path, *path.parents):
         try:
             st = os.stat(folder / POLICY_FILE)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
         except PermissionError:
-            return folder
+            gate = folder
+            continue
+        except (FileNotFoundError, NotADirectoryError):
+            if gate is not None:
+                return gate
+            continue
         if stat.S_ISREG(st.st_mode):
-            return folder
-    return None
+            return gate or folder
+    return gate
 
 
 def check_in_team(run_root: Path) -> Path | None:
