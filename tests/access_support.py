@@ -28,11 +28,12 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def remove_all() -> None:
-    """Every user and group of a previous or this run (by prefix)."""
-    for user in [p.pw_name for p in pwd.getpwall() if p.pw_name.startswith(PREFIX)]:
+def remove_all(prefix: str = PREFIX) -> None:
+    """Every user and group of a previous or this run (by prefix: each module has its own,
+    so that two modules running at once never remove each other's users)."""
+    for user in [p.pw_name for p in pwd.getpwall() if p.pw_name.startswith(prefix)]:
         subprocess.run(["userdel", user], capture_output=True, check=False)
-    for group in [g.gr_name for g in grp.getgrall() if g.gr_name.startswith(PREFIX)]:
+    for group in [g.gr_name for g in grp.getgrall() if g.gr_name.startswith(prefix)]:
         subprocess.run(["groupdel", group], capture_output=True, check=False)
 
 

@@ -21,8 +21,9 @@ from conftest import dtk, require
 from dtk import audit
 from dtk.errors import UserError
 
-SUB, VIEW, MAINT = (f"{acc.PREFIX}-t{r}" for r in ("sub", "view", "maint"))
-G_SUB, G_VIEW, G_MAINT = (f"{acc.PREFIX}-tg{g}" for g in ("submit", "view", "maint"))
+PREFIX = "dtkteam"  # this module's users and groups (access_support.remove_all)
+SUB, VIEW, MAINT = (f"{PREFIX}-{r}" for r in ("sub", "view", "maint"))
+G_SUB, G_VIEW, G_MAINT = (f"{PREFIX}-g{g}" for g in ("submit", "view", "maint"))
 POLICY = f"name: teamtest\nsubmitter: {{group: {G_SUB}}}\nviewer: {{group: {G_VIEW}}}\nmaintainer: {{group: {G_MAINT}}}\n"
 
 
@@ -31,7 +32,7 @@ def team():
     require(os.geteuid() == 0, "making users, groups and a team folder needs root")
     require(shutil.which("useradd") is not None and shutil.which("runuser") is not None,
             "useradd and runuser (passwd, util-linux) are needed to make test users")
-    acc.remove_all()
+    acc.remove_all(PREFIX)
     base = Path(tempfile.mkdtemp(prefix="dtk-team-", dir="/tmp"))
     base.chmod(0o755)
     try:
@@ -48,7 +49,7 @@ def team():
                "env": {"DTK_CONFIG_PATH": str(base / "project")}}
     finally:
         acc.remove_team(base / "team")
-        acc.remove_all()
+        acc.remove_all(PREFIX)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -16,7 +16,8 @@ import access_support as acc
 from conftest import REPO, require
 
 SYSTEM_PYTHON = "/usr/bin/python3"
-USER = f"{acc.PREFIX}-setup"
+PREFIX = "dtksetup"  # this module's user (access_support.remove_all)
+USER = f"{PREFIX}-user"
 
 
 def checkout(folder: Path) -> Path:
@@ -88,7 +89,7 @@ def test_a_shared_install_refuses_a_python_others_cannot_run(base):
 
 
 def test_a_user_with_a_private_python_is_told_which_python_to_use(base):
-    acc.remove_all()
+    acc.remove_all(PREFIX)
     try:
         acc.make_users({USER: []})
         co = checkout(base / "co")
@@ -101,4 +102,4 @@ def test_a_user_with_a_private_python_is_told_which_python_to_use(base):
         assert check.returncode == 0, check.stderr
         assert "unknown option --sharde" in refused(setup(co, "--sharde", user=USER))
     finally:
-        acc.remove_all()
+        acc.remove_all(PREFIX)

@@ -51,9 +51,10 @@ def policy_of_run(run_dir: Path) -> AccessConfig | None:
         return None
     try:
         return load_policy(str(team / layout.POLICY_FILE))
-    except PermissionError:
-        raise UserError(f"{run_dir}: you cannot enter the team folder {team}; every role holder of its access"
-                        " policy is in its group (python -m dtk.access show POLICY says who holds which)") from None
+    except PermissionError as exc:
+        raise UserError(f"{run_dir}: you cannot read {exc.filename or team / layout.POLICY_FILE}; every role holder"
+                        f" of the access policy of {team} is in its group (python -m dtk.access show POLICY says who"
+                        " holds which)") from None
 
 
 def check_action(run_dir: Path, role: str, *, doing: str) -> None:
