@@ -222,9 +222,12 @@ def check_in_team(run_root: Path) -> Path | None:
     team = find_team(run_root)
     if team is None:
         return None
+    recorded = recorded_policy(team / RUNS)
+    if recorded is None and run_root != team / RUNS:
+        return None  # a folder this user cannot look into, not known to be a team's: its modes speak
     if run_root != team / RUNS:
         raise UserError(f"run.root={run_root} is inside the team folder {team}, prepared for access policy"
-                        f" {recorded_policy(team / RUNS) or '(unreadable)'}; its run root is {team / RUNS}:"
+                        f" {recorded}; its run root is {team / RUNS}:"
                         f" set run.root={team / RUNS}")
     return team
 
