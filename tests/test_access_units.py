@@ -157,3 +157,15 @@ def test_a_file_the_user_may_not_read_is_one_error_line(capsys):
     err = capsys.readouterr().err
     assert done.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("error: /shared/team/runs/r/plan.json: Permission denied for user ")
+
+
+def test_lab_up_without_access_keeps_the_policy_in_force():
+    from dtk.lab.access import kept
+
+    said: list[str] = []
+    state = {"policy": "team", "file": "/srv/conf/access/team.yaml", "group": "g-sub", "account": None}
+    assert kept(None, state=state, log=said.append) == "/srv/conf/access/team.yaml"
+    assert said == ["access: the lab keeps policy team (/srv/conf/access/team.yaml); python -m dtk.lab up"
+                    " --access open admits every user again"]
+    assert kept("open", state=state, log=said.append) == "open" and len(said) == 1  # told otherwise
+    assert kept(None, state=None, log=said.append) is None  # a lab that was down, or open, starts open

@@ -89,10 +89,11 @@ def main(argv: list[str]) -> int:
         return 0 if status.up else 1
     try:
         if args.command == "up":
-            running = cluster.status().record is not None
+            before = cluster.status()
+            state = lab_access.current(before.layout) if before.record is not None else None
             status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force,
                                 netns=args.netns)
-            policy = lab_access.kept(args.access, layout=status.layout, running=running, log=print)
+            policy = lab_access.kept(args.access, state=state, log=print)
             lab_access.apply(policy, layout=status.layout, system=files.system_files(),
                              install=not args.no_install, timeout_s=args.timeout, log=print)
         elif args.command == "slow":

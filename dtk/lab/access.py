@@ -53,7 +53,7 @@ def with_access(conf: str, policy: AccessConfig, *, accounts: bool) -> str:
 
 
 def state_file(layout: LabLayout) -> Path:
-    return layout.root / "access.json"
+    return layout.access_state
 
 
 def current(layout: LabLayout) -> dict | None:
@@ -72,13 +72,13 @@ def describe(layout: LabLayout) -> str:
     return f"access: policy {state['policy']} from {state['file']}: partitions admit group {state['group']}{account}"
 
 
-def kept(asked: str | None, *, layout: LabLayout, running: bool, log: Log) -> str | None:
-    """The policy `up` puts in force: the one asked for; without --access, the running
-    lab's own, so that an `up` that restarts a node opens no partition."""
+def kept(asked: str | None, *, state: dict | None, log: Log) -> str | None:
+    """The policy `up` puts in force: the one asked for; without --access, the one the
+    running lab had (`state`, read before `up`), so that an `up` that restarts a node, or
+    the whole lab, opens no partition."""
     if asked is not None:
         return asked
-    state = current(layout)
-    if state is None or not running:
+    if state is None:
         return None
     log(f"access: the lab keeps policy {state['policy']} ({state['file']}); python -m dtk.lab up --access open"
         " admits every user again")
