@@ -39,7 +39,7 @@ AUDIT_DIR = "audit"
 HEAD_FILE = "audit.head"
 OLD_FILE = "audit.jsonl"  # the unchained log of an older dtk: reported, never shown as genuine
 ACTIONS = ("submit", "stop", "cancel", "requeue", "drill", "export", "delete_checkpoint", "readmit")
-_ENTRY = re.compile(r"^(\d{8})\.json$")
+_ENTRY = re.compile(r"^(\d{8,})\.json$")  # 8 digits, more after 99999999
 
 
 def audit_path(run_root: Path) -> Path:
