@@ -67,9 +67,10 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
         # policy speaking (docs/access.md), not a bug; say which file and who asked.
         import getpass
 
+        from dtk.access.check import explain_denied
+
         fail(f"{exc.filename or 'a file'}: {exc.strerror or 'permission denied'} for user {getpass.getuser()};"
-             " under an access policy, reading runs takes the viewer role and changing them the maintainer role"
-             " (python -m dtk.access show POLICY says who holds which)")
+             f" {explain_denied(exc.filename)}")
     except BrokenPipeError:  # `python -m dtk.plan --help | head` is not an error
         sys.stderr.close()
         sys.exit(0)

@@ -89,7 +89,7 @@ def _write(run_dir: Path, plan, tmp: Path) -> list[Artifact]:
     made.append(Artifact("status.json", "where the run stands: state, step, checkpoints, starts (python -m dtk.status)"))
     entries = audit.read(audit.run_root_of(run_dir), run=plan.run_name)
     (tmp / "audit.txt").write_text("".join(audit.describe(e) + "\n" for e in entries) or "no audit entries\n")
-    made.append(Artifact("audit.txt", "who submitted, drilled, exported or deleted what (the run root's audit.jsonl)"))
+    made.append(Artifact("audit.txt", "who submitted, drilled, exported or deleted what (the run root's audit/)"))
     (tmp / "README.md").write_text(_readme(plan, run_dir, made))
     return made
 

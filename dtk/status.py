@@ -91,8 +91,14 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "stopped_by": summary.get("stopped_by") if summary and state == "stopped" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
         "memory": _memory(summary.get("memory") if summary and state == "finished" else None),
-        "audit": audit.read(audit.run_root_of(run.path), run=plan.get("run_name", run.path.name)),
+        **_audit(run.path, plan.get("run_name", run.path.name)),
     }
+
+
+def _audit(run_dir: Path, name: str) -> dict[str, Any]:
+    """The run's genuine audit entries, and what is wrong with the run root's log."""
+    log = audit.verify(audit.run_root_of(run_dir))
+    return {"audit": [e for e in log.entries if e.get("run") == name], "audit_problems": log.problems}
 
 
 def _memory(memory: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -158,8 +164,12 @@ def render(info: dict[str, Any]) -> str:
     shown = info["audit"][-AUDIT_LINES:]
     if shown:
         more = len(info["audit"]) - len(shown)
-        lines.append(f"audit        {audit.AUDIT_FILE} in the run root" + (f" ({more} earlier not shown)" if more else ""))
+        lines.append(f"audit        {audit.AUDIT_DIR}/ in the run root" + (f" ({more} earlier not shown)" if more else ""))
         lines += [f"  {audit.describe(entry)}" for entry in shown]
+    if info["audit_problems"]:
+        lines.append(f"audit        NOT INTACT: {len(info['audit_problems'])} problem(s)"
+                     " (python -m dtk.access audit RUN_ROOT lists them all)")
+        lines += [f"  {problem}" for problem in info["audit_problems"][:AUDIT_LINES]]
     return "\n".join(lines)
 
 

@@ -2,13 +2,49 @@
 # Set up dtk in ./.venv: torch, dtk and its dependencies (and, with --dev, the test tools,
 # the Hugging Face extra and the Slurm packages the lab cluster needs). Safe to run again; fast when done before.
 #
-#   bash scripts/setup.sh          # to train
-#   bash scripts/setup.sh --dev    # to run the tests too
+#   bash scripts/setup.sh            # to train
+#   bash scripts/setup.sh --dev      # to run the tests too
+#   bash scripts/setup.sh --shared   # a team's install: every user can run .venv/bin/python
+#   PYTHON=/usr/bin/python3.11 bash scripts/setup.sh   # the interpreter the venv is made from
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-dev=0
-[ "${1:-}" = "--dev" ] && dev=1
+dev=0 shared=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) dev=1 ;;
+    --shared) shared=1 ;;
+    *) echo "error: setup.sh: unknown option $arg; options: --dev, --shared" >&2; exit 2 ;;
+  esac
+done
+
+# A shared install: the venv's interpreter, the one it was made from and the checkout must
+# be readable by every user. A python in a private home (pyenv in /root, mode 0700) is not:
+# every other user would get "Permission denied".
+shareable() { "$1" scripts/check_python.py "$PWD" "${2:-}" 2>/dev/null; }
+suggest() {
+  local candidate
+  for candidate in /usr/bin/python3 /usr/local/bin/python3; do
+    if [ -x "$candidate" ] && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
+        && shareable "$candidate"; then
+      echo "$candidate"; return
+    fi
+  done
+}
+if [ "$shared" = 1 ]; then
+  if [ -z "${PYTHON:-}" ]; then
+    PYTHON=$(command -v python3 || true)
+    if [ -z "$PYTHON" ] || ! shareable "$PYTHON"; then PYTHON=$(suggest); fi
+    PYTHON=${PYTHON:-python3}
+  fi
+  if [ -x .venv/bin/python ] && ! shareable .venv/bin/python; then
+    echo "error: .venv was made from an interpreter other users cannot run ($(.venv/bin/python -c \
+'import sys; print(sys._base_executable)')); remove it (rm -rf .venv) and run PYTHON=$(suggest) bash scripts/setup.sh --shared" >&2
+    exit 2
+  fi
+  "$PYTHON" scripts/check_python.py "$PWD" "$(suggest)" || exit 2
+  umask 022  # what the venv gets is readable by every user
+fi
 PY=${PYTHON:-python3}
 TORCH=${DTK_TORCH:-torch==2.13.0}   # a GPU cluster brings its own: DTK_TORCH='torch' or a CUDA wheel
 
@@ -37,5 +73,8 @@ if [ "$dev" = 1 ]; then
   fi
 else
   pip install -e .
+fi
+if [ "$shared" = 0 ] && [ "$(id -u)" = 0 ] && ! shareable .venv/bin/python; then
+  echo "setup: note: other users cannot run .venv/bin/python; for a team's install: bash scripts/setup.sh --shared" >&2
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch, dtk; print("dtk", dtk.__version__, "torch", torch.__version__)'))"

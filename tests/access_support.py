@@ -18,6 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # the users import this checkout's dtk
 PREFIX = "dtkacc"  # every user and group the tests make starts with it; leftovers of a killed run are removed
 
 
@@ -27,11 +28,12 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def remove_all() -> None:
-    """Every user and group of a previous or this run (by prefix)."""
-    for user in [p.pw_name for p in pwd.getpwall() if p.pw_name.startswith(PREFIX)]:
+def remove_all(prefix: str = PREFIX) -> None:
+    """Every user and group of a previous or this run (by prefix: each module has its own,
+    so that two modules running at once never remove each other's users)."""
+    for user in [p.pw_name for p in pwd.getpwall() if p.pw_name.startswith(prefix)]:
         subprocess.run(["userdel", user], capture_output=True, check=False)
-    for group in [g.gr_name for g in grp.getgrall() if g.gr_name.startswith(PREFIX)]:
+    for group in [g.gr_name for g in grp.getgrall() if g.gr_name.startswith(prefix)]:
         subprocess.run(["groupdel", group], capture_output=True, check=False)
 
 
@@ -71,6 +73,20 @@ def as_user(user: str, argv: list[str], *, cwd: Path, env: dict[str, str] | None
             timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `argv` as `user` with the groups the group database gives them now."""
     fixed = {"HOME": str(cwd), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MPLCONFIGDIR": f"/tmp/{user}-mpl",
-             **(env or {})}
+             "PYTHONPATH": str(REPO), **(env or {})}
     cmd = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in fixed.items()), *argv]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def remove_team(team: Path) -> None:
+    """A prepared team folder, with its append-only audit head (root clears the attribute)."""
+    from dtk.access import acl
+
+    head = team / "runs" / "audit.head"
+    if head.is_file() and not head.is_symlink():
+        fd = os.open(head, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            acl.set_append_only(fd, False, shown=str(head))
+        finally:
+            os.close(fd)
+    shutil.rmtree(team, ignore_errors=True)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import grp
 import json
+import os
 import pwd
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import pytest
 import access_support as acc
 import lab_support
 from conftest import REPO, require
+from dtk import audit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -67,7 +70,7 @@ def team():
         assert up.returncode == 0, up.stdout + up.stderr
         yield {"base": base, "python": python, "env": env, "runs": base / "team" / "runs"}
     finally:
-        subprocess.run([sys.executable, "-m", "dtk.lab", "up", "--nodes", "3"], cwd=REPO,
+        subprocess.run([sys.executable, "-m", "dtk.lab", "up", "--nodes", "3", "--access", "open"], cwd=REPO,
                        capture_output=True, check=False)  # the partitions admit everyone again
         acc.remove_all()
         shutil.rmtree(base, ignore_errors=True)
@@ -97,14 +100,14 @@ def test_roles_are_enforced_by_dtk_slurm_and_the_run_root(team):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.startswith(f"error: user {OUT} may not submit training: not in group {G_SUB}")
     assert f"gpasswd -a {OUT} {G_SUB}" in out.stderr
-    assert [p.name for p in runs.iterdir()] == ["audit.jsonl"]
+    assert sorted(p.name for p in runs.iterdir()) == ["audit", "audit.head"]
     bypass = plain_sbatch(team, OUT)
     assert bypass.returncode != 0 and "error" in bypass.stderr, bypass.stdout + bypass.stderr
 
     # The submitter trains a run; its directory belongs to the maintainers, group-writable.
     sub = submit_as(team, SUB)
     assert sub.returncode == 0, sub.stdout + sub.stderr
-    (run,) = [p for p in runs.iterdir() if p.is_dir()]
+    (run,) = [p for p in runs.iterdir() if p.is_dir() and p.name != "audit"]
     assert run.stat().st_uid == pwd.getpwnam(SUB).pw_uid
     assert grp.getgrgid(run.stat().st_gid).gr_name == G_MAINT and run.stat().st_mode & stat.S_ISGID
     assert mode(run / "config.yaml") == 0o444
@@ -160,10 +163,45 @@ def test_roles_are_enforced_by_dtk_slurm_and_the_run_root(team):
     assert bypass.returncode != 0 and "not permitted" in bypass.stderr, bypass.stdout + bypass.stderr
 
     # The audit log names the right user for each action.
-    log = [json.loads(line) for line in (runs / "audit.jsonl").read_text().splitlines()]
+    checked = audit.verify(runs)
+    assert checked.problems == [], checked.problems
+    log = checked.entries
     seen = [(e["action"], e["user"]["name"]) for e in log]
     assert seen == [("submit", SUB), ("export", VIEW), ("delete_checkpoint", MAINT)], seen
     plan = json.loads((run / "plan.json").read_text())
     assert log[0]["config_hash"] == plan["config_hash"] and log[0]["job_ids"] and log[0]["run"] == run.name
     assert all(e["user"]["uid"] == pwd.getpwnam(e["user"]["name"]).pw_uid for e in log)
     assert (log[2]["step"], log[1]["step"]) == (4, 12)
+
+
+def test_an_up_that_restarts_a_dead_node_keeps_the_policy(team, tmp_path):
+    """docs/lab.md's way back for a killed slurmd (`lab up --nodes N`) opens no partition;
+    an outsider who bypasses the policy is told he is not admitted, not "no such partition"."""
+    from dtk import lab
+    from dtk.lab import daemons
+
+    record = lab.status().record
+    (slurmd,) = [d for d in record.daemons if d.label == "slurmd node2"]
+    os.kill(slurmd.pid, signal.SIGKILL)  # a slurmd this lab started
+    deadline = time.monotonic() + 10
+    while daemons.is_alive(slurmd) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    up = subprocess.run([team["python"], "-m", "dtk.lab", "up", "--nodes", "3"], cwd=REPO, capture_output=True,
+                        text=True, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "restarting slurmd node2" in up.stdout and "access: the lab keeps policy acctest" in up.stdout, up.stdout
+    assert "admit every user" not in up.stdout
+    shown = subprocess.run([team["python"], "-m", "dtk.lab", "status"], cwd=REPO, capture_output=True, text=True,
+                           check=False, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert "access: policy acctest" in shown, shown
+    bypass = plain_sbatch(team, OUT)  # refused by the partition's groups or its account, as before the restart
+    assert bypass.returncode != 0 and "error" in bypass.stderr, bypass.stdout + bypass.stderr
+    own = team["base"] / f"{OUT}-runs"
+    own.mkdir()
+    shutil.chown(own, OUT)
+    err = dtk_as(team, OUT, "dtk.submit", "cluster=lab", "nodes=1", "tasks_per_node=1", "train.steps=2",
+                 f"run.root={own}")
+    assert err.returncode == 2, err.stdout + err.stderr
+    assert err.stderr.startswith(f"error: cluster.partition=debug: user {OUT} is not admitted to partition debug"
+                                 f" (it admits groups {G_SUB}"), err.stderr
+    assert "partitions you may use: none" in err.stderr and list(own.iterdir()) == []

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from access_support import remove_team
 from conftest import dtk, require
-from dtk.access import check, layout, policy
+from dtk.access import acl, check, layout, policy
 from dtk.config.access import AccessConfig, RoleConfig, SubmitterConfig
 from dtk.errors import UserError
 from dtk.lab import files
@@ -108,13 +109,17 @@ def test_prepare_makes_the_team_folder_a_gate_and_the_run_root_the_maintainers(t
                        maintainer=RoleConfig(group=maint))
     team = tmp_path / "team"
     shown = layout.prepare(team, pol, "name: t\n")
-    assert len(shown) == 5
+    assert len(shown) == 6
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     gname = lambda p: grp.getgrgid(p.stat().st_gid).gr_name  # noqa: E731
     assert (gname(team), mode(team)) == (view, 0o2750)
-    assert (gname(team / "runs"), mode(team / "runs")) == (maint, 0o3777)
+    assert (gname(team / "runs"), mode(team / "runs")) == (maint, 0o3775)
+    fd = os.open(team / "runs", os.O_RDONLY)
+    assert acl.named_groups(fd) == {grp.getgrnam(sub).gr_gid: 0o7}  # the submitters create run directories
+    os.close(fd)
     assert (gname(team / "data"), mode(team / "data")) == (maint, 0o2775)
-    assert mode(team / "runs" / "audit.jsonl") == 0o666
+    assert (gname(team / "runs" / "audit"), mode(team / "runs" / "audit")) == (view, 0o3770)
+    assert mode(team / "runs" / "audit.head") == 0o660 and acl.is_append_only(str(team / "runs" / "audit.head"))
     layout.check_run_root(team / "runs", pol)
     assert layout.recorded_policy(team / "runs") == "t"
     with pytest.raises(UserError, match="governed by access policy t"):
@@ -125,6 +130,7 @@ def test_prepare_makes_the_team_folder_a_gate_and_the_run_root_the_maintainers(t
         layout.check_run_root(team / "runs", pol)
     with pytest.raises(UserError, match="does not exist.*dtk.access prepare"):
         layout.check_run_root(tmp_path / "elsewhere" / "runs", pol)
+    remove_team(team)
 
 
 def test_lab_partitions_admit_the_submitter_group_and_account():
@@ -151,3 +157,15 @@ def test_a_file_the_user_may_not_read_is_one_error_line(capsys):
     err = capsys.readouterr().err
     assert done.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("error: /shared/team/runs/r/plan.json: Permission denied for user ")
+
+
+def test_lab_up_without_access_keeps_the_policy_in_force():
+    from dtk.lab.access import kept
+
+    said: list[str] = []
+    state = {"policy": "team", "file": "/srv/conf/access/team.yaml", "group": "g-sub", "account": None}
+    assert kept(None, state=state, log=said.append) == "/srv/conf/access/team.yaml"
+    assert said == ["access: the lab keeps policy team (/srv/conf/access/team.yaml); python -m dtk.lab up"
+                    " --access open admits every user again"]
+    assert kept("open", state=state, log=said.append) == "open" and len(said) == 1  # told otherwise
+    assert kept(None, state=None, log=said.append) is None  # a lab that was down, or open, starts open

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pwd
 import socket
+import stat
 import warnings
 from pathlib import Path
 
@@ -41,41 +42,56 @@ def make_run(root: Path, name: str = "transformer-0123456789", steps: tuple[int,
 
 def test_an_entry_names_time_user_host_action_run_hash_and_jobs(tmp_path):
     entry = audit.record(tmp_path, "submit", run="r1", config_hash="abc", job_ids=[123], cluster="slurm")
-    (line,) = (tmp_path / "audit.jsonl").read_text().splitlines()
-    assert json.loads(line) == entry
+    (path,) = (tmp_path / "audit").iterdir()
+    assert path.name == "00000001.json" and json.loads(path.read_text()) == entry
+    assert stat.S_IMODE(path.stat().st_mode) == 0o444  # nobody edits an entry in place
     me = pwd.getpwuid(os.getuid())
     assert entry["user"]["uid"] == os.getuid() and entry["user"]["name"] == me.pw_name
     assert entry["host"] == socket.gethostname()
     assert (entry["action"], entry["run"], entry["config_hash"], entry["job_ids"]) == ("submit", "r1", "abc", ["123"])
-    assert entry["time"].endswith("Z") and entry["cluster"] == "slurm"
+    assert entry["time"].endswith("Z") and entry["cluster"] == "slurm" and (entry["seq"], entry["prev"]) == (1, None)
 
 
-def test_entries_are_appended_and_filtered_by_run(tmp_path):
+def test_entries_are_chained_and_filtered_by_run(tmp_path):
     audit.record(tmp_path, "submit", run="a", job_ids=["1"])
     audit.record(tmp_path, "drill", run="b", job_ids=["2"], kind="crash")
     audit.record(tmp_path, "stop", run="a", job_ids=["1"])
     assert [e["action"] for e in audit.read(tmp_path)] == ["submit", "drill", "stop"]
     assert [e["action"] for e in audit.read(tmp_path, run="a")] == ["submit", "stop"]
-    with open(tmp_path / "audit.jsonl", "a") as fh:
-        fh.write('{"torn": ')  # a writer killed mid-line
-    assert len(audit.read(tmp_path)) == 3
+    assert audit.verify(tmp_path).problems == []
     assert "kind=crash" in audit.describe(audit.read(tmp_path, run="b")[0])
+    (tmp_path / "audit" / ".tmp-1-2").write_text('{"torn": ')  # a writer killed before its link: not an entry
+    assert len(audit.read(tmp_path)) == 3 and audit.verify(tmp_path).problems == []
+
+
+def test_a_changed_or_removed_entry_breaks_the_chain(tmp_path):
+    for k in range(4):
+        audit.record(tmp_path, "drill", run="r", job_ids=[str(k)])
+    second = tmp_path / "audit" / "00000002.json"
+    second.chmod(0o644)
+    second.write_text(second.read_text().replace('"drill"', '"stop"'))  # its own writer rewrites it
+    assert "entry 3 does not follow entry 2: one of them was changed" in audit.verify(tmp_path).problems
+    (tmp_path / "audit" / "00000004.json").unlink()  # the newest, removed by its writer: the head knows
+    problems = audit.verify(tmp_path).problems
+    assert "the log ends at entry 3 but audit.head names entry 4: newer entries were removed" in problems
+    (tmp_path / "audit" / "00000001.json").unlink()
+    assert "entries 1 to 1 are missing: the start of the log was removed" in audit.verify(tmp_path).problems
 
 
 def _write_many(root: str, tag: int) -> None:
-    for k in range(200):
+    for k in range(50):
         audit.record(Path(root), "drill", run=f"r{tag}", job_ids=[str(k)], padding="x" * 300)
 
 
-def test_concurrent_writers_never_interleave_lines(tmp_path):
+def test_concurrent_writers_never_share_a_number_or_break_the_chain(tmp_path):
     procs = [multiprocessing.get_context("fork").Process(target=_write_many, args=(str(tmp_path), t)) for t in range(4)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
-    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
-    assert len(lines) == 800
-    assert all(json.loads(line)["padding"] == "x" * 300 for line in lines)
+    log = audit.verify(tmp_path)
+    assert log.problems == [] and [e["seq"] for e in log.entries] == list(range(1, 201))
+    assert sorted(p.name for p in (tmp_path / "audit").iterdir())[-1] == "00000200.json"  # no temporary left
 
 
 def test_unknown_action_is_an_internal_error(tmp_path):
@@ -90,7 +106,7 @@ def test_delete_refuses_the_newest_verified_checkpoint_without_force(tmp_path):
     assert (run / "checkpoints" / "step_00000030" / "manifest.json").is_file()
     with pytest.raises(UserError, match="--step 25: no checkpoint of that step.*steps: 10, 20, 30"):
         delete_checkpoint(run, step=25)
-    assert not (tmp_path / "audit.jsonl").exists()  # nothing done, nothing recorded
+    assert not (tmp_path / "audit").exists()  # nothing done, nothing recorded
 
 
 def test_delete_removes_the_folder_and_records_who(tmp_path):

@@ -22,6 +22,7 @@ from dtk.errors import ArgumentParser, UserError
 # command (and subcommand) -> its options and positionals (METAVAR, "..." for several,
 # {allowed,values}).
 FROZEN: dict[str, list[str]] = {
+    "dtk.access audit": ["RUN_ROOT"],
     "dtk.access prepare": ["--policy", "team"],
     "dtk.access show": ["policy"],
     "dtk.bench scaling": ["--out", "KEY=VALUE ..."],

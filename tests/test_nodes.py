@@ -41,7 +41,9 @@ def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path):
     (entry,) = read_entries(run)
     assert entry["reason"] == "node(s) node2 left the job" and entry["readmitted"]["reason"] == "dtk.nodes --readmit"
     assert [e["event"] for e in run.events_list()] == ["node_readmitted"]
-    audit = [json.loads(line) for line in (tmp_path / "runs" / "audit.jsonl").read_text().splitlines()]
+    from dtk.audit import read as read_audit
+
+    audit = read_audit(tmp_path / "runs")
     assert audit[-1]["action"] == "readmit" and audit[-1]["node"] == "node2"
     listed = json.loads(dtk("dtk.nodes", str(run.path), "--json").stdout)
     assert [(e["node"], "readmitted" in e) for e in listed] == [("node2", True)]

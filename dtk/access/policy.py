@@ -103,9 +103,15 @@ def holds(user: User, policy: AccessConfig, role: str) -> bool:
     return group is None or user.name in group_members(group)
 
 
-def how_to_join(user: User, group: str) -> str:
-    return (f"ask an administrator to add you (gpasswd -a {user.name} {group}); dtk sees the change at once,"
-            " Slurm after its next group update (scontrol reconfigure)")
+def how_to_join(user: User, group: str, role: str) -> str:
+    """Only the submitter role is also Slurm's to check (the partitions' AllowGroups)."""
+    said = f"ask an administrator to add you (gpasswd -a {user.name} {group}); dtk sees the change at once"
+    return said + (", Slurm's partitions at their next group update" if role == "submitter" else "")
+
+
+def roles_of(user: User, policy: AccessConfig) -> list[str]:
+    """The roles `user` holds under an enforced policy, from the group database."""
+    return [role for role in ROLES if holds(user, policy, role)]
 
 
 def require_role(user: User, policy: AccessConfig, role: str, *, doing: str) -> None:
@@ -114,4 +120,4 @@ def require_role(user: User, policy: AccessConfig, role: str, *, doing: str) -> 
         return
     group = getattr(policy, role).group
     raise UserError(f"user {user.name} may not {doing}: not in group {group}, the {role} role of access policy"
-                    f" {policy.name} (its members may {ROLE_MAY[role]}); {how_to_join(user, group)}")
+                    f" {policy.name} (its members may {ROLE_MAY[role]}); {how_to_join(user, group, role)}")

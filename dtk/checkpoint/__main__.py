@@ -23,7 +23,7 @@ A checkpoint is verified when its manifest.json exists, every file it lists has 
 recorded size and CRC-32, and its .metadata holds DCP's metadata classes only (nothing in
 a checkpoint is ever unpickled as code; docs/checkpoints.md, What is trusted). Training
 resumes from the newest verified one, which `delete` refuses without --force. Exports and
-deletions are recorded in the run root's audit.jsonl.
+deletions are recorded in the run root's audit log.
 """
 
 

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--access", metavar="FILE", default=None,
                        help="an access policy (conf/access/NAME.yaml, or its NAME): partitions admit its submitter "
                             "group only (AllowGroups), and its account only, with accounting, when it names one; "
-                            "without --access the partitions admit every user")
+                            "--access open admits every user again; without --access a running lab keeps the policy "
+                            "it has, and a lab that was down starts open")
     start.add_argument("--netns", action="store_true",
                        help="each node in a network namespace of its own, with its own address on a veth (lab0)"
                             " joined by a bridge, so jobs see separate network stacks; see docs/lab.md")
@@ -88,9 +89,12 @@ def main(argv: list[str]) -> int:
         return 0 if status.up else 1
     try:
         if args.command == "up":
+            before = cluster.status()
+            state = lab_access.current(before.layout) if before.record is not None else None
             status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force,
                                 netns=args.netns)
-            lab_access.apply(args.access, layout=status.layout, system=files.system_files(),
+            policy = lab_access.kept(args.access, state=state, log=print)
+            lab_access.apply(policy, layout=status.layout, system=files.system_files(),
                              install=not args.no_install, timeout_s=args.timeout, log=print)
         elif args.command == "slow":
             cluster.slow(args.node, None if args.rate == "off" else args.rate)

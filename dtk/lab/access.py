@@ -9,7 +9,9 @@ root, so the lab's own use as root goes on.
 
 The config is re-rendered from the template each time (`with_access` is pure); what is
 in force is kept in `access.json` in the lab directory, for `lab status` and for the next
-`up`, which puts back the plain config when given no --access.
+`up`. An `up` without --access on a running lab (to restart a dead slurmd, say) keeps its
+policy and says so; `--access open` puts back the plain config; a lab that was down starts
+open.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def with_access(conf: str, policy: AccessConfig, *, accounts: bool) -> str:
 
 
 def state_file(layout: LabLayout) -> Path:
-    return layout.root / "access.json"
+    return layout.access_state
 
 
 def current(layout: LabLayout) -> dict | None:
@@ -68,6 +70,19 @@ def describe(layout: LabLayout) -> str:
         return "access: open (no --access policy; every user may submit)"
     account = f", account {state['account']} (accounting on)" if state.get("account") else ""
     return f"access: policy {state['policy']} from {state['file']}: partitions admit group {state['group']}{account}"
+
+
+def kept(asked: str | None, *, state: dict | None, log: Log) -> str | None:
+    """The policy `up` puts in force: the one asked for; without --access, the one the
+    running lab had (`state`, read before `up`), so that an `up` that restarts a node, or
+    the whole lab, opens no partition."""
+    if asked is not None:
+        return asked
+    if state is None:
+        return None
+    log(f"access: the lab keeps policy {state['policy']} ({state['file']}); python -m dtk.lab up --access open"
+        " admits every user again")
+    return state["file"]
 
 
 def apply(policy_file: str | None, *, layout: LabLayout, system: SystemFiles, install: bool, timeout_s: float,

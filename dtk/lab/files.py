@@ -77,6 +77,11 @@ class LabLayout:
         return self.root / "lab.json"
 
     @property
+    def access_state(self) -> Path:
+        """The access policy in force (dtk.lab.access); absent while the partitions are open."""
+        return self.root / "access.json"
+
+    @property
     def marker(self) -> Path:
         """Proof that the directory is a lab directory, so `up` may wipe its subfolders."""
         return self.root / ".dtk-lab"

@@ -34,6 +34,7 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
     for folder in layout.fresh_dirs():
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
+    layout.access_state.unlink(missing_ok=True)  # the config below is the plain one: no policy in force
     for name in files.node_names(num_nodes):
         (layout.spool_dir / name).mkdir()
     addresses = [netns.node_address(k) for k in range(1, num_nodes + 1)] if base.netns else None

@@ -174,8 +174,12 @@ def launch(plan: Plan, files: dict[str, str] | None = None) -> Launched:
     check_run_root(run.path.parent)
     audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":
+        from dtk.access.check import check_admitted
+
         c = plan.config.cluster
-        slurmctl.check_fits(slurmctl.partitions(), partition=c.partition, nodes=plan.nodes, time_min=c.time_min,
+        parts = slurmctl.partitions()
+        check_admitted(parts, partition=c.partition, policy=plan.config.access)
+        slurmctl.check_fits(parts, partition=c.partition, nodes=plan.nodes, time_min=c.time_min,
                             spare_nodes=plan.spare_nodes)
         check_dependencies(plan.config.submit.after, slurmctl.job_state)
     created = _first_missing(run.path)  # what a refused launch removes again

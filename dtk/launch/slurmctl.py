@@ -130,7 +130,9 @@ class Slurm:
     # --- the login node ------------------------------------------------------------------
     def partitions(self) -> list[Partition]:
         try:
-            proc = self.query(["scontrol", "show", "partition", "-o"])
+            # --all: also the partitions this user is not admitted to (Slurm hides those), so
+            # that a refusal can say "not admitted" instead of "no such partition".
+            proc = self.query(["scontrol", "--all", "show", "partition", "-o"])
         except SlurmUnavailable as exc:
             raise UserError(f"cannot ask Slurm for its partitions: {exc}") from None
         return parse_partitions(proc.stdout)
@@ -327,6 +329,8 @@ class Partition:
     total_nodes: int
     max_time_min: float | None
     state: str
+    allow_groups: tuple[str, ...] | None = None
+    """The groups whose members it admits (AllowGroups); None: every user."""
 
 
 def parse_partitions(text: str) -> list[Partition]:
@@ -342,6 +346,7 @@ def parse_partitions(text: str) -> list[Partition]:
                 total_nodes=int(kv.get("TotalNodes", "0")),
                 max_time_min=parse_time_min(kv.get("MaxTime", "UNLIMITED")),
                 state=kv.get("State", "UP"),
+                allow_groups=None if kv.get("AllowGroups", "ALL") == "ALL" else tuple(kv["AllowGroups"].split(",")),
             )
         )
     return parts

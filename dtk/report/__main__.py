@@ -27,7 +27,7 @@ EPILOG = """examples:
 Per run: final loss, steps/s, samples/s and tokens/s, idle share and its parts (data, comm,
 checkpoint, straggler), goodput over the job's lifetime, MFU where the device's peak is
 known, restarts, checkpoints, stragglers, host and GPU load, and who submitted, drilled,
-exported or deleted what (the run root's audit.jsonl). Plots (PNG) go to
+exported or deleted what (the run root's audit/). Plots (PNG) go to
 RUN_DIR/report/ (loss.png, phases.png, ranks.png, goodput.png), or to --out.
 Given several runs, each is compared with the first: identical (bit-for-bit equal losses),
 within the tolerance (with the largest difference), or diverged (from which step).
@@ -52,10 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_plots_writable(run_dir: Path) -> None:
+    """Without --out the plots go into the run directory, which under an access policy only
+    its user and the maintainers write: a viewer is pointed to --out, before any work."""
+    import getpass
+    import os
+
+    folder = run_dir / "report"
+    target = folder if folder.exists() else run_dir
+    if os.access(target, os.W_OK | os.X_OK):
+        return
+    raise UserError(f"cannot write the plots into {folder} as user {getpass.getuser()}: a run's files are written by"
+                    " its user and the maintainers; give --out DIR (a folder of your own), or --no-plots")
+
+
 def report(args: argparse.Namespace) -> dict:
     if args.tolerance < 0:
         raise UserError(f"--tolerance={args.tolerance}: expected 0 or more (e.g. 1e-3)")
     runs = [load_run(p) for p in args.runs]
+    if not args.no_plots and args.out is None:
+        for run in runs:
+            check_plots_writable(run.path)
     numbers = [run_numbers(r) for r in runs]
     out: dict = {"runs": numbers}
     out["audit"] = [{"run": r.name, "entries": audit.read(audit.run_root_of(r.path), run=r.plan.get("run_name", r.name))}
