@@ -74,8 +74,8 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     search.activate()
     points = expand_sweep(overrides) if multirun else [overrides]
     gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))  # the local cluster's default workers
-    planned = [(point, compose(point, search=search)) for point in points]
-    planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in planned]
+    composed = [(point, compose(point, search=search)) for point in points]
+    planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in composed]
     for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.

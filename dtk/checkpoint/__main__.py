@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def human(n: int) -> str:
+def human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -172,7 +172,7 @@ def _reject_unknown_keys(node: Any, path: str = "") -> None:
     schema = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(schema):
         known = {f.name for f in dataclasses.fields(schema)}
-        for key in node.keys():
+        for key in map(str, node.keys()):
             if key not in known:
                 full = f"{path}{key}"
                 raise UserError(
@@ -181,7 +181,7 @@ def _reject_unknown_keys(node: Any, path: str = "") -> None:
                 )
     if path == "extra.":
         return  # free-form by design
-    for key in node.keys():
+    for key in map(str, node.keys()):
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             _reject_unknown_keys(child, f"{path}{key}.")
@@ -237,6 +237,7 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
             key = ov.get_key_element()
             axes.append([f"{key}={value}" for value in ov.sweep_string_iterator()])
         else:
+            assert ov.input_line is not None, "the parser keeps each override's text"
             axes.append([ov.input_line])
     return [list(point) for point in itertools.product(*axes)]
 

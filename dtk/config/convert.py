@@ -26,9 +26,11 @@ from dtk.config.choices import DataKind
 from dtk.config.schema import (
     DATA_SCHEMAS,
     Config,
+    Hdf5DataConfig,
     ModelConfig,
     ModelParallelConfig,
     SchemeConfig,
+    SyntheticDataConfig,
     TransformerConfig,
     UserDataConfig,
 )
@@ -50,7 +52,8 @@ def model_config(model: Any) -> ModelConfig:
     """A ModelConfig from the composed `model` section (a TransformerConfig or a user dict)."""
     if isinstance(model, ModelConfig):
         return model
-    flat = dataclasses.asdict(model) if dataclasses.is_dataclass(model) else dict(model)
+    is_instance = dataclasses.is_dataclass(model) and not isinstance(model, type)
+    flat = dataclasses.asdict(model) if is_instance else dict(model)
     target = flat.pop("_target_", None)
     if not isinstance(target, str) or not target:
         raise UserError(
@@ -77,7 +80,7 @@ def builtin_transformer(model: ModelConfig) -> TransformerConfig | None:
 def data_config(data: Any) -> Any:
     """The data section typed by the schema its `kind` names; a kind that contradicts the
     chosen group's schema is refused (data=synthetic data.kind=hdf5 has no path)."""
-    if dataclasses.is_dataclass(data):
+    if isinstance(data, (SyntheticDataConfig, Hdf5DataConfig, UserDataConfig)):
         chosen = next(kind for kind, cls in DATA_SCHEMAS.items() if isinstance(data, cls))
         if data.kind != chosen:
             raise UserError(

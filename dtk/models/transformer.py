@@ -124,6 +124,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
+            assert self.pos_embeddings is not None, "the first stage holds both embeddings"
             h = self.tok_embeddings(tokens)
             # (1, seq): the sequence is dim 1 as in h, so tensor parallelism can shard both alike.
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)

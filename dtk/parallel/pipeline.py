@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from dtk.config.choices import PipelineSchedule
 from dtk.parallel.units import pipeline_units
@@ -116,7 +117,7 @@ def autocast_stage(stage: nn.Module, *, device_type: str, dtype: torch.dtype, se
 
 @dataclass
 class Pipeline:
-    schedule: object
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     has_first_stage: bool
     has_last_stage: bool
 

@@ -208,7 +208,7 @@ WHY = {
 def reason(key: str, rows: dict[str, SchemeRow], capacity: int, order: list[str]) -> str:
     """Why `key`, with the numbers of the cheaper schemes that do not fit."""
     before = [k for k in order[: order.index(key)] if rows[k].estimate is not None]
-    misses = ", ".join(f"{k} {_gb(rows[k].estimate.bytes.total)}" for k in before)
+    misses = ", ".join(f"{k} {_gb(e.bytes.total)}" for k in before if (e := rows[k].estimate) is not None)
     fits = rows[key].estimate
     text = WHY[key]
     if misses:
@@ -247,10 +247,10 @@ def recommend(ctx: Context, rows: dict[str, SchemeRow]) -> Recommendation:
     order = [k for k in ORDER if not (k == "hsdp" and ctx.nodes == 1)]
     if ctx.capacity is None:
         return Recommendation("", f"device memory unknown ({ctx.capacity_source})", [], [])
-    fitting = [k for k in order if rows[k].estimate is not None and rows[k].estimate.fits]
+    fitting = [(k, e) for k in order if (e := rows[k].estimate) is not None and e.fits]
     if fitting:
-        key = fitting[0]
-        v = rows[key].estimate.variant
+        key, fit = fitting[0]
+        v = fit.variant
         return Recommendation(key, reason(key, rows, ctx.capacity, order), v.overrides + [f"nodes={ctx.nodes}"], [])
     # Nothing fits as asked: a knob before more nodes.
     for key in order:
@@ -267,7 +267,7 @@ def recommend(ctx: Context, rows: dict[str, SchemeRow]) -> Recommendation:
                          f" ({_gb(with_knob.bytes.total)} per device)",
                     est.variant.overrides + [f"nodes={ctx.nodes}", override], [],
                 )
-    sized = sorted((rows[k].min_nodes, ORDER.index(k), k) for k in order if rows[k].min_nodes)
+    sized = sorted((n, ORDER.index(k), k) for k in order if (n := rows[k].min_nodes))
     if not sized:
         return Recommendation("", "no scheme fits on any node count tried (up to 4096 nodes)", [], [])
     nodes, _, key = sized[0]

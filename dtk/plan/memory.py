@@ -125,10 +125,11 @@ class RankBytes:
 
 
 def job_dims(shape: ModelShape, job: Job) -> Dims | None:
-    if not shape.has_activation_shape:
+    seq, hidden = shape.seq_len, shape.hidden
+    if not shape.has_activation_shape or seq is None or hidden is None:
         return None
     return Dims(
-        b=job.micro_batch, s=shape.seq_len, h=shape.hidden, f=shape.ffn_hidden or 4 * shape.hidden,
+        b=job.micro_batch, s=seq, h=hidden, f=shape.ffn_hidden or 4 * hidden,
         heads=shape.heads or 0, vocab=shape.vocab or 0, a=job.precision.compute_bytes, tp=job.degrees.tp,
         sp=bool(job.scheme["sequence_parallel"]) and job.degrees.tp > 1, fused_norm=job.device == "cuda",
     )

@@ -41,11 +41,11 @@ def real_shape(cfg: Config, meta_model: Any = None) -> ModelShape:
     """The shape of the model the workers train: the built-in transformer from its config
     (no torch), any other model counted on the meta device in this process (`meta_model`,
     a build on meta not yet parallelized, saves building it again)."""
-    from dtk.config.convert import builtin_transformer
-    from dtk.plan.shape import builtin_shape, is_builtin, shape_from_counted
+    from dtk.plan.shape import builtin_config, builtin_shape, shape_from_counted
 
-    if is_builtin(cfg.model):
-        return builtin_shape(builtin_transformer(cfg.model))
+    transformer = builtin_config(cfg.model)
+    if transformer is not None:
+        return builtin_shape(transformer)
     from dtk.plan.count_model import count
 
     return shape_from_counted(count(cfg.model, model=meta_model))

@@ -59,6 +59,7 @@ def set_threads(requested: int, env: WorkerEnv) -> None:
 
 def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     cfg = plan.config
+    assert cfg.scheme is not None, "compose() sets the scheme"
     device = pick_device(cfg.dist.device, env)
     torch.set_float32_matmul_precision(matmul_precision(cfg.scheme.matmul_precision, device))  # TF32 on purpose
     if device.type == "cpu":
@@ -205,6 +206,8 @@ def step_policies(
     """What runs after every step (dtk.train.policies), made for this rank: global rank 0
     writes, every rank takes part in the collective ones."""
     cfg, rank0 = plan.config, env.rank == 0
+    scheme = cfg.scheme
+    assert scheme is not None, "compose() sets the scheme"
     stop = stop_flag()  # installed when the process started (dtk/worker/__main__.py)
     votes = vote_group()  # host tensors on gloo: a stop vote never waits for the GPU
     agreed_stop = AgreedStop(
@@ -232,7 +235,7 @@ def step_policies(
         flops_per_token=flops_per_token(cfg.model) if rank0 else None,
         peak_tflops=peak_tflops(
             override=cfg.cluster.peak_tflops, accelerator=cfg.cluster.accelerator, device=device,
-            dtype=resolve_dtype(cfg.scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype"),
+            dtype=resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype"),
         )[0],
         tensorboard=TensorBoardLog(run.path) if rank0 and cfg.train.tensorboard else None,
     )

@@ -27,7 +27,7 @@ def record_mesh(mesh: ParallelMesh, env: WorkerEnv, run: RunDir) -> None:
         "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         "groups": {a.value: dist.get_process_group_ranks(mesh.group(a)) for a in Axis if mesh.group(a) is not None},
     }
-    everyone = [mine]
+    everyone: list[dict[str, object] | None] = [mine]
     if mesh.world is not None:
         everyone = [None] * env.world_size
         dist.all_gather_object(everyone, mine)
