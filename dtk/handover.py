@@ -96,9 +96,10 @@ def _write(run_dir: Path, plan, tmp: Path) -> list[Artifact]:
 
 def _overrides(plan, tmp: Path) -> Artifact:
     from dtk.config.overrides import repeat_overrides
+    from dtk.plan.plan import semantic_hash
 
     name = "config/overrides.txt"
-    overrides, why = repeat_overrides(plan.config, plan.config_hash)
+    overrides, why = repeat_overrides(plan.config, plan.config_hash, semantic_hash=semantic_hash)
     if overrides is None:
         return Artifact(name, "command-line overrides that compose the same config", missing=why)
     (tmp / name).write_text("".join(f"{o}\n" for o in overrides))

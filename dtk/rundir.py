@@ -31,6 +31,13 @@ CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 HEARTBEAT = "heartbeat"
 STOP_REQUEST = "stop_request.json"
+SYSTEM_LOG = "system.jsonl"
+
+# What metrics.jsonl records name: written by the workers (dtk.train), read by the report.
+PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint", "straggler")
+"""The phases of metrics.jsonl, in step order."""
+IDLE_PHASES = ("data", "comm", "checkpoint", "straggler")
+"""Phases in which the accelerator waits: idle_share = their sum / step time."""
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

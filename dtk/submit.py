@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtk.config.compose import CONFIG_DIR_FLAG, compose, expand_sweep, search_path
+from dtk.config.compose import add_config_dir, compose, expand_sweep, search_path
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import Plan, make_plan
@@ -30,12 +30,6 @@ EPILOG = """examples:
 Running the same command again continues the same run (run.name is derived from the
 config). python -m dtk.plan --help lists every key with its meaning.
 """
-
-
-def add_config_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(CONFIG_DIR_FLAG, dest="config_dirs", action="append", default=[], metavar="DIR",
-                        help="a project folder (python -m dtk.init DIR) whose config groups and modules come first;"
-                             " repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +96,7 @@ def main(argv: list[str]) -> int:
     multirun = args.multirun
     points = plan_points(args.overrides, multirun, args.config_dirs)
 
-    from dtk.launch.launch import Launched, describe_launch, launch
+    from dtk.start import Launched, describe_launch, launch
 
     results = []
     for p in points:

@@ -26,7 +26,7 @@ from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
-from dtk.rundir import HEARTBEAT, RunDir, read_jsonl, write_json_atomic
+from dtk.rundir import HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
@@ -36,7 +36,7 @@ from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, st
 from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.profile import StepProfiler
 from dtk.train.startup import StartupClock
-from dtk.train.system import SYSTEM_LOG, SystemSampler
+from dtk.train.system import SystemSampler
 from dtk.train.task import LmTask, Task, build_task
 from dtk.train.tensorboard import TensorBoardLog
 from dtk.train.trainer import Trainer, peak_memory_gib

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtk.parallel.count import real_shape
 from dtk.plan.plan import Plan
 from dtk.plan.predict import (
     describe_error,
@@ -18,7 +19,6 @@ from dtk.plan.predict import (
     oom_line,
     rank_prediction,
     rank_record,
-    real_shape,
     summarize,
 )
 from dtk.plan.shape import ModelShape
