@@ -27,11 +27,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
-MANIFEST = "manifest.json"
-HEARTBEAT = "heartbeat"
-STOP_REQUEST = "stop_request.json"
+# Every name in a run directory, defined here only (tests/test_rundir_names.py holds the
+# rest of dtk to it): writers and readers on the login node, the driver and the workers
+# meet on these.
+CONFIG_YAML = "config.yaml"
+PLAN_JSON = "plan.json"
+PLAN_MD = "plan.md"
+MESH_FILE = "mesh.json"
+TOPOLOGY_JSON = "topology.json"
+DATA_SPLIT = "data.json"  # a user dataset's split
+METRICS = "metrics.jsonl"
+EVAL_LOG = "eval.jsonl"
 SYSTEM_LOG = "system.jsonl"
+EVENTS = "events.jsonl"
+HEARTBEAT = "heartbeat"
+SUMMARY = "summary.json"
+STOP_REQUEST = "stop_request.json"
+RUN_LOCK = "lock"
+TENSORBOARD_DIR = "tensorboard"
+LOGS_DIR = "logs"
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"  # in a checkpoint folder, written last: the commit
+TRAINER_STATE = "trainer.json"  # in a checkpoint folder: step, data position, schedule
 
 # What metrics.jsonl records name: written by the workers (dtk.train), read by the report.
 PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint", "straggler")
@@ -80,27 +98,27 @@ class RunDir:
 
     @property
     def config_yaml(self) -> Path:
-        return self.path / "config.yaml"
+        return self.path / CONFIG_YAML
 
     @property
     def plan_json(self) -> Path:
-        return self.path / "plan.json"
+        return self.path / PLAN_JSON
 
     @property
     def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS
 
     @property
     def events(self) -> Path:
-        return self.path / "events.jsonl"
+        return self.path / EVENTS
 
     @property
     def summary(self) -> Path:
-        return self.path / "summary.json"
+        return self.path / SUMMARY
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS_DIR
 
     @property
     def stop_request(self) -> Path:
@@ -117,7 +135,7 @@ class RunDir:
         return self.checkpoints / f"step_{step:08d}"
 
     def log_dir(self, start: int) -> Path:
-        return self.path / "logs" / f"start_{start:02d}"
+        return self.path / LOGS_DIR / f"start_{start:02d}"
 
     def event(self, event: str, **details: Any) -> None:
         append_jsonl(self.events, {"time": round(time.time(), 3), "event": event, **details})
