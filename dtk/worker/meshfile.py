@@ -12,10 +12,8 @@ import torch.distributed as dist
 
 from dtk.dist.mesh import ParallelMesh
 from dtk.plan.degrees import Axis
-from dtk.rundir import RunDir, write_json_atomic
+from dtk.rundir import MESH_FILE, RunDir, write_json_atomic
 from dtk.worker.env import WorkerEnv
-
-MESH_FILE = "mesh.json"
 
 
 def record_mesh(mesh: ParallelMesh, env: WorkerEnv, run: RunDir) -> None:
