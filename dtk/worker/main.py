@@ -26,7 +26,7 @@ from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
-from dtk.rundir import HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
+from dtk.rundir import DATA_SPLIT, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
 from dtk.train.evaluate import EVAL_LOG, Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
@@ -46,8 +46,6 @@ from dtk.worker.fabric import after_process_group, before_process_group
 from dtk.worker.memory import Prediction, gather_memory, is_out_of_memory, measure_index, oom_error
 from dtk.worker.meshfile import record_mesh
 from dtk.worker.signals import stop_flag, vote_group
-
-DATA_SPLIT = "data.json"  # a user dataset's split: RUN_DIR/data.json
 
 
 def set_threads(requested: int, env: WorkerEnv) -> None:
