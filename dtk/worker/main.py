@@ -26,8 +26,8 @@ from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
-from dtk.rundir import DATA_SPLIT, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
-from dtk.train.evaluate import EVAL_LOG, Evaluator
+from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
+from dtk.train.evaluate import Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.measure import StepMemory
