@@ -61,9 +61,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
-from dtk.rundir import write_json_atomic
+from dtk.rundir import TRAINER_STATE, write_json_atomic
 
-TRAINER_STATE = "trainer.json"
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
 FORMAT_VERSION = mf.FORMAT_VERSION
 COMMIT_DELAY_ENV = "DTK_TEST_COMMIT_DELAY_S"
