@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
+from dtk.rundir import PLAN_JSON
 
 AUDIT_FILE = "audit.jsonl"
 ACTIONS = ("submit", "stop", "cancel", "requeue", "drill", "export", "delete_checkpoint", "readmit")
@@ -104,7 +105,7 @@ def record_run(run_dir: Path, action: str, *, job_ids: Iterable[str] = (), **det
     from its plan.json."""
     run_dir = Path(run_dir)
     try:
-        plan = json.loads((run_dir / "plan.json").read_text())
+        plan = json.loads((run_dir / PLAN_JSON).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         plan = {}
     return record(run_root_of(run_dir), action, run=plan.get("run_name", run_dir.name),
