@@ -12,6 +12,7 @@ from dtk.config.compose import add_config_dir, compose, expand_sweep, search_pat
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import Plan, make_plan
+from dtk.rundir import PLAN_MD
 
 if TYPE_CHECKING:
     from dtk.plan.report import MemoryPlan
@@ -54,7 +55,7 @@ class Point:
         """What the run directory gets besides config and plan: plan.md (dtk.plan.handout)."""
         from dtk.plan.handout import plan_markdown
 
-        return {"plan.md": plan_markdown(self.plan, self.budget, self.note)}
+        return {PLAN_MD: plan_markdown(self.plan, self.budget, self.note)}
 
 
 def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[Point]:
