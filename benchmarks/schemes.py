@@ -71,7 +71,7 @@ SCHEMES = {
 
 
 def model_state_mib(dim: int = 384, num_layers: int = 8, vocab: int = 8192, seq: int = 32) -> float:
-    from dtk.models.transformer import ffn_hidden_size
+    from dtk.plan.shape import ffn_hidden_size
 
     hidden = ffn_hidden_size(dim, 0)
     params = 2 * vocab * dim + seq * dim + num_layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + dim

@@ -166,6 +166,15 @@ class RunDir:
                 found.append((int(m.group(1)), child, (child / MANIFEST).is_file()))
         return sorted(found)
 
+    def committed_steps(self) -> list[int]:
+        """Steps whose checkpoint folder holds its manifest (committed), oldest first."""
+        return [step for step, _, committed in self.checkpoint_steps() if committed]
+
+    def latest_committed_step(self) -> int | None:
+        """The newest committed checkpoint (what a resume tries first); None without one."""
+        committed = self.committed_steps()
+        return committed[-1] if committed else None
+
     def read_summary(self) -> dict[str, Any] | None:
         try:
             return json.loads(self.summary.read_text())

@@ -24,7 +24,7 @@ def check_run_dir(plan: Plan, run: RunDir) -> None:
     """A run directory holds one run: refuse to mix another config into it, or to start it
     over (checkpoint.resume=false) where its first save would delete committed checkpoints."""
     if not plan.config.checkpoint.resume:
-        committed = [step for step, _, ok in run.checkpoint_steps() if ok]
+        committed = run.committed_steps()
         if committed:
             shown = ", ".join(map(str, committed[-3:]))
             raise UserError(

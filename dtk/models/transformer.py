@@ -18,12 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtk.config.schema import TransformerConfig
-
-
-def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
-    if ffn_hidden > 0:
-        return ffn_hidden
-    return 16 * math.ceil(8 * dim / 3 / 16)
+from dtk.plan.shape import ffn_hidden_size  # the SwiGLU width: the planner's rule
 
 
 class RMSNorm(nn.Module):

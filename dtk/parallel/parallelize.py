@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dtk.config.choices import ActivationCheckpoint, DataParallel
+from dtk.config.choices import ActivationCheckpoint
 from dtk.config.schema import SchemeConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.models.build import ParallelSpec
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
 from dtk.plan.degrees import Axis
+from dtk.plan.layout import uses_ddp, uses_fsdp
 
 
 @dataclass
@@ -67,10 +68,8 @@ def parallelize(
     degrees = mesh.degrees
     param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype")
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32, key="scheme.reduce_dtype")
-    # A one-process fsdp job still runs fully_shard (on a one-rank mesh): the same code,
-    # mixed-precision policy and memory layout as on many GPUs.
-    use_fsdp = scheme.data_parallel == DataParallel.fsdp and (degrees.dp > 1 or degrees.world == 1)
-    use_ddp = scheme.data_parallel == DataParallel.ddp and degrees.dp > 1
+    # The planner's decisions (dtk.plan.layout), so the budget lays out what runs here.
+    use_fsdp, use_ddp = uses_fsdp(scheme, degrees), uses_ddp(scheme, degrees)
 
     if degrees.tp > 1:
         from dtk.parallel.tp import check_tp_plan

@@ -20,7 +20,7 @@ from typing import Any
 
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
-from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for
+from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for, scheme_config
 from dtk.plan.shape import ModelShape
 from dtk.plan.variants import SCHEME_KEYS, Variant, make_variant, standard_scheme
 
@@ -61,7 +61,7 @@ class Context:
     split_points: tuple[str, ...] = ()
 
     def job(self, v: Variant, **changes: Any) -> Job:
-        scheme = dict(v.scheme, **changes)
+        scheme = scheme_config(dict(v.scheme, **changes))
         return Job(
             scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,

@@ -24,6 +24,7 @@ from dtk.errors import ArgumentParser
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
+from dtk.plan.layout import uses_zero1
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
@@ -90,7 +91,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         sharded_logits=isinstance(task, LmTask) and not task.metrics,
     )
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
-    shard_group = mesh.dp_group if cfg.scheme.shard_optimizer else None
+    shard_group = mesh.dp_group if uses_zero1(cfg.scheme, mesh.degrees) else None
     optimizers = [build_optimizer(part.parameters(), optim=cfg.optim, shard_group=shard_group) for part in model.parts]
     scheduler = SchedulerGroup(
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
