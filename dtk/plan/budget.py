@@ -74,7 +74,7 @@ class Context:
             global_batch=self.global_batch, micro_batch=self.micro_batch, model=self.model_checks,
             blocks=sum(1 for _, is_block in self.shape.units if is_block),
         )
-        stages = v.degrees.pp * int(v.scheme["pp_virtual_stages"]) if v.degrees.pp > 1 else 1
+        stages = v.degrees.pp * scheme_config(v.scheme).pp_virtual_stages if v.degrees.pp > 1 else 1
         if self.split_points and stages > 1 and len(self.split_points) + 1 != stages:
             # A model's own split points fix its number of stages (checked here for any model,
             # not only the built-in transformer that check_scheme reads).
