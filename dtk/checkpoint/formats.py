@@ -61,7 +61,8 @@ def write_hf(tensors: dict[str, torch.Tensor], out: Path, *, model_cfg: dict[str
     dtypes = {t.dtype for t in tensors.values()}
     cfg.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     # transformers annotates the lazy mapping's value as a pair; what it returns is the model class.
-    cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]  # type: ignore[attr-defined]
+    model_class: Any = AutoModelForCausalLM._model_mapping[type(cfg)]
+    cfg.architectures = [model_class.__name__]
     if getattr(cfg, "tie_word_embeddings", False):
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
