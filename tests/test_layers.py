@@ -33,19 +33,26 @@ def owner(path: Path, root: Path) -> str:
 
 
 @functools.cache  # each file is parsed once, however many graphs are drawn
-def imported(source: str) -> tuple[tuple[str, int], ...]:
-    """(second component of every dtk module imported, line): `from dtk.plan.plan import x`
-    -> plan, `from dtk import audit` -> audit, `import dtk.config.schema` -> config."""
+def import_statements(source: str) -> tuple[tuple[str, tuple[str, ...], int], ...]:
+    """(module, names, line) of every absolute import: `import a.b` -> ("", ("a.b",), line),
+    `from a import b, c` -> ("a", ("b", "c"), line); inside functions too."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found.append(("", tuple(a.name for a in node.names), node.lineno))
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"dtk.{a.name}" for a in node.names] if node.module == "dtk" else [node.module]
-        else:
-            continue
-        found += [(n.split(".")[1], node.lineno) for n in names if n.startswith("dtk.")]
+            found.append((node.module, tuple(a.name for a in node.names), node.lineno))
     return tuple(found)
+
+
+def imported(source: str) -> list[tuple[str, int]]:
+    """(second component of every dtk module imported, line): `from dtk.plan.plan import x`
+    -> plan, `from dtk import audit` -> audit, `import dtk.config.schema` -> config."""
+    found = []
+    for module, names, line in import_statements(source):
+        full = names if not module else [f"dtk.{n}" for n in names] if module == "dtk" else [module]
+        found += [(n.split(".")[1], line) for n in full if n.startswith("dtk.")]
+    return found
 
 
 def import_graph(files: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -138,6 +145,28 @@ def _read_dtk() -> tuple[tuple[str, str], ...]:
     return tuple((str(p.relative_to(REPO)), p.read_text()) for p in sorted((REPO / "dtk").rglob("*.py")))
 
 
+def module_graph(files: dict[str, str]) -> dict[str, dict[str, str]]:
+    """{module: {dtk module it imports: where}}: `from dtk.config import compose` names the
+    module dtk.config.compose, `from dtk.config.compose import x` too."""
+    def name(path: str) -> str:
+        parts = list(Path(path).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p) for p in files}
+    graph: dict[str, dict[str, str]] = {}
+    for path, source in sorted(files.items()):
+        src, edges = name(path), graph.setdefault(name(path), {})
+        for module, names, line in import_statements(source):
+            if not module:
+                targets = list(names)
+            else:
+                targets = [f"{module}.{n}" if f"{module}.{n}" in modules else module for n in names]
+            for t in targets:
+                if t in modules and t != src and not src.startswith(t + "."):  # a package's own __init__
+                    edges.setdefault(t, f"{path}:{line}")
+    return graph
+
+
 def dtk_files() -> dict[str, str]:
     """{path: source} of every module of dtk (a fresh dict: a test may plant into it)."""
     return dict(_read_dtk())
@@ -157,6 +186,11 @@ def test_imports_keep_to_the_stated_rules():
 
 def test_no_two_packages_import_each_other():
     found = cycles(import_graph(dtk_files()))
+    assert not found, "\n".join("cycle: " + "; ".join(c) for c in found)
+
+
+def test_no_two_modules_import_each_other():
+    found = cycles(module_graph(dtk_files()))
     assert not found, "\n".join("cycle: " + "; ".join(c) for c in found)
 
 
@@ -192,3 +226,6 @@ def test_the_cycle_check_catches_a_planted_loop():
     longer = dtk_files()
     longer["dtk/config/schema.py"] += "from dtk.train.loss import Loss\n"  # train -> ... -> config -> train
     assert cycles(import_graph(longer))
+    inside = dtk_files()
+    inside["dtk/config/convert.py"] += "def f():\n    from dtk.config.compose import compose\n"  # the old pair
+    assert any("dtk.config.convert -> dtk.config.compose" in " ".join(c) for c in cycles(module_graph(inside)))
