@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dtk.checkpoint.manager import CheckpointManager  # noqa: E402
 from dtk.config.schema import CheckpointConfig  # noqa: E402
 from dtk.dist.mesh import ParallelMesh  # noqa: E402
-from dtk.rundir import RunDir  # noqa: E402
+from dtk.rundir import MANIFEST, RunDir  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: intended
 
@@ -135,7 +135,7 @@ def main() -> None:
                     n += 1
                 ckpt.wait()
                 row[f"{kind}_overlap"], row[f"{kind}_steps"] = max(0.0, extra), n
-                manifest = json.loads((ckpt.run.checkpoint_dir(r + 1) / "manifest.json").read_text())
+                manifest = json.loads((ckpt.run.checkpoint_dir(r + 1) / MANIFEST).read_text())
                 row[f"{kind}_seconds"] = manifest["save_seconds"]
                 row["bytes"] = sum(f["size"] for f in manifest["files"].values())
             settle()

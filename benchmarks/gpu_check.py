@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtk.plan.accelerators import ACCELERATORS  # noqa: E402
+from dtk.rundir import EVENTS, HEARTBEAT, METRICS, SUMMARY
 from dtk.train.flops import accelerator_of  # noqa: E402
 
 GIB = 2**30
@@ -79,9 +80,9 @@ def throughput(run: Path, plan_json: Path | None) -> None:
     from dtk.rundir import RunDir
 
     plan = Plan.from_json(RunDir(run).plan_json.read_text())
-    records = [r for r in _jsonl(run / "metrics.jsonl") if "step" in r]
+    records = [r for r in _jsonl(run / METRICS) if "step" in r]
     warm = [r for r in records if r["step"] > WARMUP_STEPS] or records[len(records) // 2 :]
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads((run / SUMMARY).read_text())
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in warm)
     print(f"steps           {len(records)}; medians over steps {warm[0]['step']}-{warm[-1]['step']},"
           f" {plan.world_size} GPU(s)")
@@ -100,7 +101,7 @@ def throughput(run: Path, plan_json: Path | None) -> None:
     else:
         print("MFU             unknown: this GPU is not in dtk's accelerator table; set PEAK_TFLOPS")
     print(memory_figure(summary, json.loads(plan_json.read_text()) if plan_json and plan_json.exists() else None))
-    saves = [e for e in _jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_saved"]
+    saves = [e for e in _jsonl(run / EVENTS) if e.get("event") == "checkpoint_saved"]
     for e in saves:
         rate = e["bytes"] / e["seconds"] / 1e9 if e.get("seconds") else float("nan")
         copy = f", copy to pinned host memory {e['staging_seconds']:.2f} s" if e.get("staging_seconds") is not None else ""
@@ -163,7 +164,7 @@ def syncs(device_name: str = "cuda") -> None:
         flag = StopFlag()
         stop = AgreedStop(agreed=lambda s: flag.vote(None, s), checkpoints=Nothing(), total_steps=2 * steps, run=None,
                           restart=0, budget_s=1.0)
-        policies = StepPolicies(metrics=metrics, heartbeat=Heartbeat(Path(folder) / "heartbeat"), resumed=Nothing(),
+        policies = StepPolicies(metrics=metrics, heartbeat=Heartbeat(Path(folder) / HEARTBEAT), resumed=Nothing(),
                                 evaluation=Nothing(), checkpoint=Nothing(), stop=stop, profile=profiler)
         trainer.fit(start_step=0, total_steps=steps, policies=policies)  # warm-up: allocator, first copies
         if cuda:
@@ -192,7 +193,7 @@ def syncs(device_name: str = "cuda") -> None:
 
 def equivalence(reference: Path, runs: list[Path]) -> int:
     def losses(run: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in _jsonl(run / "metrics.jsonl") if "step" in r}
+        return {r["step"]: r["loss"] for r in _jsonl(run / METRICS) if "step" in r}
 
     want = losses(reference)
     failed = 0

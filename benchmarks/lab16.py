@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtk.rundir import EVENTS, METRICS
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -32,10 +34,10 @@ def once(steps: int, root: Path) -> tuple[float, float, float]:
     if proc.returncode != 0:
         raise SystemExit(f"16-node job failed:\n{proc.stdout}\n{proc.stderr}")
     (run,) = [p for p in root.iterdir() if p.is_dir()]
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (run / EVENTS).read_text().splitlines()]
     started = next(e["time"] for e in events if e["event"] == "started")
     finished = next(e["time"] for e in events if e["event"] == "finished")
-    world = {json.loads(line)["world_size"] for line in (run / "metrics.jsonl").read_text().splitlines()}
+    world = {json.loads(line)["world_size"] for line in (run / METRICS).read_text().splitlines()}
     assert world == {16}, world
     return total, started - t0, finished - started
 

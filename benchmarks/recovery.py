@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtk.rundir import EVENTS, METRICS, SUMMARY
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 DETECTION = {"crash": "relaunched", "hang": "hang_detected", "node-fail": "node_failed",
@@ -48,11 +50,11 @@ def dtk(*args: str) -> subprocess.CompletedProcess:
 
 
 def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run / EVENTS).read_text().splitlines()]
 
 
 def metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
+    path = run / METRICS
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -142,7 +144,7 @@ def one(kind: str, root: Path, args) -> dict:
         for node in nodes:
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
     evs = events(run)
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads((run / SUMMARY).read_text())
     if summary.get("status") != "finished":
         raise SystemExit(f"{kind}: the run did not finish: {summary}")
     detected = next((e for e in evs if e["event"] == DETECTION[kind] and e["time"] >= t_drill), None)

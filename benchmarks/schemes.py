@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from dtk.rundir import LOGS_DIR, METRICS
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -69,7 +71,7 @@ SCHEMES = {
 
 
 def model_state_mib(dim: int = 384, num_layers: int = 8, vocab: int = 8192, seq: int = 32) -> float:
-    from dtk.models.transformer import ffn_hidden_size
+    from dtk.plan.shape import ffn_hidden_size
 
     hidden = ffn_hidden_size(dim, 0)
     params = 2 * vocab * dim + seq * dim + num_layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + dim
@@ -86,8 +88,8 @@ def run_scheme(overrides: list[str], steps: int, root: Path, *, memory: bool) ->
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak: dict[int, int] = {}
-    pids_file = run / "logs" / "start_00" / "pids"
-    metrics = run / "metrics.jsonl"
+    pids_file = run / LOGS_DIR / "start_00" / "pids"
+    metrics = run / METRICS
     workers: list[psutil.Process] = []
     while proc.poll() is None:
         if memory:

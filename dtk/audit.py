@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
+from dtk.rundir import PLAN_JSON
 
 AUDIT_DIR = "audit"
 HEAD_FILE = "audit.head"
@@ -272,7 +273,7 @@ def record_run(run_dir: Path, action: str, *, job_ids: Iterable[str] = (), **det
     from its plan.json."""
     run_dir = Path(run_dir)
     try:
-        plan = json.loads((run_dir / "plan.json").read_text())
+        plan = json.loads((run_dir / PLAN_JSON).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         plan = {}
     return record(run_root_of(run_dir), action, run=plan.get("run_name", run_dir.name),

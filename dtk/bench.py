@@ -20,7 +20,7 @@ from typing import Any
 
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report.runs import RunData, load_run
-from dtk.train.phase_names import IDLE_PHASES, PHASES
+from dtk.rundir import IDLE_PHASES, PHASES
 
 AXES = ("nodes", "tasks_per_node")
 WARMUP_SHARE = 0.2  # the first steps (compile, allocator, caches) are left out of the medians

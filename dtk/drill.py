@@ -28,7 +28,7 @@ from dtk import audit
 from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
-from dtk.rundir import RunDir
+from dtk.rundir import PLAN_JSON, RunDir
 
 DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang", "storage")
 
@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hold", type=int, default=30,
                         help="seconds the preempting job holds the nodes, or the storage stays read-only")
     args = parser.parse_args(argv)
-    if not (args.run_dir / "plan.json").is_file():
+    if not (args.run_dir / PLAN_JSON).is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
     check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
@@ -187,4 +187,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from dtk.access.check import explain_denied
+
+    run_cli(main, on_denied=explain_denied)

@@ -56,8 +56,11 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> NoReturn:
-    """Run a command's main; user errors become one `error:` line and exit code 2."""
+def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None, *,
+            on_denied: Callable[[str | None], str] | None = None) -> NoReturn:
+    """Run a command's main; user errors become one `error:` line and exit code 2.
+    `on_denied(filename)` says what a refused read or write means (the commands that act on
+    team folders hand in dtk.access.check.explain_denied; errors imports no stage)."""
     try:
         code = main(sys.argv[1:] if argv is None else argv)
     except UserError as exc:
@@ -67,10 +70,10 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
         # policy speaking (docs/access.md), not a bug; say which file and who asked.
         import getpass
 
-        from dtk.access.check import explain_denied
-
-        fail(f"{exc.filename or 'a file'}: {exc.strerror or 'permission denied'} for user {getpass.getuser()};"
-             f" {explain_denied(exc.filename)}")
+        why = on_denied(exc.filename) if on_denied is not None else (
+            "under an access policy, reading runs takes the viewer role and changing them the run's user or the"
+            " maintainer role (python -m dtk.access show POLICY says who holds which)")
+        fail(f"{exc.filename or 'a file'}: {exc.strerror or 'permission denied'} for user {getpass.getuser()}; {why}")
     except BrokenPipeError:  # `python -m dtk.plan --help | head` is not an error
         sys.stderr.close()
         sys.exit(0)

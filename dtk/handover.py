@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dtk import audit
 from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.rundir import CONFIG_YAML, PLAN_JSON, PLAN_MD
 
 DOCS = {"recovery.md": "recovery.md", "operations.md": "operations.md", "acceptance.md": "acceptance.md",
         "reference.md": "reference.md", "access-guide.md": "access.md"}
@@ -50,11 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 def handover(run_dir: Path, out: Path) -> list[Artifact]:
     from dtk.plan.plan import Plan
 
-    if not (run_dir / "plan.json").is_file():
+    if not (run_dir / PLAN_JSON).is_file():
         raise UserError(f"RUN_DIR={run_dir}: not a dtk run directory (no plan.json)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: exists and is not an empty folder; name a new one")
-    plan = Plan.from_json((run_dir / "plan.json").read_text())
+    plan = Plan.from_json((run_dir / PLAN_JSON).read_text())
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "config").mkdir(parents=True)
@@ -71,8 +72,8 @@ def handover(run_dir: Path, out: Path) -> list[Artifact]:
 
 def _write(run_dir: Path, plan, tmp: Path) -> list[Artifact]:
     made: list[Artifact] = []
-    shutil.copyfile(run_dir / "config.yaml", tmp / "config" / "config.yaml")
-    shutil.copyfile(run_dir / "plan.json", tmp / "config" / "plan.json")
+    shutil.copyfile(run_dir / CONFIG_YAML, tmp / "config" / CONFIG_YAML)
+    shutil.copyfile(run_dir / PLAN_JSON, tmp / "config" / PLAN_JSON)
     made.append(Artifact("config/config.yaml, config/plan.json", "the run's resolved configuration and plan"))
     made.append(_overrides(plan, tmp))
     (tmp / "plan.txt").write_text(plan.describe() + "\n")
@@ -96,9 +97,10 @@ def _write(run_dir: Path, plan, tmp: Path) -> list[Artifact]:
 
 def _overrides(plan, tmp: Path) -> Artifact:
     from dtk.config.overrides import repeat_overrides
+    from dtk.plan.plan import semantic_hash
 
     name = "config/overrides.txt"
-    overrides, why = repeat_overrides(plan.config, plan.config_hash)
+    overrides, why = repeat_overrides(plan.config, plan.config_hash, semantic_hash=semantic_hash)
     if overrides is None:
         return Artifact(name, "command-line overrides that compose the same config", missing=why)
     (tmp / name).write_text("".join(f"{o}\n" for o in overrides))
@@ -107,10 +109,10 @@ def _overrides(plan, tmp: Path) -> Artifact:
 
 def _plan_md(run_dir: Path, tmp: Path) -> Artifact:
     what = "the topology scheme: mesh, rank -> node placement, memory, traffic per axis, how to expand"
-    if (run_dir / "plan.md").is_file() and (run_dir / "plan.md").stat().st_size:
-        shutil.copyfile(run_dir / "plan.md", tmp / "plan.md")
-        return Artifact("plan.md", what)
-    return Artifact("plan.md", what, missing="the run directory has no plan.md (dtk.submit writes it; a run submitted"
+    if (run_dir / PLAN_MD).is_file() and (run_dir / PLAN_MD).stat().st_size:
+        shutil.copyfile(run_dir / PLAN_MD, tmp / PLAN_MD)
+        return Artifact(PLAN_MD, what)
+    return Artifact(PLAN_MD, what, missing="the run directory has no plan.md (dtk.submit writes it; a run submitted"
                     " by an older dtk has none): python -m dtk.plan with the overrides in config/overrides.txt prints"
                     " the same budget; plan.txt has the plan")
 
@@ -186,4 +188,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from dtk.access.check import explain_denied
+
+    run_cli(main, on_denied=explain_denied)

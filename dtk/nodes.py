@@ -22,7 +22,7 @@ from dtk import audit
 from dtk.access.check import check_action
 from dtk.driver.exclusions import read_entries, read_exclusions, readmit
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import RunDir
+from dtk.rundir import PLAN_JSON, RunDir
 
 
 def _when(t: float) -> str:
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--readmit", metavar="NODE", help="give NODE back to the run")
     parser.add_argument("--json", action="store_true", help="every entry as JSON")
     args = parser.parse_args(argv)
-    if not (args.run_dir / "plan.json").is_file():
+    if not (args.run_dir / PLAN_JSON).is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
     slurm = _slurm()
@@ -125,4 +125,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from dtk.access.check import explain_denied
+
+    run_cli(main, on_denied=explain_denied)

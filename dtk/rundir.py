@@ -27,10 +27,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
-MANIFEST = "manifest.json"
+# Every name in a run directory, defined here only (tests/test_rundir_names.py holds the
+# rest of dtk to it): writers and readers on the login node, the driver and the workers
+# meet on these.
+CONFIG_YAML = "config.yaml"
+PLAN_JSON = "plan.json"
+PLAN_MD = "plan.md"
+MESH_FILE = "mesh.json"
+TOPOLOGY_JSON = "topology.json"
+DATA_SPLIT = "data.json"  # a user dataset's split
+METRICS = "metrics.jsonl"
+EVAL_LOG = "eval.jsonl"
+SYSTEM_LOG = "system.jsonl"
+EVENTS = "events.jsonl"
 HEARTBEAT = "heartbeat"
+SUMMARY = "summary.json"
 STOP_REQUEST = "stop_request.json"
+RUN_LOCK = "lock"
+EXCLUDED_NODES = "excluded_nodes.json"  # nodes the driver excludes from later starts, and why
+EXCLUDED_NODES_LOCK = "excluded_nodes.lock"
+SRUN_LOG = "srun.log"  # in a start's log folder: the Slurm step's own output
+HEALTH_DIR = "health"  # a spare node's health check beats, one file per node
+TENSORBOARD_DIR = "tensorboard"
+LOGS_DIR = "logs"
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"  # in a checkpoint folder, written last: the commit
+TRAINER_STATE = "trainer.json"  # in a checkpoint folder: step, data position, schedule
+
+# What metrics.jsonl records name: written by the workers (dtk.train), read by the report.
+PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint", "straggler")
+"""The phases of metrics.jsonl, in step order."""
+IDLE_PHASES = ("data", "comm", "checkpoint", "straggler")
+"""Phases in which the accelerator waits: idle_share = their sum / step time."""
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -73,27 +102,27 @@ class RunDir:
 
     @property
     def config_yaml(self) -> Path:
-        return self.path / "config.yaml"
+        return self.path / CONFIG_YAML
 
     @property
     def plan_json(self) -> Path:
-        return self.path / "plan.json"
+        return self.path / PLAN_JSON
 
     @property
     def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS
 
     @property
     def events(self) -> Path:
-        return self.path / "events.jsonl"
+        return self.path / EVENTS
 
     @property
     def summary(self) -> Path:
-        return self.path / "summary.json"
+        return self.path / SUMMARY
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS_DIR
 
     @property
     def stop_request(self) -> Path:
@@ -110,7 +139,7 @@ class RunDir:
         return self.checkpoints / f"step_{step:08d}"
 
     def log_dir(self, start: int) -> Path:
-        return self.path / "logs" / f"start_{start:02d}"
+        return self.path / LOGS_DIR / f"start_{start:02d}"
 
     def event(self, event: str, **details: Any) -> None:
         append_jsonl(self.events, {"time": round(time.time(), 3), "event": event, **details})
@@ -136,6 +165,15 @@ class RunDir:
             if m and child.is_dir():
                 found.append((int(m.group(1)), child, (child / MANIFEST).is_file()))
         return sorted(found)
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose checkpoint folder holds its manifest (committed), oldest first."""
+        return [step for step, _, committed in self.checkpoint_steps() if committed]
+
+    def latest_committed_step(self) -> int | None:
+        """The newest committed checkpoint (what a resume tries first); None without one."""
+        committed = self.committed_steps()
+        return committed[-1] if committed else None
 
     def read_summary(self) -> dict[str, Any] | None:
         try:

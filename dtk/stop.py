@@ -21,7 +21,7 @@ from pathlib import Path
 from dtk import audit
 from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import RunDir, pid_alive, write_json_atomic
+from dtk.rundir import PLAN_JSON, RunDir, pid_alive, write_json_atomic
 
 POLL_S = 0.5
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if not (args.run_dir / "plan.json").is_file():
+    if not (args.run_dir / PLAN_JSON).is_file():
         raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
     check_action(run.path, "submitter", doing="stop a run")
@@ -118,5 +118,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from dtk.access.check import explain_denied
+
+    run_cli(main, on_denied=explain_denied)
 

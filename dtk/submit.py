@@ -8,10 +8,11 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtk.config.compose import CONFIG_DIR_FLAG, compose, expand_sweep, search_path
+from dtk.config.compose import add_config_dir, compose, expand_sweep, search_path
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import Plan, make_plan
+from dtk.rundir import PLAN_MD
 
 if TYPE_CHECKING:
     from dtk.plan.report import MemoryPlan
@@ -30,12 +31,6 @@ EPILOG = """examples:
 Running the same command again continues the same run (run.name is derived from the
 config). python -m dtk.plan --help lists every key with its meaning.
 """
-
-
-def add_config_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(CONFIG_DIR_FLAG, dest="config_dirs", action="append", default=[], metavar="DIR",
-                        help="a project folder (python -m dtk.init DIR) whose config groups and modules come first;"
-                             " repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +55,7 @@ class Point:
         """What the run directory gets besides config and plan: plan.md (dtk.plan.handout)."""
         from dtk.plan.handout import plan_markdown
 
-        return {"plan.md": plan_markdown(self.plan, self.budget, self.note)}
+        return {PLAN_MD: plan_markdown(self.plan, self.budget, self.note)}
 
 
 def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[Point]:
@@ -74,8 +69,8 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     search.activate()
     points = expand_sweep(overrides) if multirun else [overrides]
     gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))  # the local cluster's default workers
-    planned = [(point, compose(point, search=search)) for point in points]
-    planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in planned]
+    composed = [(point, compose(point, search=search)) for point in points]
+    planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in composed]
     for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
         # model is an error here, not in every worker after the job waited in the queue.
@@ -102,7 +97,7 @@ def main(argv: list[str]) -> int:
     multirun = args.multirun
     points = plan_points(args.overrides, multirun, args.config_dirs)
 
-    from dtk.launch.launch import Launched, describe_launch, launch
+    from dtk.start import Launched, describe_launch, launch
 
     results = []
     for p in points:
@@ -121,4 +116,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from dtk.access.check import explain_denied
+
+    run_cli(main, on_denied=explain_denied)

@@ -43,8 +43,8 @@ FROZEN: dict[str, list[str]] = {
     "dtk.lab status": [],
     "dtk.lab up": ["--access", "--force", "--netns", "--no-install", "--nodes", "--timeout"],
     "dtk.nodes": ["--json", "--readmit", "RUN_DIR"],
+    "dtk.parallel.count": ["(no arguments)"],
     "dtk.plan": ["--config-dir", "--json", "KEY=VALUE ..."],
-    "dtk.plan.count_model": ["(no arguments)"],
     "dtk.report": ["--baseline", "--json", "--no-plots", "--out", "--tolerance", "RUN_DIR ..."],
     "dtk.status": ["--json", "RUN_DIR"],
     "dtk.stop": ["--now", "--timeout", "RUN_DIR"],
@@ -112,7 +112,7 @@ def test_every_command_parses_with_the_shared_parser_and_its_flags_are_frozen(mo
     seen: dict[str, list[str]] = {}
     for name, module in commands().items():
         main = importlib.import_module(module).main
-        if not inspect.signature(main).parameters:  # an internal step fed on stdin (dtk.plan.count_model)
+        if not inspect.signature(main).parameters:  # an internal step fed on stdin (dtk.parallel.count)
             seen[name] = ["(no arguments)"]
             continue
         parser = parser_of(module, monkeypatch)

@@ -26,10 +26,9 @@ from dtk.data.synthetic import SyntheticTokens
 from dtk.dist.mesh import build_mesh
 from dtk.models.transformer import build
 from dtk.plan.degrees import Degrees
-from dtk.rundir import RunDir, read_jsonl
+from dtk.rundir import IDLE_PHASES, PHASES, RunDir, read_jsonl
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.metrics import MetricsLog
-from dtk.train.phase_names import IDLE_PHASES, PHASES
 from dtk.train.policies import StepPolicies
 from dtk.train.profile import StepProfiler
 from dtk.train.task import LmTask

@@ -18,7 +18,7 @@ from dtk.plan.comm import axis_groups, crosses_nodes, placement
 from dtk.plan.degrees import Degrees
 from dtk.plan.inputs import context
 from dtk.plan.layout import chunk, zero1_owner
-from dtk.plan.memory import Job, device_bytes, precision_for
+from dtk.plan.memory import Job, device_bytes, precision_for, scheme_config
 from dtk.plan.plan import make_plan
 from dtk.plan.shape import builtin_shape, whatif_shape
 
@@ -38,7 +38,8 @@ ZERO_SCHEMES = {
 @pytest.mark.parametrize("key", ZERO_PAPER_GB)
 def test_model_states_match_the_zero_paper_within_2_percent(key):
     shape = whatif_shape({"params": 7.5e9})
-    scheme, degrees = ZERO_SCHEMES[key]
+    raw, degrees = ZERO_SCHEMES[key]
+    scheme = scheme_config(raw)
     plan_bytes = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
     job = Job(scheme, degrees, micro_batch=1, num_micro=1, device="cuda",
               precision=precision_for(scheme, "cuda", plan_bytes))

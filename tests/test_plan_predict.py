@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dtk.config.compose import compose
+from dtk.parallel.count import real_shape
 from dtk.plan.memory import RankBytes
 from dtk.plan.plan import make_plan
 from dtk.plan.predict import (
@@ -17,7 +18,6 @@ from dtk.plan.predict import (
     oom_line,
     rank_prediction,
     rank_record,
-    real_shape,
     summarize,
 )
 from dtk.worker.memory import is_out_of_memory, measure_index

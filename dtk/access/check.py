@@ -23,7 +23,7 @@ def check_submit(policy: AccessConfig, *, run_dir: Path, cluster_kind: str, part
     run_root = run_dir.parent
     team = layout.find_team(run_root)
     recorded = layout.recorded_policy(team / layout.RUNS) if team is not None else None
-    if recorded is not None and recorded != policy.name:
+    if team is not None and recorded is not None and recorded != policy.name:
         raise UserError(f"access={policy.name}: run.root={run_root} is governed by access policy {recorded}"
                         f" ({team / layout.POLICY_FILE}); submit with access={recorded}")
     if recorded is not None:

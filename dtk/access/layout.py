@@ -238,9 +238,10 @@ def recorded_policy(run_root: Path) -> str | None:
         text = (run_root.parent / POLICY_FILE).read_text()
     except OSError:
         return None
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-    return str(OmegaConf.create(text).get("name"))
+    recorded = OmegaConf.create(text)
+    return str(recorded.get("name")) if isinstance(recorded, DictConfig) else None
 
 
 def check_run_root(run_root: Path, policy: AccessConfig) -> None:

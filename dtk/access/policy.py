@@ -42,13 +42,13 @@ def policy_file(name_or_path: str) -> Path:
 
 def load_policy(name_or_path: str) -> AccessConfig:
     """A policy from a YAML file, or by name from the config folders' access/ group."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     path = policy_file(name_or_path)
     try:
         raw = OmegaConf.load(path)
-        if "defaults" in raw:
+        if isinstance(raw, DictConfig) and "defaults" in raw:
             del raw["defaults"]
         merged = OmegaConf.merge(OmegaConf.structured(AccessConfig), raw)
         policy = OmegaConf.to_object(merged)

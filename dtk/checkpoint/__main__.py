@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def human(n: int) -> str:
+def human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -116,4 +116,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from dtk.access.check import explain_denied
+
+    run_cli(main, on_denied=explain_denied)

@@ -51,7 +51,7 @@ def newest_verified(found: dict[int, Listing], *, num: int) -> list[int]:
     """The `num` newest steps that verify in full (CRCs read), newest first. Candidates are
     those whose sizes match, read newest first until `num` verify: a delete reads only the
     checkpoints it must."""
-    out = []
+    out: list[int] = []
     for s in sorted((s for s, c in found.items() if c.verified), reverse=True):
         if len(out) == num:
             break

@@ -43,7 +43,8 @@ def write_file(tensors: dict[str, torch.Tensor], out: Path, *, fmt: str) -> None
 
 def write_hf(tensors: dict[str, torch.Tensor], out: Path, *, model_cfg: dict[str, Any] | None) -> None:
     """A transformers folder from the state dict of a model=hf run."""
-    target = (model_cfg or {}).get("_target_")
+    model = model_cfg or {}
+    target = model.get("_target_")
     if target != HF_TARGET:
         raise UserError(
             f"--format hf: the run's model is {target}, not a Hugging Face model (model=hf); use --format"
@@ -54,12 +55,14 @@ def write_hf(tensors: dict[str, torch.Tensor], out: Path, *, model_cfg: dict[str
 
     from dtk.models.hf import SAFETENSORS, hf_config
 
-    cfg = hf_config(config=model_cfg.get("config"), init_from=model_cfg.get("init_from"),
-                    overrides=model_cfg.get("config_overrides"))
+    cfg = hf_config(config=model.get("config"), init_from=model.get("init_from"),
+                    overrides=model.get("config_overrides"))
     cfg.use_cache = True  # what an inference user expects back
     dtypes = {t.dtype for t in tensors.values()}
     cfg.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-    cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
+    # transformers annotates the lazy mapping's value as a pair; what it returns is the model class.
+    model_class: Any = AutoModelForCausalLM._model_mapping[type(cfg)]
+    cfg.architectures = [model_class.__name__]
     if getattr(cfg, "tie_word_embeddings", False):
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

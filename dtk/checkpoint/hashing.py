@@ -195,16 +195,16 @@ class HashingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = HashingStream(raw)
+            hashing = HashingStream(raw)
             try:
-                yield stream
+                yield hashing
             finally:
-                stream.close()  # waits for its write-back kicks before the descriptor closes
+                hashing.close()  # waits for its write-back kicks before the descriptor closes
         name = Path(path).name
-        ok = stream.sequential and os.stat(path).st_size == stream.size
+        ok = hashing.sequential and os.stat(path).st_size == hashing.size
         with self._lock:
             if ok:
-                self._hashed[name] = {"size": stream.size, CHECKSUM: f"{stream.crc.value:08x}"}
+                self._hashed[name] = {"size": hashing.size, CHECKSUM: f"{hashing.crc.value:08x}"}
             else:
                 self._hashed.pop(name, None)
 
@@ -231,8 +231,9 @@ class HashingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = HashingFileSystem()
+        self.hashing = HashingFileSystem()
+        self.fs = self.hashing  # what FileSystemWriter writes through
         torch.serialization.set_crc32_options(False)
 
     def hashed(self) -> dict[str, dict[str, Any]]:
-        return self.fs.hashed()
+        return self.hashing.hashed()

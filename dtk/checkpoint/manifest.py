@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.checkpoint.trust import CHECKSUM, Rejected, check_metadata
 from dtk.rundir import MANIFEST, RunDir, write_json_atomic
 
 FORMAT_VERSION = 1
 CHUNK = 8 << 20
-CHECKSUM = "crc32"
 
 
 def file_checksum(path: Path) -> str:
@@ -67,10 +67,6 @@ def commit(folder: Path, manifest: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class Rejected(Exception):
-    """A checkpoint that must not be loaded; the message says why, in a few words."""
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -127,8 +123,6 @@ def verify(folder: Path, *, checksums: bool = True) -> dict[str, Any]:
     metadata only (dtk.checkpoint.trust, without torch); raises Rejected otherwise. One
     process reads every file; workers share the reading (see dtk.checkpoint.load).
     `checksums=False`: the manifest and the sizes only, nothing read or parsed."""
-    from dtk.checkpoint.trust import check_metadata  # it builds on this module
-
     manifest = read_manifest(folder)
     problems = check_sizes(folder, manifest)
     if not problems and checksums:

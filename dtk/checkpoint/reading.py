@@ -55,6 +55,7 @@ class HashingReader(SafeReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         metadata = super().read_metadata(*args, **kwargs)
+        assert self.metadata_crc is not None
         self.crcs[METADATA] = self.metadata_crc  # checked against the manifest before it was parsed
         return metadata
 

@@ -18,8 +18,8 @@ def rng_state() -> dict[str, torch.Tensor]:
     import numpy as np
 
     version, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    assert kind == "MT19937", kind
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert kind == "MT19937" and isinstance(keys, np.ndarray), kind
     state = {
         "python_version": torch.tensor([version], dtype=torch.int64),
         "python_words": torch.tensor(words, dtype=torch.int64),

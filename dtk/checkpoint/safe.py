@@ -100,6 +100,7 @@ class SafeReader(FileSystemReader):
         metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:  # what torch's read_metadata does after pickle.load
             metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

@@ -56,13 +56,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
-from dtk.rundir import write_json_atomic
+from dtk.rundir import TRAINER_STATE, write_json_atomic
 
-TRAINER_STATE = "trainer.json"
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
 FORMAT_VERSION = mf.FORMAT_VERSION
 COMMIT_DELAY_ENV = "DTK_TEST_COMMIT_DELAY_S"
@@ -236,6 +236,8 @@ class Saver:
                 times["copy_from"] = time.perf_counter()
                 response = dcp.async_save(state, storage_writer=writer, process_group=self.comm.group,
                                           async_stager=self._stager, no_dist=self.comm.group is None)
+                # With a stager, DCP answers with both futures (a bare Future without one).
+                assert isinstance(response, AsyncSaveResponse), type(response)
                 self._staging, written = response.staging_completion, response.upload_completion
                 self._staging.add_done_callback(lambda _: times.setdefault("copied", time.perf_counter()))
             else:

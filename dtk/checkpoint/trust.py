@@ -26,9 +26,14 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from dtk.checkpoint.manifest import CHECKSUM, Rejected
-
+CHECKSUM = "crc32"
 METADATA = ".metadata"
+
+
+class Rejected(Exception):
+    """A checkpoint that must not be loaded; the message says why, in a few words."""
+
+
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (DCP_METADATA, "Metadata"),
@@ -67,6 +72,8 @@ class _Standin:
     """What an admitted global becomes when the caller has no torch (a login node's
     `checkpoint list`): it takes any arguments and state, so the pickle parses to the end
     and its references are all checked, and nothing of torch's is imported or run."""
+
+    args: tuple[Any, ...]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Standin:
         obj = super().__new__(cls)

@@ -56,7 +56,8 @@ class DataParallel(Choice):
 
 # "1f1b" is not a Python identifier, so this one is made with the functional API; code
 # names its members by value: PipelineSchedule("1f1b").
-PipelineSchedule = Choice(
+# mypy reads a call of a str-mixin Enum as str's constructor, not the functional API.
+PipelineSchedule = Choice(  # type: ignore[call-overload]
     "PipelineSchedule",
     [("gpipe", "gpipe"), ("1f1b", "1f1b"), ("interleaved_1f1b", "interleaved_1f1b")],
     module=__name__,

@@ -7,17 +7,18 @@ last consumer: each stage is handed the slice it needs (``cfg.optim``, ``cfg.sch
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import itertools
 import os
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.config.convert import explain
 from dtk.config.schema import Config
 from dtk.errors import UserError
 from dtk.resources import conf_dir
@@ -25,6 +26,12 @@ from dtk.resources import conf_dir
 CONFIG_NAME = "config"
 CONFIG_PATH_ENV = "DTK_CONFIG_PATH"
 CONFIG_DIR_FLAG = "--config-dir"
+
+
+def add_config_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(CONFIG_DIR_FLAG, dest="config_dirs", action="append", default=[], metavar="DIR",
+                        help="a project folder (python -m dtk.init DIR) whose config groups and modules come first;"
+                             " repeatable")
 
 
 def config_dir() -> Path:
@@ -172,7 +179,7 @@ def _reject_unknown_keys(node: Any, path: str = "") -> None:
     schema = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(schema):
         known = {f.name for f in dataclasses.fields(schema)}
-        for key in node.keys():
+        for key in map(str, node.keys()):
             if key not in known:
                 full = f"{path}{key}"
                 raise UserError(
@@ -181,44 +188,10 @@ def _reject_unknown_keys(node: Any, path: str = "") -> None:
                 )
     if path == "extra.":
         return  # free-form by design
-    for key in node.keys():
+    for key in map(str, node.keys()):
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             _reject_unknown_keys(child, f"{path}{key}.")
-
-
-def explain(exc: Exception, *, prefix: str = "") -> str:
-    """Turn a Hydra/OmegaConf exception into one line that names the key and what would work.
-    `prefix` goes before the key (a section checked on its own: "model.")."""
-    cause = exc.__cause__ or exc
-    text = str(exc)
-    ctext = str(cause)
-    found = re.search(r"full_key: (\S+)", ctext)
-    if found:
-        key = f"{prefix}{found.group(1)}"
-        m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", ctext)
-        if m:
-            return f"{key}={m.group(1)}: expected {m.group(3).lower()}, got '{m.group(1)}'"
-        m = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", ctext)
-        if m:
-            return f"{key}={m.group(1)}: expected one of {m.group(2)}"
-        m = re.search(r"Key '([^']+)' not in '(\w+)'", ctext)
-        if m:
-            return f"unknown key '{key}' (not a field of {m.group(2)}); python -m dtk.plan --help lists every key"
-        return f"{key}: {ctext.splitlines()[0]}"
-    m = re.search(r"Could not find '(\w+)/([^']*)'", text)
-    if m:
-        group, name = m.groups()
-        listing = text.split("Available options in", 1)[1].split("Config search path", 1)[0] if "Available options in" in text else ""
-        options = [
-            line.strip() for line in listing.splitlines()[1:] if line.strip() and not line.strip().endswith("_schema")
-        ]
-        hint = f"available: {', '.join(options)}" if options else f"no options in conf/{group}/"
-        return f"{group}={name}: no such {group} ({hint})"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if text.startswith("Ambiguous value"):
-        lines = lines[:3] + ["or put -m before the overrides to sweep over the values"]
-    return "; ".join(lines[:4]) if lines else type(exc).__name__
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -237,6 +210,7 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
             key = ov.get_key_element()
             axes.append([f"{key}={value}" for value in ov.sweep_string_iterator()])
         else:
+            assert ov.input_line is not None, "the parser keeps each override's text"
             axes.append([ov.input_line])
     return [list(point) for point in itertools.product(*axes)]
 

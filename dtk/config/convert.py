@@ -18,6 +18,7 @@ the same schemas, so a plan read by a worker is typed and checked like a compose
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
@@ -26,9 +27,11 @@ from dtk.config.choices import DataKind
 from dtk.config.schema import (
     DATA_SCHEMAS,
     Config,
+    Hdf5DataConfig,
     ModelConfig,
     ModelParallelConfig,
     SchemeConfig,
+    SyntheticDataConfig,
     TransformerConfig,
     UserDataConfig,
 )
@@ -50,7 +53,8 @@ def model_config(model: Any) -> ModelConfig:
     """A ModelConfig from the composed `model` section (a TransformerConfig or a user dict)."""
     if isinstance(model, ModelConfig):
         return model
-    flat = dataclasses.asdict(model) if dataclasses.is_dataclass(model) else dict(model)
+    is_instance = dataclasses.is_dataclass(model) and not isinstance(model, type)
+    flat = dataclasses.asdict(model) if is_instance else dict(model)
     target = flat.pop("_target_", None)
     if not isinstance(target, str) or not target:
         raise UserError(
@@ -77,7 +81,7 @@ def builtin_transformer(model: ModelConfig) -> TransformerConfig | None:
 def data_config(data: Any) -> Any:
     """The data section typed by the schema its `kind` names; a kind that contradicts the
     chosen group's schema is refused (data=synthetic data.kind=hdf5 has no path)."""
-    if dataclasses.is_dataclass(data):
+    if isinstance(data, (SyntheticDataConfig, Hdf5DataConfig, UserDataConfig)):
         chosen = next(kind for kind, cls in DATA_SCHEMAS.items() if isinstance(data, cls))
         if data.kind != chosen:
             raise UserError(
@@ -111,8 +115,6 @@ def typed(cls: type, raw: Mapping[str, Any], *, prefix: str = "") -> Any:
     """`raw` checked against the schema `cls` and turned into it; mistakes are UserErrors."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from dtk.config.compose import explain
 
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(raw)))
@@ -152,3 +154,37 @@ def to_yaml(cfg: Config) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+
+
+def explain(exc: Exception, *, prefix: str = "") -> str:
+    """Turn a Hydra/OmegaConf exception into one line that names the key and what would work.
+    `prefix` goes before the key (a section checked on its own: "model.")."""
+    cause = exc.__cause__ or exc
+    text = str(exc)
+    ctext = str(cause)
+    found = re.search(r"full_key: (\S+)", ctext)
+    if found:
+        key = f"{prefix}{found.group(1)}"
+        m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", ctext)
+        if m:
+            return f"{key}={m.group(1)}: expected {m.group(3).lower()}, got '{m.group(1)}'"
+        m = re.search(r"Invalid value '(.*)', expected one of \[(.*)\]", ctext)
+        if m:
+            return f"{key}={m.group(1)}: expected one of {m.group(2)}"
+        m = re.search(r"Key '([^']+)' not in '(\w+)'", ctext)
+        if m:
+            return f"unknown key '{key}' (not a field of {m.group(2)}); python -m dtk.plan --help lists every key"
+        return f"{key}: {ctext.splitlines()[0]}"
+    m = re.search(r"Could not find '(\w+)/([^']*)'", text)
+    if m:
+        group, name = m.groups()
+        listing = text.split("Available options in", 1)[1].split("Config search path", 1)[0] if "Available options in" in text else ""
+        options = [
+            line.strip() for line in listing.splitlines()[1:] if line.strip() and not line.strip().endswith("_schema")
+        ]
+        hint = f"available: {', '.join(options)}" if options else f"no options in conf/{group}/"
+        return f"{group}={name}: no such {group} ({hint})"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if text.startswith("Ambiguous value"):
+        lines = lines[:3] + ["or put -m before the overrides to sweep over the values"]
+    return "; ".join(lines[:4]) if lines else type(exc).__name__

@@ -148,9 +148,8 @@ def default(f: dataclasses.Field) -> str:
         if value == "???":  # omegaconf.MISSING: the key must be given
             return "required"
         return repr(value) if isinstance(value, str) else str(value)
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value: Any = f.default_factory()  # type: ignore[misc]
-        return str(value)
+    if f.default_factory is not dataclasses.MISSING:
+        return str(f.default_factory())
     return "required"
 
 

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from dtk.config.choices import FabricRequire
 
+# The variables dtk may choose at start (dtk.topology.choose); one of them set by hand in
+# cluster.env is taken as the user's word. The plan's handout lists those the user fixed.
+CHOSEN_KEYS = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME",
+               "GLOO_SOCKET_IFNAME", "MASTER_ADDR")
+
 
 @dataclass
 class FabricConfig:

@@ -9,6 +9,7 @@ them gives the same semantic hash, so the command they make is the same run.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from dtk.config.convert import to_dict
@@ -52,10 +53,11 @@ def group_choices(cfg: dict[str, Any]) -> list[str]:
     return choices
 
 
-def repeat_overrides(cfg: Config, config_hash: str) -> tuple[list[str] | None, str]:
-    """(overrides, "") that compose a config of the same hash, or (None, why not)."""
+def repeat_overrides(cfg: Config, config_hash: str, *, semantic_hash: Callable[[Config], str]
+                     ) -> tuple[list[str] | None, str]:
+    """(overrides, "") that compose a config of the same hash, or (None, why not). The hash
+    is the run identity's (dtk.plan.plan.semantic_hash), handed in: config is the first stage."""
     from dtk.config.compose import compose
-    from dtk.plan.plan import semantic_hash
 
     plain = to_dict(cfg)
     try:

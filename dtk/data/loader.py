@@ -35,25 +35,25 @@ def build_splits(data: Any, *, model: ModelConfig) -> tuple[TokenDataset, TokenD
     if data.kind == DataKind.user:
         from dtk.data.user import build_user_splits
 
-        train, val, split = build_user_splits(
+        train, val, user_split = build_user_splits(
             target=data._target_, kwargs=dict(data.kwargs), val_fraction=data.val_fraction,
             split_seed=data.split_seed, version=data.version,
         )
-        train.split = split
+        train.split = user_split
         return train, val
     if data.kind == DataKind.synthetic:
         from dtk.data.synthetic import SyntheticTokens
 
         # The plan refuses synthetic data for a model without seq_len and vocab_size.
         assert model.seq_len is not None and model.vocab_size is not None
-        train = SyntheticTokens(
+        synthetic = SyntheticTokens(
             num_samples=data.num_samples,
             seq_len=model.seq_len,
             vocab_size=model.vocab_size,
             seed=data.seed,
             branching=data.branching,
         )
-        return train, train.validation()
+        return synthetic, synthetic.validation()
     assert data.kind == DataKind.hdf5, data.kind
     from dtk.data.hdf5 import Hdf5Tokens, check_model, split
 

@@ -105,6 +105,7 @@ class MapDataset:
     def __init__(self, dataset: Any, *, version: str) -> None:
         self.dataset = dataset
         self.version = version
+        self.split: Split | None = None  # the training set's: how the user's samples were split
 
     def __len__(self) -> int:
         return len(self.dataset)

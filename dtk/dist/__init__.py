@@ -1,2 +1,3 @@
 """dist: device, process group and the one named mesh (ParallelMesh) every later stage is handed.
-May import config, plan (the axis table) and worker.env; no stage after it."""
+May import config and plan (the axis table); no stage after it: the worker hands in its env
+(dtk.dist.init.WorkerRanks, which dtk.worker.env.WorkerEnv satisfies)."""

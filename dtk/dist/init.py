@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from dtk.config.choices import Backend, DeviceKind
 from dtk.errors import UserError
-from dtk.worker.env import WorkerEnv
+
+
+class WorkerRanks(Protocol):
+    """Where this worker stands, as dtk.worker.env.WorkerEnv says it (the worker, a later
+    stage, hands its env in; dist does not import it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def local_world_size(self) -> int: ...
+    @property
+    def master_addr(self) -> str: ...
+    @property
+    def master_port(self) -> int: ...
 
 
 def shared_gpu_error(local_world_size: int, device_count: int) -> str | None:
@@ -27,7 +45,7 @@ def shared_gpu_error(local_world_size: int, device_count: int) -> str | None:
     )
 
 
-def pick_device(want: DeviceKind, env: WorkerEnv) -> torch.device:
+def pick_device(want: DeviceKind, env: WorkerRanks) -> torch.device:
     if want == DeviceKind.cuda or (want == DeviceKind.auto and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("dist.device=cuda but no GPU is visible to this process")
@@ -54,7 +72,7 @@ def backend_string(backend: Backend, device_type: str, *, cpu_collectives: bool)
 
 
 def init_process_group(
-    env: WorkerEnv, *, backend: Backend, device: torch.device, timeout_s: int, cpu_collectives: bool
+    env: WorkerRanks, *, backend: Backend, device: torch.device, timeout_s: int, cpu_collectives: bool
 ) -> None:
     """Join the world with a timeout, so a missing peer fails the start instead of hanging."""
     if env.world_size == 1 and dist.is_initialized():

@@ -143,7 +143,7 @@ def matmul_tflops(*, n: int, repeats: int, device: torch.device) -> float:
 
 def gather_to_zero(value):
     """Every rank's value on rank 0 (a list, rank order); None elsewhere."""
-    out: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    out: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(value, out, dst=0)
     return out
 

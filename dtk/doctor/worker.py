@@ -18,6 +18,7 @@ from dtk.dist.init import init_process_group, pick_device
 from dtk.doctor import measure
 from dtk.doctor.report import REPORT, RESULTS, analyze, exclude_text, render
 from dtk.errors import ArgumentParser
+from dtk.plan.degrees import Axis
 from dtk.topology.discover import discover
 from dtk.topology.start import decide, gather, publish
 
@@ -41,7 +42,8 @@ def run(out: Path) -> None:
         publish(folder, env.node_rank, discover())
     nodes = gather(folder, num_nodes, timeout_s=req["startup_timeout_s"])
     fabric = decide(nodes, node_rank=env.node_rank, rank=env.rank, backend=backend,
-                    degrees={"dp_replicate": num_nodes, "pp": 1, "dp_shard": tpn, "tp": 1}, tasks_per_node=tpn,
+                    degrees=dict.fromkeys(Axis.values(), 1) | {"dp_replicate": num_nodes, "dp_shard": tpn},
+                    tasks_per_node=tpn,
                     cluster_env=req["cluster_env"], environ=os.environ, report_dir=out / "nccl")
     os.environ.update({k: v for k, v in fabric.env.items() if not k.startswith("NCCL_DEBUG")})
     env = env.__class__(**{**env.__dict__, "master_addr": fabric.choice.master_addr})

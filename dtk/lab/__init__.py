@@ -6,6 +6,7 @@
     python -m dtk.lab down [--force]
 
 Stdlib and psutil only: this runs on a login node, where torch is not imported.
+May import config and access (a policy put in force on the lab).
 """
 
 from dtk.lab.cluster import LabStatus, down, lab_dir, slow, status, up

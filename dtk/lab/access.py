@@ -98,20 +98,22 @@ def apply(policy_file: str | None, *, layout: LabLayout, system: SystemFiles, in
     was = current(layout)
     if policy is None and was is None:
         return
-    wants_accounts = policy is not None and policy.submitter.account is not None
+    submitter = policy.submitter if policy is not None else None
+    account = submitter.account if submitter is not None else None
+    group = submitter.group if submitter is not None else None  # an enforced policy names it
+    wants_accounts = account is not None
     had_accounts = any(d.program == "slurmdbd" for d in record.daemons)  # a restarted lab has none
-    if wants_accounts:
+    if account is not None and group is not None:
         accounting.ensure_installed(install, log)
-        group_members(policy.submitter.group)  # the group must exist: an error line, not a Slurm log entry
+        group_members(group)  # the group must exist: an error line, not a Slurm log entry
     base = files.render_slurm_conf(layout, record.num_nodes)
     conf = with_access(base, policy, accounts=wants_accounts) if policy else base
     if wants_accounts and not had_accounts:
         record = _add(layout, record, accounting.start(layout, log))
     layout.conf.write_text(conf)
     files.write_system_conf(conf, system.slurm_conf)
-    if wants_accounts:
-        accounting.associate(system, account=policy.submitter.account,
-                             users=sorted(group_members(policy.submitter.group) | {"root"}))
+    if account is not None and group is not None:
+        accounting.associate(system, account=account, users=sorted(group_members(group) | {"root"}))
     if wants_accounts != had_accounts:  # AccountingStorageType is read at the controller's start only
         record = _restart_controller(layout, system, record)
     if had_accounts and not wants_accounts:
@@ -125,6 +127,7 @@ def apply(policy_file: str | None, *, layout: LabLayout, system: SystemFiles, in
         state_file(layout).unlink(missing_ok=True)
         log("access: the lab's partitions admit every user again")
         return
+    assert policy_file is not None, "a policy comes from its file"
     state = {"policy": policy.name, "file": str(Path(policy_file).resolve()) if Path(policy_file).is_file()
              else policy_file, "group": policy.submitter.group, "account": policy.submitter.account if
              wants_accounts else None}

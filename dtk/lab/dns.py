@@ -43,7 +43,9 @@ def query(name: str) -> bytes:
 
 def _read_name(message: bytes, offset: int) -> tuple[str, int]:
     """A possibly compressed domain name at `offset`, and the offset just past it."""
-    labels, end, jumps = [], None, 0
+    labels: list[str] = []
+    end: int | None = None
+    jumps = 0
     while True:
         length = message[offset]
         if length & 0xC0 == 0xC0:  # a pointer to a name earlier in the message

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from dtk.rundir import EVAL_LOG
+
 
 def fmt_eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
@@ -35,7 +37,7 @@ class Progress:
         self.out = out
         self.state = state
         self._tail = _Tail(metrics)
-        self._eval_tail = _Tail(metrics.parent / "eval.jsonl")  # validation lines, shown with the next step line
+        self._eval_tail = _Tail(metrics.parent / EVAL_LOG)  # validation lines, shown with the next step line
         self._eval: dict | None = None
         self._last_printed = -1
         self._last: dict | None = None

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
+from dtk.rundir import RUN_LOCK
 
-LOCK = "lock"
+LOCK = RUN_LOCK
 
 # Slurm states after which the job will not run again by itself (NODE_FAIL and PREEMPTED
 # are not here: a requeueable job goes back to PENDING after them).

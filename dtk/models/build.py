@@ -11,7 +11,7 @@ import hashlib
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -78,13 +78,18 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+@runtime_checkable
+class NamedInit(Protocol):
+    """A model that draws each full tensor itself, by name (the built-in transformer)."""
+
+    def reset_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None: ...
+
+
 def _tensors(parts: Iterable[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    out = []
+    out: list[tuple[nn.Module, str, torch.Tensor]] = []
     for part in parts:
-        for name, t in part.named_parameters():
-            out.append((part, name, t))
-        for name, t in part.named_buffers():
-            out.append((part, name, t))
+        out += [(part, name, p) for name, p in part.named_parameters()]
+        out += [(part, name, b) for name, b in part.named_buffers()]
     return out
 
 
@@ -112,6 +117,7 @@ def _init_by_name(parts: list[nn.Module], seed: int) -> None:
     for part, name, t in _tensors(parts):
         full = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         generator = torch.Generator(device=t.device).manual_seed(name_seed(seed, name))
+        assert isinstance(part, NamedInit), "every part of one model initialises alike"
         part.reset_parameter(name, full, generator)
         _assign(t, full)
 
@@ -126,11 +132,11 @@ def materialize(parts: list[nn.Module], *, model_cfg: ModelConfig, device: torch
     one full model on the host while starting)."""
     for part in parts:
         part.to_empty(device=device)
-    if hasattr(parts[0], "reset_parameter"):
+    if isinstance(parts[0], NamedInit):
         _init_by_name(parts, seed)
         return
     reference = build_model(model_cfg, device="cpu", seed=seed)
-    values = dict(reference.named_parameters())
+    values: dict[str, torch.Tensor] = dict(reference.named_parameters())
     values.update(reference.named_buffers())
     for _, name, t in _tensors(parts):
         if name not in values:

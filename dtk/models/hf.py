@@ -107,7 +107,9 @@ def _shell(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
 
 def _hf_init(model: nn.Module, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
     """transformers' own initialisation of the tensor `name`, into the CPU tensor `full`."""
-    from transformers import initialization
+    from transformers import PreTrainedModel, initialization
+
+    assert isinstance(model, PreTrainedModel), "model=hf builds a transformers model"
 
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)

@@ -18,12 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtk.config.schema import TransformerConfig
-
-
-def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
-    if ffn_hidden > 0:
-        return ffn_hidden
-    return 16 * math.ceil(8 * dim / 3 / 16)
+from dtk.plan.shape import ffn_hidden_size  # the SwiGLU width: the planner's rule
 
 
 class RMSNorm(nn.Module):
@@ -124,6 +119,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
+            assert self.pos_embeddings is not None, "the first stage holds both embeddings"
             h = self.tok_embeddings(tokens)
             # (1, seq): the sequence is dim 1 as in h, so tensor parallelism can shard both alike.
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)

@@ -5,6 +5,7 @@ the cheap element-wise work (norms, activations, residual adds)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def checkpoint_module(module: nn.Module, *, selective: bool) -> None:
     context_fn = _selective_context if selective else None
 
     def forward(*args, **kwargs):
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward

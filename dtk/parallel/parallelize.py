@@ -1,16 +1,26 @@
 """The one composition point of parallelism.
 
-Order, fixed, each step an `apply_*` of its own module:
+Order, fixed; each step that changes the model is an `apply_*` of its own module:
 
-    1. pipeline split       the (meta) model -> this rank's stage modules
+    0. decide               the dtypes (scheme.param_dtype, reduce_dtype; `auto`: bfloat16
+                            and float32 on a GPU, float32 when the GPU has no bfloat16 and
+                            on the CPU; dtk.parallel.precision), FSDP or DDP (the
+                            planner's rule, dtk.plan.layout), the TP plan checked on the whole
+                            model (dtk.parallel.tp.check_tp_plan: a plan, styles dtk has, every
+                            pattern matching a module), and whether logits stay sharded
+    1. pipeline split       the (meta) model -> this rank's stage modules (the planner's cut)
     2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis)
     3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
-    5. FSDP                 shard each block over dp_shard, replicate over dp_replicate
-       materialize          storage and initial values (after sharding: no rank ever holds
-                            the whole model; before DDP, which broadcasts real weights)
-       DDP                  or wrap for replicated data parallelism
-    6. pipeline schedule    stages of this rank -> the schedule that runs the micro-batches
+    5. FSDP                 shard each block over dp_shard (HSDP: replicate over dp_replicate),
+                            with the dtypes of step 0 as its mixed-precision policy
+    6. materialize          storage and initial values, by the caller's `materialize` (after
+                            sharding: no rank ever holds the whole model; before DDP, which
+                            broadcasts real weights)
+    7. DDP                  or wrap each part for replicated data parallelism (dp > 1)
+    8. autocast             without FSDP, a low-precision param_dtype runs forward under
+                            autocast; a pipeline's stages enter it themselves and send in it
+    9. pipeline schedule    stages of this rank -> the schedule that runs the micro-batches
 
 This function only decides which apply runs, and in what order.
 """
@@ -23,13 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dtk.config.choices import ActivationCheckpoint, DataParallel
+from dtk.config.choices import ActivationCheckpoint
 from dtk.config.schema import SchemeConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.models.build import ParallelSpec
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
 from dtk.plan.degrees import Axis
+from dtk.plan.layout import uses_ddp, uses_fsdp
 
 
 @dataclass
@@ -60,17 +71,20 @@ def parallelize(
     num_microbatches: int,
     sharded_logits: bool,
 ) -> Parallelized:
-    """Return this rank's model ready to train under `scheme`. `model` is on the meta device;
-    `materialize(parts)` gives parts storage and initial values; `loss_fn` is the run's loss,
-    which a pipeline schedule calls on its last stage; `sharded_logits`: the run's task takes
-    logits sharded over the vocabulary (tensor parallel then keeps them sharded)."""
+    """Return this rank's model ready to train under `scheme`, by the steps of the module doc.
+    `model` is on the meta device; `materialize(parts)` gives parts storage and initial
+    values (step 6); `loss_fn` is the run's loss, which a pipeline schedule calls on its last
+    stage; `sharded_logits`: the run's task takes logits sharded over the vocabulary (tensor
+    parallel without a pipeline then keeps them sharded: `Parallelized.loss_parallel`).
+    Raises UserError for param_dtype=bfloat16 on a GPU without it and for a model's tp_plan
+    style dtk has no equivalent of; ValueError for a tp_plan that is missing or names no
+    module, and for split points that do not fit the model."""
+    # 0. decide
     degrees = mesh.degrees
     param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype")
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32, key="scheme.reduce_dtype")
-    # A one-process fsdp job still runs fully_shard (on a one-rank mesh): the same code,
-    # mixed-precision policy and memory layout as on many GPUs.
-    use_fsdp = scheme.data_parallel == DataParallel.fsdp and (degrees.dp > 1 or degrees.world == 1)
-    use_ddp = scheme.data_parallel == DataParallel.ddp and degrees.dp > 1
+    # The planner's decisions (dtk.plan.layout), so the budget lays out what runs here.
+    use_fsdp, use_ddp = uses_fsdp(scheme, degrees), uses_ddp(scheme, degrees)
 
     if degrees.tp > 1:
         from dtk.parallel.tp import check_tp_plan
@@ -127,9 +141,10 @@ def parallelize(
                 device=device,
             )
 
+    # 6. materialize
     materialize(parts)
 
-    # 5. DDP (needs real weights: it checks and broadcasts them when it wraps)
+    # 7. DDP (needs real weights: it checks and broadcasts them when it wraps)
     if use_ddp:
         from dtk.parallel.ddp import apply_ddp
 
@@ -138,8 +153,9 @@ def parallelize(
             for part in parts
         ]
 
+    # 8. autocast (FSDP casts by its policy instead)
     autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
-    # 6. the pipeline schedule over this rank's stages
+    # 9. the pipeline schedule over this rank's stages
     pipeline = None
     if degrees.pp > 1:
         if autocast is not None:  # each stage's forward under autocast, sending in the compute dtype

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from dtk.config.choices import PipelineSchedule
 from dtk.parallel.units import pipeline_units
+from dtk.plan.layout import local_stage_ids
+from dtk.plan.layout import stage_units as cut_stages
 
 SCHEDULES = {
     PipelineSchedule("gpipe"): ScheduleGPipe,
@@ -50,15 +53,13 @@ def stage_units(model: nn.Module, *, split_points: tuple[str, ...], num_stages: 
         if starts != sorted(set(starts)) or starts[0] == 0:
             raise ValueError(f"model.split_points {list(split_points)} must be increasing and after the first unit")
     else:
-        blocks = [i for i, (_, is_block) in enumerate(units) if is_block]
-        if len(blocks) < num_stages:
+        num_blocks = sum(1 for _, is_block in units if is_block)
+        if num_blocks < num_stages:
             raise ValueError(
-                f"pp x pp_virtual_stages = {num_stages} stages, but the model has {len(blocks)} blocks;"
+                f"pp x pp_virtual_stages = {num_stages} stages, but the model has {num_blocks} blocks;"
                 " every stage needs at least one"
             )
-        starts = [blocks[s * len(blocks) // num_stages] for s in range(1, num_stages)]
-    bounds = [0, *starts, len(names)]
-    return [names[bounds[s] : bounds[s + 1]] for s in range(num_stages)]
+    return cut_stages(tuple(units), split_points, num_stages)  # the planner's cut, on this model's units
 
 
 def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
@@ -74,10 +75,6 @@ def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
         else:
             setattr(parent, child, None)
     return stage
-
-
-def local_stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def split_model(
@@ -116,7 +113,7 @@ def autocast_stage(stage: nn.Module, *, device_type: str, dtype: torch.dtype, se
 
 @dataclass
 class Pipeline:
-    schedule: object
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     has_first_stage: bool
     has_last_stage: bool
 

@@ -29,7 +29,7 @@ per-token maxima and sums), so no rank ever holds the full logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -94,7 +94,7 @@ def make_style(style: TpStyle, module: nn.Module, *, sequence_parallel: bool, lo
     return STYLES[style](module, sequence_parallel, loss_parallel)
 
 
-def check_tp_plan(model: nn.Module, tp_plan: dict[str, TpStyle]) -> None:
+def check_tp_plan(model: nn.Module, tp_plan: Mapping[str, str]) -> None:
     """Fail early, on the whole model, when a pattern names nothing (the styles themselves
     were checked while composing)."""
     if not tp_plan:
@@ -110,7 +110,7 @@ def check_tp_plan(model: nn.Module, tp_plan: dict[str, TpStyle]) -> None:
 
 
 def apply_tp(
-    module: nn.Module, *, mesh: DeviceMesh, tp_plan: dict[str, TpStyle], sequence_parallel: bool, loss_parallel: bool
+    module: nn.Module, *, mesh: DeviceMesh, tp_plan: Mapping[str, str], sequence_parallel: bool, loss_parallel: bool
 ) -> None:
     """Shard the matched modules of `module` (a whole model or one pipeline stage) in place;
     `loss_parallel`: the output head's logits stay sharded (see the module doc)."""

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from dtk.plan.layout import zero1_owner
+
 BUCKET_BYTES = 32 << 20  # per broadcast: large enough to run at bandwidth, small enough to overlap
 
 
@@ -43,15 +45,10 @@ def buckets(params: list[torch.nn.Parameter], limit: int = BUCKET_BYTES) -> list
 
 
 def partition(params: list[torch.nn.Parameter], num_ranks: int) -> list[int]:
-    """Owner of each parameter: largest first, to the least loaded rank (ties: lowest rank).
-    Deterministic, so every rank computes the same answer."""
-    load = [0] * num_ranks
-    owner = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        rank = min(range(num_ranks), key=lambda r: (load[r], r))
-        owner[i] = rank
-        load[rank] += params[i].numel()
-    return owner
+    """Owner of each parameter: the planner's rule (dtk.plan.layout.zero1_owner: largest
+    first, to the least loaded rank, ties to the lowest). Deterministic, so every rank
+    computes the same answer."""
+    return list(zero1_owner(tuple(p.numel() for p in params), num_ranks))
 
 
 class ZeroOptimizer:

@@ -1,2 +1,3 @@
 """validate + plan: degrees, batch arithmetic and run identity from a Config; pure, no torch, no I/O.
-May import dtk.config; the login node imports it, so nothing here may import torch."""
+May import config only; the login node imports it, so nothing here may import torch (a user's model
+is counted by dtk.parallel.count, in a subprocess)."""

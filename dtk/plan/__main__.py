@@ -7,11 +7,10 @@ import argparse
 import json
 import os
 
-from dtk.config.compose import compose, search_path
+from dtk.config.compose import add_config_dir, compose, search_path
 from dtk.errors import ArgumentParser, run_cli
 from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import make_plan
-from dtk.submit import add_config_dir
 
 DESCRIPTION = """Compose and check the configuration exactly as dtk.submit would, and print the plan:
 world size, parallel degrees, batch arithmetic, run directory; and the memory budget:

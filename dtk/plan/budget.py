@@ -20,7 +20,7 @@ from typing import Any
 
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
-from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for
+from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for, scheme_config
 from dtk.plan.shape import ModelShape
 from dtk.plan.variants import SCHEME_KEYS, Variant, make_variant, standard_scheme
 
@@ -61,7 +61,7 @@ class Context:
     split_points: tuple[str, ...] = ()
 
     def job(self, v: Variant, **changes: Any) -> Job:
-        scheme = dict(v.scheme, **changes)
+        scheme = scheme_config(dict(v.scheme, **changes))
         return Job(
             scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
@@ -74,7 +74,7 @@ class Context:
             global_batch=self.global_batch, micro_batch=self.micro_batch, model=self.model_checks,
             blocks=sum(1 for _, is_block in self.shape.units if is_block),
         )
-        stages = v.degrees.pp * int(v.scheme["pp_virtual_stages"]) if v.degrees.pp > 1 else 1
+        stages = v.degrees.pp * scheme_config(v.scheme).pp_virtual_stages if v.degrees.pp > 1 else 1
         if self.split_points and stages > 1 and len(self.split_points) + 1 != stages:
             # A model's own split points fix its number of stages (checked here for any model,
             # not only the built-in transformer that check_scheme reads).
@@ -208,7 +208,7 @@ WHY = {
 def reason(key: str, rows: dict[str, SchemeRow], capacity: int, order: list[str]) -> str:
     """Why `key`, with the numbers of the cheaper schemes that do not fit."""
     before = [k for k in order[: order.index(key)] if rows[k].estimate is not None]
-    misses = ", ".join(f"{k} {_gb(rows[k].estimate.bytes.total)}" for k in before)
+    misses = ", ".join(f"{k} {_gb(e.bytes.total)}" for k in before if (e := rows[k].estimate) is not None)
     fits = rows[key].estimate
     text = WHY[key]
     if misses:
@@ -247,10 +247,10 @@ def recommend(ctx: Context, rows: dict[str, SchemeRow]) -> Recommendation:
     order = [k for k in ORDER if not (k == "hsdp" and ctx.nodes == 1)]
     if ctx.capacity is None:
         return Recommendation("", f"device memory unknown ({ctx.capacity_source})", [], [])
-    fitting = [k for k in order if rows[k].estimate is not None and rows[k].estimate.fits]
+    fitting = [(k, e) for k in order if (e := rows[k].estimate) is not None and e.fits]
     if fitting:
-        key = fitting[0]
-        v = rows[key].estimate.variant
+        key, fit = fitting[0]
+        v = fit.variant
         return Recommendation(key, reason(key, rows, ctx.capacity, order), v.overrides + [f"nodes={ctx.nodes}"], [])
     # Nothing fits as asked: a knob before more nodes.
     for key in order:
@@ -267,7 +267,7 @@ def recommend(ctx: Context, rows: dict[str, SchemeRow]) -> Recommendation:
                          f" ({_gb(with_knob.bytes.total)} per device)",
                     est.variant.overrides + [f"nodes={ctx.nodes}", override], [],
                 )
-    sized = sorted((rows[k].min_nodes, ORDER.index(k), k) for k in order if rows[k].min_nodes)
+    sized = sorted((n, ORDER.index(k), k) for k in order if (n := rows[k].min_nodes))
     if not sized:
         return Recommendation("", "no scheme fits on any node count tried (up to 4096 nodes)", [], [])
     nodes, _, key = sized[0]

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dtk.config.choices import ActivationCheckpoint
 from dtk.plan.degrees import Axis, Degrees
-from dtk.plan.layout import coords, rank_layout, uses_fsdp, uses_zero1
+from dtk.plan.layout import axis_groups, coords, rank_layout, uses_fsdp, uses_zero1
 from dtk.plan.memory import Job, job_dims
 from dtk.plan.shape import ModelShape
 
@@ -29,22 +30,6 @@ INTER_NODE_GBPS = 50.0
 
 def node_of(rank: int, tasks_per_node: int) -> int:
     return rank // tasks_per_node
-
-
-def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
-    """The process groups of one mesh axis: ranks that differ only in that coordinate."""
-    sizes = dataclasses.asdict(d)
-    stride = 1
-    for name in reversed(AXES):
-        if name == axis:
-            break
-        stride *= sizes[name]
-    size = sizes[axis]
-    groups = []
-    for rank in range(d.world):
-        if (rank // stride) % size == 0:
-            groups.append([rank + k * stride for k in range(size)])
-    return groups
 
 
 def crosses_nodes(d: Degrees, axis: str, tasks_per_node: int) -> bool:
@@ -86,7 +71,7 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
             out.append(AxisTraffic(axis, size, round(nbytes), what, crosses_nodes(d, axis, tasks_per_node)))
 
     if uses_fsdp(scheme, d):
-        gathers = 2 if scheme["reshard_after_forward"] else 1  # forward, and again for backward
+        gathers = 2 if scheme.reshard_after_forward else 1  # forward, and again for backward
         per_micro = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + p.reduce_bytes)
         add("dp_shard", d.dp_shard, job.num_micro * per_micro,
             f"FSDP all-gather x{gathers} + reduce-scatter per micro-batch ({job.num_micro})")
@@ -103,7 +88,7 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         add("dp_replicate", d.dp, nbytes, what)
     if dims is not None and d.tp > 1:
         blocks = len({h.tensor.unit for h in layout.held if h.tensor.block})
-        forward_passes = 2 if scheme["activation_checkpoint"] != "none" else 1  # recompute repeats them
+        forward_passes = 2 if scheme.activation_checkpoint != ActivationCheckpoint.none else 1  # recompute repeats them
         # two all-reduces (or all-gather + reduce-scatter pairs) of a bsh activation per block
         # in each forward, two in backward
         per_block = (2 * forward_passes + 2) * 2 * _ring(d.tp) * dims.bsh * dims.a

@@ -1,7 +1,7 @@
 """A user's `_target_` model counted on the meta device, in a subprocess with a time limit.
 
 The login-node path imports no torch: `count_user_model` starts
-`python -m dtk.plan.count_model`, which builds the model on the meta device (no memory, no
+`python -m dtk.parallel.count` (the torch side, after the planner's layer), which builds the model on the meta device (no memory, no
 initialisation) and prints each parameter's name, shape, pipeline unit, whether the unit is
 a block, the dimension the model's tp_plan splits and whether it is a matmul weight, as
 JSON. Activations of a user model are not estimated (its forward is its own): the budget
@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Any
 
-from dtk.config.convert import model_config, model_to_dict
+from dtk.config.convert import model_to_dict
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
-from dtk.plan.shape import ModelShape, shape_from_counted, tp_dim_for
+from dtk.plan.shape import ModelShape, shape_from_counted
 
 COUNT_TIMEOUT_S = 60
 
@@ -32,7 +31,7 @@ def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> 
     target = model._target_
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dtk.plan.count_model"], input=json.dumps(model_to_dict(model)),
+            [sys.executable, "-m", "dtk.parallel.count"], input=json.dumps(model_to_dict(model)),
             capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
@@ -44,46 +43,3 @@ def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> 
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise NotCounted(f"model._target_={target}: cannot count its parameters on the meta device: {last}")
     return shape_from_counted(json.loads(proc.stdout))
-
-
-def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
-    """The record count_user_model reads; runs in the subprocess (imports torch), or in a
-    worker with the model it built on meta (`model`, not yet parallelized)."""
-    from torch import nn
-
-    from dtk.models.build import build_model
-    from dtk.parallel.units import pipeline_units
-
-    if model is None:
-        model = build_model(model_cfg, device="meta", seed=0)
-    units = pipeline_units(model)
-    blocks = dict(units)
-    tp_plan = dict(model_cfg.tp_plan)
-    modules = dict(model.named_modules())
-    tensors = []
-    for name, p in model.named_parameters():
-        unit = next((u for u, _ in units if name == u or name.startswith(f"{u}.")), "")
-        module_path = name.rpartition(".")[0]
-        module = modules.get(module_path)
-        embedding = isinstance(module, nn.Embedding)
-        tp_dim = tp_dim_for(module_path, embedding=embedding, tp_plan=tp_plan) if name.endswith("weight") else None
-        tensors.append({
-            "name": name, "shape": list(p.shape), "unit": unit, "block": blocks.get(unit, False),
-            "tp_dim": tp_dim, "matmul": isinstance(module, nn.Linear) and name.endswith("weight"),
-            "embedding": embedding,
-        })
-    return {
-        "tensors": tensors,
-        "units": [[u, b] for u, b in units],
-        "source": f"model {model_cfg._target_} (counted on the meta device)",
-        "layers": sum(1 for _, b in units if b) or None,
-    }
-
-
-def main() -> int:
-    print(json.dumps(count(model_config(json.loads(sys.stdin.read())))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

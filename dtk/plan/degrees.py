@@ -14,6 +14,7 @@ from dtk.config.choices import Choice, DataParallel, PipelineSchedule
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import ModelConfig, SchemeConfig, TransformerConfig
 from dtk.errors import UserError
+from dtk.plan.shape import ffn_hidden_size
 
 
 class Axis(Choice):
@@ -181,8 +182,8 @@ def _check_tp(tp: int, model: TransformerConfig) -> None:
     if model.ffn_hidden:
         sizes["model.ffn_hidden"] = model.ffn_hidden
     else:
-        sizes["feed-forward hidden size (model.ffn_hidden=0: 8/3 x dim, rounded up to 16)"] = 16 * math.ceil(
-            8 * model.dim / 3 / 16
+        sizes["feed-forward hidden size (model.ffn_hidden=0: 8/3 x dim, rounded up to 16)"] = ffn_hidden_size(
+            model.dim, 0
         )
     sizes["model.vocab_size"] = model.vocab_size
     sizes["model.seq_len"] = model.seq_len  # the position table is split by rows too

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dtk.config.fabric import CHOSEN_KEYS
 from dtk.errors import UserError
 from dtk.plan.budget import estimate
 from dtk.plan.comm import AXES, axis_groups, bottleneck, crosses_nodes, node_of, traffic
@@ -19,7 +20,6 @@ from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.plan import Plan
 from dtk.plan.report import MemoryPlan, gb
 from dtk.plan.variants import chosen_at
-from dtk.topology.choose import CHOSEN_KEYS
 
 MAX_GROUPS = 64
 """Groups listed per axis; a larger job lists the first ones and the count."""

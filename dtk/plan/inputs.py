@@ -19,12 +19,11 @@ from typing import Any
 
 from dtk.config.choices import DeviceKind
 from dtk.config.compose import config_dir
-from dtk.config.convert import builtin_transformer
 from dtk.config.schema import Config, ModelConfig
 from dtk.plan.accelerators import lookup
 from dtk.plan.budget import Context
 from dtk.plan.plan import Plan
-from dtk.plan.shape import ModelShape, builtin_shape, is_builtin, whatif_shape
+from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, is_builtin, whatif_shape
 
 WHATIF_KEYS = ("params", "layers", "hidden", "seq_len", "heads", "vocab_size")
 
@@ -86,8 +85,9 @@ def model_shape(cfg: Config) -> ModelShape:
     whatif = plan_keys(cfg)
     if any(whatif.get(k) is not None for k in WHATIF_KEYS):
         return whatif_shape(whatif)
-    if is_builtin(cfg.model):
-        return builtin_shape(builtin_transformer(cfg.model))
+    transformer = builtin_config(cfg.model)
+    if transformer is not None:
+        return builtin_shape(transformer)
     from dtk.plan.count_model import count_user_model
 
     return count_user_model(cfg.model)
@@ -99,6 +99,7 @@ def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
     (dtk.config.compose.SearchPath.config), searched before dtk's own for scheme files."""
     from dtk.config.schema import SchemeConfig
 
+    assert cfg.scheme is not None, "compose() sets the scheme"
     shape = shape or model_shape(cfg)
     device = device_kind(cfg)
     capacity, source = device_capacity(cfg, device, plan.tasks_per_node)

@@ -17,12 +17,14 @@ rank = ((dp_replicate_i * pp + pp_i) * dp_shard + dp_shard_i) * tp + tp_i.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from dtk.config.choices import DataParallel
+from dtk.config.schema import SchemeConfig
 from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.shape import ModelShape, ParamTensor
 
@@ -38,23 +40,60 @@ def coords(rank: int, d: Degrees) -> Coords:
     return Coords(**values)
 
 
+def rank_of(c: Coords, d: Degrees) -> int:
+    """The rank at coordinates `c` (the inverse of `coords`)."""
+    rank = 0
+    for axis in Axis:
+        rank = rank * d.of(axis) + c.of(axis)
+    return rank
+
+
+def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
+    """The process groups of one mesh axis: ranks that differ only in that coordinate, each
+    in the order of that coordinate (DeviceMesh's groups on the same grid; dtk.topology's
+    placement report asks the same)."""
+    sizes = dataclasses.asdict(d)
+    stride = 1
+    for name in reversed(Axis.values()):
+        if name == axis:
+            break
+        stride *= sizes[name]
+    size = sizes[axis]
+    groups = []
+    for rank in range(d.world):
+        if (rank // stride) % size == 0:
+            groups.append([rank + k * stride for k in range(size)])
+    return groups
+
+
 def chunk(n: int, parts: int, index: int) -> int:
     """Length of piece `index` when torch.chunk splits n into `parts` (the last ones may be short or empty)."""
     size = math.ceil(n / parts) if n else 0
     return max(0, min(size, n - index * size))
 
 
-def uses_fsdp(scheme: dict[str, Any], d: Degrees) -> bool:
-    """As dtk.parallel.parallelize decides: fully_shard when data-parallel or alone."""
-    return scheme["data_parallel"] == "fsdp" and (d.dp > 1 or d.world == 1)
+# Which data-parallel wrapper a job gets: decided here, for the budget and for
+# dtk.parallel.parallelize and the worker's optimizer alike.
+def uses_fsdp(scheme: SchemeConfig, d: Degrees) -> bool:
+    """fully_shard when data-parallel, or alone: a one-process fsdp job still runs it (on a
+    one-rank mesh), with the same mixed-precision policy and memory layout as on many GPUs."""
+    return scheme.data_parallel == DataParallel.fsdp and (d.dp > 1 or d.world == 1)
 
 
-def uses_zero1(scheme: dict[str, Any], d: Degrees) -> bool:
-    return bool(scheme["shard_optimizer"]) and scheme["data_parallel"] == "ddp" and d.dp > 1
+def uses_ddp(scheme: SchemeConfig, d: Degrees) -> bool:
+    """DDP's wrapper only where there is something to all-reduce."""
+    return scheme.data_parallel == DataParallel.ddp and d.dp > 1
+
+
+def uses_zero1(scheme: SchemeConfig, d: Degrees) -> bool:
+    """ZeRO-1: the optimizer state sharded over the data-parallel ranks of DDP."""
+    return scheme.shard_optimizer and uses_ddp(scheme, d)
 
 
 def stage_units(units: tuple[tuple[str, bool], ...], split_points: tuple[str, ...], num_stages: int) -> list[list[str]]:
-    """Unit paths of each pipeline stage, as dtk.parallel.pipeline.stage_units cuts them."""
+    """Unit paths of each pipeline stage: at the split points, else the blocks divided evenly
+    (the stage starts at block s x blocks // stages). dtk.parallel.pipeline cuts the model
+    with this function, after checking the split points against the model."""
     names = [name for name, _ in units]
     if split_points:
         starts = [names.index(p) for p in split_points]
@@ -66,6 +105,7 @@ def stage_units(units: tuple[tuple[str, bool], ...], split_points: tuple[str, ..
 
 
 def local_stage_ids(pp_index: int, pp: int, virtual: int) -> list[int]:
+    """The stages pipeline index `pp_index` holds: its own, then every pp-th after it (interleaved)."""
     return [pp_index + k * pp for k in range(virtual)]
 
 
@@ -116,10 +156,10 @@ def zero1_owner(numels: tuple[int, ...], num_ranks: int) -> tuple[int, ...]:
     return tuple(owner)
 
 
-def rank_layout(shape: ModelShape, scheme: dict[str, Any], d: Degrees, rank: int,
+def rank_layout(shape: ModelShape, scheme: SchemeConfig, d: Degrees, rank: int,
                 split_points: tuple[str, ...] = ()) -> RankLayout:
     c = coords(rank, d)
-    virtual = scheme["pp_virtual_stages"] if d.pp > 1 else 1
+    virtual = scheme.pp_virtual_stages if d.pp > 1 else 1
     num_stages = d.pp * virtual
     if d.pp > 1:
         per_stage = stage_units(shape.units, split_points, num_stages)

@@ -26,12 +26,18 @@ of a GPU job, CPU-offloaded states) is reported apart.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
+from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import Activations, Dims, rank_activations
 from dtk.plan.degrees import Degrees
-from dtk.plan.layout import RankLayout, coords, rank_layout, uses_fsdp, uses_zero1, zero1_owner
+from dtk.plan.layout import RankLayout, coords, rank_layout, rank_of, uses_fsdp, uses_zero1, zero1_owner
 from dtk.plan.shape import ModelShape
 
 FRAGMENTATION = 0.10
@@ -58,11 +64,30 @@ class Precision:
     """FSDP's gradient reduce-scatter dtype."""
 
 
-def precision_for(scheme: dict[str, Any], device: str, plan: dict[str, Any] | None = None) -> Precision:
+@functools.cache
+def _scheme_types() -> dict[str, Any]:
+    return typing.get_type_hints(SchemeConfig)
+
+
+def scheme_config(raw: Mapping[str, Any]) -> SchemeConfig:
+    """A scheme variant (the schema's keys as the scheme yaml files and the job give them,
+    dtk.plan.variants) as the typed config the budget reads; a closed set's value becomes
+    its Enum member. Plain construction, not OmegaConf: the search builds thousands."""
+    types = _scheme_types()
+    values = {}
+    for f in dataclasses.fields(SchemeConfig):
+        if f.name in raw:
+            value, kind = raw[f.name], types[f.name]
+            is_choice = isinstance(kind, type) and issubclass(kind, Enum)
+            values[f.name] = kind(value) if is_choice and value is not None else value
+    return SchemeConfig(**values)
+
+
+def precision_for(scheme: SchemeConfig, device: str, plan: dict[str, Any] | None = None) -> Precision:
     """dtk's accounting for `scheme` on `device` (`cuda` or `cpu`), with plan.* overrides."""
     auto = "bfloat16" if device == "cuda" else "float32"
-    param_dtype = auto if scheme["param_dtype"] == "auto" else scheme["param_dtype"]
-    reduce_dtype = "float32" if scheme["reduce_dtype"] == "auto" else scheme["reduce_dtype"]
+    param_dtype = auto if scheme.param_dtype == "auto" else str(scheme.param_dtype)
+    reduce_dtype = "float32" if scheme.reduce_dtype == "auto" else str(scheme.reduce_dtype)
     compute = DTYPE_BYTES[param_dtype]
     plan = plan or {}
     given = {k: plan.get(k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes") if plan.get(k) is not None}
@@ -85,7 +110,7 @@ def precision_for(scheme: dict[str, Any], device: str, plan: dict[str, Any] | No
 class Job:
     """One scheme at one size: everything the estimate depends on besides the model."""
 
-    scheme: dict[str, Any]
+    scheme: SchemeConfig
     degrees: Degrees
     micro_batch: int
     num_micro: int
@@ -125,12 +150,13 @@ class RankBytes:
 
 
 def job_dims(shape: ModelShape, job: Job) -> Dims | None:
-    if not shape.has_activation_shape:
+    seq, hidden = shape.seq_len, shape.hidden
+    if not shape.has_activation_shape or seq is None or hidden is None:
         return None
     return Dims(
-        b=job.micro_batch, s=shape.seq_len, h=shape.hidden, f=shape.ffn_hidden or 4 * shape.hidden,
+        b=job.micro_batch, s=seq, h=hidden, f=shape.ffn_hidden or 4 * hidden,
         heads=shape.heads or 0, vocab=shape.vocab or 0, a=job.precision.compute_bytes, tp=job.degrees.tp,
-        sp=bool(job.scheme["sequence_parallel"]) and job.degrees.tp > 1, fused_norm=job.device == "cuda",
+        sp=job.scheme.sequence_parallel and job.degrees.tp > 1, fused_norm=job.device == "cuda",
     )
 
 
@@ -144,9 +170,9 @@ def _activations(shape: ModelShape, job: Job, layout: RankLayout, pp_index: int)
         for units in _part_units(shape, layout)
     ]
     return rank_activations(
-        shape, dims, job.scheme["activation_checkpoint"], blocks_per_part=blocks_per_part,
+        shape, dims, job.scheme.activation_checkpoint, blocks_per_part=blocks_per_part,
         first=0 in layout.stage_ids, last=layout.num_stages - 1 in layout.stage_ids,
-        schedule=job.scheme["pp_schedule"], pp=d.pp, pp_index=pp_index, num_micro=job.num_micro,
+        schedule=job.scheme.pp_schedule, pp=d.pp, pp_index=pp_index, num_micro=job.num_micro,
         virtual=len(layout.stage_ids),
     )
 
@@ -174,7 +200,7 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
             units[h.tensor.unit] = units.get(h.tensor.unit, 0) + h.unsharded_numel
         blocks = sorted((n for u, n in units.items() if _is_block(shape, u)), reverse=True)
         root = sum(n for u, n in units.items() if not _is_block(shape, u))
-        if not job.scheme["reshard_after_forward"]:
+        if not job.scheme.reshard_after_forward:
             gathered_whole_step = round((root + sum(blocks)) * p.gathered_bytes)
             detail["fsdp_gather"] = gathered_whole_step
         elif shape.layers:
@@ -196,7 +222,7 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
         stages = len(layout.stage_ids)
         detail["pipeline_recv"] = job.num_micro * per * ((stages - (1 if first else 0)) + (stages - (1 if last else 0)))
     staged = params + optimizer if job.async_checkpoint else 0
-    offload = bool(job.scheme["cpu_offload"]) and uses_fsdp(job.scheme, d) and job.device == "cuda"
+    offload = job.scheme.cpu_offload and uses_fsdp(job.scheme, d) and job.device == "cuda"
     host = staged if job.device == "cuda" else 0
     if job.device == "cpu" and staged:
         detail["checkpoint_staging"] = staged
@@ -230,10 +256,12 @@ def representative_ranks(shape: ModelShape, job: Job) -> list[int]:
         for n, owner in zip(numels, zero1_owner(numels, d.dp), strict=True):
             load[owner] += n
         dp_indices = sorted({0, max(range(d.dp), key=lambda r: load[r])})
+    first = coords(0, d)
     for dp_index in dp_indices:
         rep, shard = divmod(dp_index, d.dp_shard)
         for pp_index in range(d.pp):
-            ranks.append(((rep * d.pp + pp_index) * d.dp_shard + shard) * d.tp)
+            at = dataclasses.replace(first, dp_replicate=rep, pp=pp_index, dp_shard=shard)
+            ranks.append(rank_of(at, d))
     return ranks
 
 

@@ -131,7 +131,7 @@ def gpus_per_node(cfg: Config, local_gpus: int) -> tuple[int, str]:
 
 
 def make_plan(
-    cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str, ...] = (), local_gpus: int = 0
+    cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str | Path, ...] = (), local_gpus: int = 0
 ) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic.
     `local_gpus`: the GPUs this machine shows (dtk.plan.inputs.visible_gpus), which the
@@ -189,6 +189,7 @@ def make_plan(
 
     world = nodes * tpn
     scheme = cfg.scheme
+    assert scheme is not None, "compose() sets the scheme"
     degrees = resolve_degrees(scheme, world)
     global_batch = train.global_batch
     if global_batch % degrees.dp:
@@ -255,7 +256,7 @@ def _positive(key: str, value: Any) -> None:
         raise UserError(f"{key}={value}: expected a positive integer")
 
 
-def check_target(key: str, target: str, import_path: tuple[str, ...] = ()) -> None:
+def check_target(key: str, target: str, import_path: tuple[str | Path, ...] = ()) -> None:
     """A `_target_` whose module cannot be found is an error here, not in every worker after
     the queue. Found, not imported (importlib.util.find_spec): the login node imports no torch."""
     module, _, name = str(target).rpartition(".")
@@ -289,7 +290,7 @@ def check_eval_split(num_val: int, *, every: int, max_samples: int, global_batch
     return num_samples
 
 
-def _check_model(cfg: Config, import_path: tuple[str, ...]) -> None:
+def _check_model(cfg: Config, import_path: tuple[str | Path, ...]) -> None:
     """The shape the data needs, and the built-in transformer's own numbers (a user model's
     factory checks its keys when it is built)."""
     model = cfg.model

@@ -37,20 +37,6 @@ MISMATCH = 0.10
 """Largest gap between measured and predicted bytes, as a share of the prediction, that is not an event."""
 
 
-def real_shape(cfg: Config, meta_model: Any = None) -> ModelShape:
-    """The shape of the model the workers train: the built-in transformer from its config
-    (no torch), any other model counted on the meta device in this process (`meta_model`,
-    a build on meta not yet parallelized, saves building it again)."""
-    from dtk.config.convert import builtin_transformer
-    from dtk.plan.shape import builtin_shape, is_builtin, shape_from_counted
-
-    if is_builtin(cfg.model):
-        return builtin_shape(builtin_transformer(cfg.model))
-    from dtk.plan.count_model import count
-
-    return shape_from_counted(count(cfg.model, model=meta_model))
-
-
 def real_context(cfg: Config, plan: Plan, shape: ModelShape, *, device: str, capacity: int | None = None):
     """The budget's inputs as the worker sees them: its real device kind (and, on a GPU, its
     real memory when the config names none), dtk's own accounting (no plan.* keys)."""

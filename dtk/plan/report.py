@@ -77,7 +77,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         """Per-device GB of the job's scheme and every scheme side by side, same node count."""
-        cols = [("job: " + self.key, self.chosen, None, self.min_nodes)]
+        cols: list[tuple[str, Estimate | None, str | None, int | None]] = [
+            ("job: " + self.key, self.chosen, None, self.min_nodes)]
         cols += [(k, r.estimate, r.error, r.min_nodes) for k, r in self.rows.items()]
         width = max(9, *(len(c[0]) + 1 for c in cols))
         lines = [f"{'GB/device':<12}" + "".join(f"{c[0]:>{width}}" for c in cols)]

@@ -14,6 +14,7 @@ Three sources give the same record:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -81,11 +82,16 @@ def ffn_hidden_size(dim: int, ffn_hidden: int) -> int:
     return ffn_hidden if ffn_hidden > 0 else 16 * math.ceil(8 * dim / 3 / 16)
 
 
+def builtin_config(model: ModelConfig) -> TransformerConfig | None:
+    """The built-in transformer's typed keys; None for any other model."""
+    return builtin_transformer(model) if model._target_ == BUILTIN_TARGET else None
+
+
 def is_builtin(model: ModelConfig) -> bool:
-    return model._target_ == BUILTIN_TARGET and builtin_transformer(model) is not None
+    return builtin_config(model) is not None
 
 
-def tp_dim_for(module_path: str, *, embedding: bool, tp_plan: dict[str, str]) -> int | None:
+def tp_dim_for(module_path: str, *, embedding: bool, tp_plan: Mapping[str, str]) -> int | None:
     """Which weight dimension the first matching tp_plan pattern splits (as apply_tp applies them)."""
     for pattern, style in tp_plan.items():
         if fnmatchcase(module_path, pattern) and style in TP_WEIGHT_DIM:
@@ -153,6 +159,8 @@ def whatif_shape(plan: dict[str, Any]) -> ModelShape:
         params = layers * (4 * hidden * hidden + 3 * hidden * ffn_hidden_size(hidden, 0)) + 2 * (vocab or 0) * hidden
     params = int(params)
     ends = 2 * vocab * hidden if (vocab and hidden) else 0
+    tensors: tuple[ParamTensor, ...]
+    units: tuple[tuple[str, bool], ...]
     if not layers:
         tensors = (ParamTensor("model", (params,), "model", True, 0, True),)
         units = (("model", True),)

@@ -2,7 +2,8 @@
 
 Reads only the run directory (metrics.jsonl, events.jsonl, summary.json, system.jsonl,
 plan.json), so it runs on a login node or a laptop without torch. Plots need matplotlib,
-imported only when plots are drawn.
+imported only when plots are drawn. May import no stage: the run directory's names (files,
+phases) are dtk.rundir's.
 
     runs.py     one run directory read into plain records
     goodput.py  job-lifetime accounting of wall time across restarts (also used by workers)

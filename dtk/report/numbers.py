@@ -10,7 +10,7 @@ from typing import Any
 
 from dtk.report.goodput import account
 from dtk.report.runs import RunData
-from dtk.train.phase_names import IDLE_PHASES, PHASES
+from dtk.rundir import IDLE_PHASES, PHASES
 
 
 def _median(values: list[float]) -> float | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from dtk.errors import UserError
 from dtk.report.runs import RunData
-from dtk.train.phase_names import PHASES
+from dtk.rundir import PHASES
 
 GOODPUT_COLOURS = {
     "queue": "#999999", "startup": "#e6a23c", "checkpoint_load": "#b88230", "redone": "#d9534f",

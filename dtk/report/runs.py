@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
-from dtk.rundir import RunDir, read_jsonl
-from dtk.train.system import SYSTEM_LOG
+from dtk.rundir import SYSTEM_LOG, RunDir, read_jsonl
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtk.train.phase_names import IDLE_PHASES, PHASES
+from dtk.rundir import IDLE_PHASES, PHASES
 
 
 def _s(seconds: float | None) -> str:
@@ -76,11 +76,11 @@ def run_block(n: dict[str, Any]) -> list[str]:
                          f" {_s(slow['seconds'])} per step against {_s(slow['median_s'])} on the median rank")
     sysl = n["system"]
     if sysl:
-        parts = [f"CPU {sysl['cpu_percent_mean']:.0f}%" if sysl.get("cpu_percent_mean") is not None else None,
+        system = [f"CPU {sysl['cpu_percent_mean']:.0f}%" if sysl.get("cpu_percent_mean") is not None else None,
                  f"memory up to {sysl['mem_used_gib_max']:.1f} GiB" if sysl.get("mem_used_gib_max") is not None else None,
                  f"GPU {sysl['gpu_util_percent_mean']:.0f}%" if sysl.get("gpu_util_percent_mean") is not None else None,
                  f"{sysl['gpu_power_w_mean']:.0f} W" if sysl.get("gpu_power_w_mean") is not None else None]
-        lines.append(f"system       {', '.join(p for p in parts if p)} ({sysl['samples']} samples,"
+        lines.append(f"system       {', '.join(p for p in system if p)} ({sysl['samples']} samples,"
                      f" {len(sysl['hosts'])} host(s))")
     return lines
 

@@ -3,6 +3,7 @@ recorded machines stand in for real ones), the NCCL / gloo environment chosen fr
 where each mesh axis's traffic goes, and the check of NCCL's own report.
 
 No torch here: the login node, the driver and the doctor's report use it too.
+May import config and plan (the mesh axis table).
 """
 
 from dtk.topology.choose import FabricChoice, Setting, choose

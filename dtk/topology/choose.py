@@ -23,11 +23,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dtk.config.fabric import CHOSEN_KEYS
 from dtk.topology.records import NetInterface, NodeTopology
 
-# The variables dtk may choose; one of them set by hand is taken as the user's word.
-CHOSEN_KEYS = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME",
-               "GLOO_SOCKET_IFNAME", "MASTER_ADDR")
 DETECTED, CLUSTER_ENV, ENVIRONMENT = "detected", "cluster.env", "environment"
 LABELS = {"ib": "InfiniBand", "roce": "RoCE"}  # in order of preference
 

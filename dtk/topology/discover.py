@@ -15,7 +15,7 @@ and said in `notes`.
 from __future__ import annotations
 
 from dtk.topology import parse
-from dtk.topology.records import ETHERNET, IbPort, NetInterface, NodeTopology, SlurmView
+from dtk.topology.records import ETHERNET, IbPort, NetInterface, NodeTopology, SlurmView, Switch
 from dtk.topology.source import LiveSource, Source
 
 SYS_IB = "/sys/class/infiniband"
@@ -170,7 +170,7 @@ def _gpus(src: Source, notes: list[str]):
 def _slurm(src: Source) -> SlurmView:
     job_id = src.env("SLURM_JOB_ID")
     nodelist = src.env("SLURM_JOB_NODELIST") or ""
-    switches = ()
+    switches: tuple[Switch, ...] = ()
     if job_id:
         text = src.run(SLURM_TOPOLOGY)
         switches = tuple(parse.switches(text)) if text else ()

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dtk.plan.degrees import TRAFFIC as AXIS_TRAFFIC
-from dtk.plan.degrees import Axis
+from dtk.plan.degrees import Axis, Degrees
+from dtk.plan.layout import axis_groups as plan_axis_groups
 from dtk.topology.records import NodeTopology, Switch
 
 # The mesh's axes, outermost first, and what travels on each: the axis table of dtk.plan.degrees.
@@ -94,20 +95,8 @@ def order_nodes(nodes: list[str], switches: tuple[Switch, ...] | list[Switch]) -
 
 
 def axis_groups(degrees: dict[str, int], axis: str) -> list[tuple[int, ...]]:
-    """The rank groups of one axis on the mesh grid (MESH_ORDER, outermost first)."""
-    sizes = [degrees[a] for a in MESH_ORDER]
-    k = MESH_ORDER.index(axis)
-    stride = 1
-    for s in sizes[k + 1:]:
-        stride *= s
-    world = 1
-    for s in sizes:
-        world *= s
-    groups = []
-    for rank in range(world):
-        if (rank // stride) % sizes[k] == 0:
-            groups.append(tuple(rank + i * stride for i in range(sizes[k])))
-    return groups
+    """The rank groups of one axis on the mesh grid: the planner's (dtk.plan.layout)."""
+    return [tuple(group) for group in plan_axis_groups(Degrees(**degrees), axis)]
 
 
 def plan_layout(nodes: list[NodeTopology], *, degrees: dict[str, int], tasks_per_node: int) -> Layout:

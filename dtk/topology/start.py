@@ -26,7 +26,6 @@ from dtk.topology.choose import FabricChoice, choose
 from dtk.topology.layout import Layout, plan_layout
 from dtk.topology.records import NodeTopology
 
-TOPOLOGY_JSON = "topology.json"
 POLL_S = 0.2
 # NCCL writes its report here when nobody set NCCL_DEBUG / NCCL_DEBUG_FILE by hand.
 NCCL_REPORT_KEYS = ("NCCL_DEBUG", "NCCL_DEBUG_FILE")

@@ -31,8 +31,6 @@ from dtk.plan.plan import check_eval_split
 from dtk.rundir import append_jsonl
 from dtk.train.task import Task
 
-EVAL_LOG = "eval.jsonl"
-
 
 class Evaluator:
     def __init__(

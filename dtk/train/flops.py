@@ -18,7 +18,7 @@ import torch
 
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import ModelConfig, TransformerConfig
-from dtk.models.transformer import ffn_hidden_size
+from dtk.plan.shape import ffn_hidden_size
 
 BUILTIN_TARGET = TransformerConfig._target_
 

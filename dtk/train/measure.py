@@ -131,6 +131,7 @@ class StepMemory:
         if self.device.type == "cuda":
             return {**states, "grads": self.grads, "total": torch.cuda.max_memory_allocated(self.device)}
         measured: dict[str, int | None] = {**states, "grads": self.grads, "activations": self.activations}
-        known = self.grads is not None and self.activations is not None
-        measured["total"] = states["params"] + states["optimizer"] + self.grads + self.activations if known else None
+        grads, activations = self.grads, self.activations
+        known = grads is not None and activations is not None
+        measured["total"] = states["params"] + states["optimizer"] + (grads or 0) + (activations or 0) if known else None
         return measured

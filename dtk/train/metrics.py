@@ -127,7 +127,7 @@ class MetricsLog:
 
     def record(self, step: int, at: float, result: Any, interval: Interval | None) -> dict[str, Any]:
         profiled = interval is not None and step in interval.phases
-        step_time = interval.step_time_s[step] if profiled else result.step_time_s
+        step_time = interval.step_time_s[step] if interval is not None and profiled else result.step_time_s
         per_s = 1.0 / max(step_time, 1e-9)
         record: dict[str, Any] = {
             "step": step,
@@ -145,7 +145,7 @@ class MetricsLog:
         if self.flops_per_token and self.tokens_per_step:
             record.update(achieved(tokens_per_s=self.tokens_per_step * per_s, flops_per_token=self.flops_per_token,
                                    num_devices=self.world_size, peak_tflops=self.peak_tflops))
-        if profiled:
+        if interval is not None and profiled:
             phases = interval.phases[step]
             record["phases"] = {p: round(v, 6) for p, v in phases.items()}
             record["idle_share"] = round(idle_share(phases, step_time), 4)

@@ -83,7 +83,7 @@ class SchedulerGroup:
             s.step()
 
     def get_last_lr(self) -> list[float]:
-        return self.schedulers[0].get_last_lr()
+        return [float(lr) for lr in self.schedulers[0].get_last_lr()]
 
     def state_dict(self) -> dict[str, Any]:
         first = self.schedulers[0]

@@ -27,12 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dtk.train.phase_names import IDLE_PHASES, PHASES  # noqa: F401  (re-exported for the trainer)
+from dtk.rundir import IDLE_PHASES, PHASES  # noqa: F401  (re-exported for the trainer)
 
 LAPS = ("data", "forward", "backward", "sync", "optimizer", "comm", "checkpoint")
 """What one rank measures; the order of the gathered vectors."""
 NOT_STEP = "-"
 """A lap that is no part of the step (an evaluation between two steps): dropped."""
+
+Mark = float | torch.cuda.Event
+"""A moment: perf_counter seconds on the CPU, a recorded event on the GPU's stream."""
 
 
 @dataclass
@@ -51,8 +54,8 @@ class StepTimes:
 @dataclass
 class _Step:
     step: int
-    marks: list[tuple[str, object]] = field(default_factory=list)
-    sync_at: object | None = None
+    marks: list[tuple[str, Mark]] = field(default_factory=list)
+    sync_at: Mark | None = None
     overlapped: bool = False
 
 
@@ -72,7 +75,7 @@ class PhaseTimer:
         self._num_grads = 0
         self._grads_seen = 0
 
-    def _now(self) -> object:
+    def _now(self) -> Mark:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -125,10 +128,11 @@ class PhaseTimer:
 
     # --- reading -------------------------------------------------------------------------
 
-    def _seconds(self, a: object, b: object) -> float:
-        if self.cuda:
+    def _seconds(self, a: Mark, b: Mark) -> float:
+        if isinstance(a, torch.cuda.Event) and isinstance(b, torch.cuda.Event):
             return a.elapsed_time(b) / 1000.0
-        return float(b) - float(a)
+        assert isinstance(a, float) and isinstance(b, float), "one timer marks one kind"
+        return b - a
 
     def collect(self) -> list[StepTimes]:
         """Seconds of every step ended since the last call (one device synchronisation)."""
@@ -136,7 +140,9 @@ class PhaseTimer:
         if not steps:
             return []
         if self.cuda:
-            steps[-1].marks[-1][1].synchronize()
+            last = steps[-1].marks[-1][1]
+            assert isinstance(last, torch.cuda.Event)
+            last.synchronize()
         out = []
         for s in steps:
             laps = dict.fromkeys(LAPS, 0.0)

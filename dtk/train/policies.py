@@ -28,9 +28,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dtk.rundir import RunDir
+
+if TYPE_CHECKING:  # both import this module
+    from dtk.train.metrics import MetricsLog
+    from dtk.train.profile import StepProfiler
 
 
 class Policy(Protocol):
@@ -41,13 +45,13 @@ class Policy(Protocol):
 class StepPolicies:
     """The policies of one run, by name; `Trainer.fit` runs them in its order."""
 
-    metrics: Policy
-    heartbeat: Policy
+    metrics: MetricsLog  # also read outside the loop: closed, and its throughput figures
+    heartbeat: Heartbeat
     resumed: Policy
     evaluation: Policy
     checkpoint: Policy
     stop: Policy
-    profile: Policy
+    profile: StepProfiler  # also flushed on an agreed stop, and its timer handed to the trainer
 
 
 class Heartbeat:

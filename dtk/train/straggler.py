@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from dtk.train.phase_names import IDLE_PHASES, PHASES
+from dtk.rundir import IDLE_PHASES, PHASES
 from dtk.train.phases import LAPS
 
 _TOTAL = 0
@@ -32,7 +32,7 @@ class Interval:
     phases: dict[int, dict[str, float]]
     """Per step: rank 0's phases (seconds), `comm` including its exposed share of the reduction."""
     step_time_s: dict[int, float]
-    ranks: dict[str, list[float]]
+    ranks: dict[str, list[Any]]
     """Per rank, mean over the interval: `step_time_s`, `busy_s` (less straggler wait), `wait_s`,
     and each phase as `<phase>_s` (`forward_s`, ...: where a slow rank's time goes)."""
     stragglers: list[dict[str, Any]]

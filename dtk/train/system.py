@@ -22,7 +22,6 @@ import psutil
 
 from dtk.rundir import append_jsonl
 
-SYSTEM_LOG = "system.jsonl"
 _MB = 1e6
 _GIB = 2**30
 

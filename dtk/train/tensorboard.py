@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
+from dtk.rundir import TENSORBOARD_DIR
 
-TENSORBOARD_DIR = "tensorboard"
 SKIP = {"step", "time", "world_size", "restart", "batch_hash", "ranks"}
 
 

@@ -103,13 +103,14 @@ class Trainer:
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
-        model = self.model
-        if hasattr(model, "no_sync"):  # DDP: all-reduce only after the last micro-batch
-            return model.no_sync() if not last_micro else contextlib.nullcontext()
-        if hasattr(model, "set_requires_all_reduce"):
+        no_sync = getattr(self.model, "no_sync", None)
+        if no_sync is not None:  # DDP: all-reduce only after the last micro-batch
+            return no_sync() if not last_micro else contextlib.nullcontext()
+        set_requires_all_reduce = getattr(self.model, "set_requires_all_reduce", None)
+        if set_requires_all_reduce is not None:
             # FSDP: reduce-scatter every micro-batch (gradients stay sharded), but the HSDP
             # all-reduce across replicas only once, on the summed shards.
-            model.set_requires_all_reduce(last_micro)
+            set_requires_all_reduce(last_micro)
         return contextlib.nullcontext()
 
     def _autocast(self):
@@ -132,11 +133,12 @@ class Trainer:
     def _pipeline(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step over all micro-batches; the mean loss on the last stage, 0 elsewhere."""
         pipe = self.parallel.pipeline
+        assert pipe is not None, "called for a pipelined model only"
         assert isinstance(self.task, LmTask), "the plan refuses a pipeline for other tasks"
         inputs, targets = self.task.split(torch.cat(micro))
         args = (inputs,) if pipe.has_first_stage else ()
         losses: list[torch.Tensor] = []
-        kwargs = {"target": targets, "losses": losses} if pipe.has_last_stage else {}
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if pipe.has_last_stage else {}
         # No autocast here: each stage's forward enters it (dtk.parallel.pipeline.autocast_stage),
         # and the backward the schedule runs between forwards stays outside it.
         pipe.schedule.step(*args, **kwargs)

@@ -22,12 +22,12 @@ import torch.distributed as dist
 from dtk.config.choices import Backend
 from dtk.errors import UserError
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir
+from dtk.rundir import TOPOLOGY_JSON, RunDir
 from dtk.topology.choose import FabricChoice
 from dtk.topology.discover import discover
 from dtk.topology.nccl import check, parse_log
 from dtk.topology.records import NodeTopology
-from dtk.topology.start import TOPOLOGY_JSON, StartFabric, decide, gather, publish, write_document
+from dtk.topology.start import StartFabric, decide, gather, publish, write_document
 from dtk.worker.env import WorkerEnv
 
 

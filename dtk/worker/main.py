@@ -24,10 +24,11 @@ from dtk.errors import ArgumentParser
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
+from dtk.plan.layout import uses_zero1
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
-from dtk.rundir import HEARTBEAT, RunDir, read_jsonl, write_json_atomic
-from dtk.train.evaluate import EVAL_LOG, Evaluator
+from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
+from dtk.train.evaluate import Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.measure import StepMemory
@@ -36,7 +37,7 @@ from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, st
 from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.profile import StepProfiler
 from dtk.train.startup import StartupClock
-from dtk.train.system import SYSTEM_LOG, SystemSampler
+from dtk.train.system import SystemSampler
 from dtk.train.task import LmTask, Task, build_task
 from dtk.train.tensorboard import TensorBoardLog
 from dtk.train.trainer import Trainer, peak_memory_gib
@@ -46,8 +47,6 @@ from dtk.worker.fabric import after_process_group, before_process_group
 from dtk.worker.memory import Prediction, gather_memory, is_out_of_memory, measure_index, oom_error
 from dtk.worker.meshfile import record_mesh
 from dtk.worker.signals import stop_flag, vote_group
-
-DATA_SPLIT = "data.json"  # a user dataset's split: RUN_DIR/data.json
 
 
 def set_threads(requested: int, env: WorkerEnv) -> None:
@@ -59,6 +58,7 @@ def set_threads(requested: int, env: WorkerEnv) -> None:
 
 def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     cfg = plan.config
+    assert cfg.scheme is not None, "compose() sets the scheme"
     device = pick_device(cfg.dist.device, env)
     torch.set_float32_matmul_precision(matmul_precision(cfg.scheme.matmul_precision, device))  # TF32 on purpose
     if device.type == "cpu":
@@ -91,7 +91,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         sharded_logits=isinstance(task, LmTask) and not task.metrics,
     )
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
-    shard_group = mesh.dp_group if cfg.scheme.shard_optimizer else None
+    shard_group = mesh.dp_group if uses_zero1(cfg.scheme, mesh.degrees) else None
     optimizers = [build_optimizer(part.parameters(), optim=cfg.optim, shard_group=shard_group) for part in model.parts]
     scheduler = SchedulerGroup(
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
@@ -205,6 +205,8 @@ def step_policies(
     """What runs after every step (dtk.train.policies), made for this rank: global rank 0
     writes, every rank takes part in the collective ones."""
     cfg, rank0 = plan.config, env.rank == 0
+    scheme = cfg.scheme
+    assert scheme is not None, "compose() sets the scheme"
     stop = stop_flag()  # installed when the process started (dtk/worker/__main__.py)
     votes = vote_group()  # host tensors on gloo: a stop vote never waits for the GPU
     agreed_stop = AgreedStop(
@@ -232,7 +234,7 @@ def step_policies(
         flops_per_token=flops_per_token(cfg.model) if rank0 else None,
         peak_tflops=peak_tflops(
             override=cfg.cluster.peak_tflops, accelerator=cfg.cluster.accelerator, device=device,
-            dtype=resolve_dtype(cfg.scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype"),
+            dtype=resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype"),
         )[0],
         tensorboard=TensorBoardLog(run.path) if rank0 and cfg.train.tensorboard else None,
     )

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtk.parallel.count import real_shape
 from dtk.plan.plan import Plan
 from dtk.plan.predict import (
     describe_error,
@@ -18,7 +19,6 @@ from dtk.plan.predict import (
     oom_line,
     rank_prediction,
     rank_record,
-    real_shape,
     summarize,
 )
 from dtk.plan.shape import ModelShape
@@ -42,6 +42,7 @@ class Prediction:
     def record(self, measured: StepMemory) -> dict[str, Any]:
         if self.error is not None:
             return {"rank": self.rank, "error": self.error}
+        assert self.shape is not None and self.plan.config.scheme is not None, "set when there is no error"
         return rank_record(self.bytes, measured.result(), rank=self.rank, device=self.device.type,
                            reshard_after_forward=self.plan.config.scheme.reshard_after_forward,
                            activations_estimated=self.shape.has_activation_shape)
@@ -57,7 +58,7 @@ def gather_memory(prediction: Prediction, measured: StepMemory, run: RunDir, *, 
     """Collective: every rank's record to rank 0, which returns summary.json's `memory` and
     writes a `plan_mismatch` event when a rank is off by more than the limit."""
     mine = prediction.record(measured)
-    everyone = [mine]
+    everyone: list[Any] = [mine]  # after the gather: every rank's record
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -73,7 +74,7 @@ def gather_memory(prediction: Prediction, measured: StepMemory, run: RunDir, *, 
     return memory
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
+def is_out_of_memory(exc: BaseException | None) -> bool:
     """An out-of-memory error, or one raised because of it (a pipeline or compile wrapper)."""
     seen = set()
     while exc is not None and id(exc) not in seen:

@@ -12,10 +12,8 @@ import torch.distributed as dist
 
 from dtk.dist.mesh import ParallelMesh
 from dtk.plan.degrees import Axis
-from dtk.rundir import RunDir, write_json_atomic
+from dtk.rundir import MESH_FILE, RunDir, write_json_atomic
 from dtk.worker.env import WorkerEnv
-
-MESH_FILE = "mesh.json"
 
 
 def record_mesh(mesh: ParallelMesh, env: WorkerEnv, run: RunDir) -> None:
@@ -27,7 +25,7 @@ def record_mesh(mesh: ParallelMesh, env: WorkerEnv, run: RunDir) -> None:
         "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         "groups": {a.value: dist.get_process_group_ranks(mesh.group(a)) for a in Axis if mesh.group(a) is not None},
     }
-    everyone = [mine]
+    everyone: list[dict[str, object] | None] = [mine]
     if mesh.world is not None:
         everyone = [None] * env.world_size
         dist.all_gather_object(everyone, mine)

@@ -1,0 +1,69 @@
+"""A model counted on the meta device: each parameter's name, shape, pipeline unit, whether
+the unit is a block, the dimension the model's tp_plan splits and whether it is a matmul
+weight. The planner (dtk.plan.count_model) runs this as `python -m dtk.parallel.count` in a
+subprocess for a user's model, so the login node imports no torch; a worker calls it with
+the model it built (`real_shape`). It lives here, after the planner's layer, because it
+builds the model (dtk.models) and splits it into units as parallelize does (units.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from dtk.config.convert import model_config
+from dtk.config.schema import Config, ModelConfig
+from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, shape_from_counted, tp_dim_for
+
+
+def real_shape(cfg: Config, meta_model: Any = None) -> ModelShape:
+    """The shape of the model the workers train: the built-in transformer from its config
+    (no torch), any other model counted on the meta device in this process (`meta_model`,
+    a build on meta not yet parallelized, saves building it again)."""
+    transformer = builtin_config(cfg.model)
+    if transformer is not None:
+        return builtin_shape(transformer)
+    return shape_from_counted(count(cfg.model, model=meta_model))
+
+
+def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
+    """The record count_user_model reads; runs in the subprocess (imports torch), or in a
+    worker with the model it built on meta (`model`, not yet parallelized)."""
+    from torch import nn
+
+    from dtk.models.build import build_model
+    from dtk.parallel.units import pipeline_units
+
+    if model is None:
+        model = build_model(model_cfg, device="meta", seed=0)
+    units = pipeline_units(model)
+    blocks = dict(units)
+    tp_plan = dict(model_cfg.tp_plan)
+    modules = dict(model.named_modules())
+    tensors = []
+    for name, p in model.named_parameters():
+        unit = next((u for u, _ in units if name == u or name.startswith(f"{u}.")), "")
+        module_path = name.rpartition(".")[0]
+        module = modules.get(module_path)
+        embedding = isinstance(module, nn.Embedding)
+        tp_dim = tp_dim_for(module_path, embedding=embedding, tp_plan=tp_plan) if name.endswith("weight") else None
+        tensors.append({
+            "name": name, "shape": list(p.shape), "unit": unit, "block": blocks.get(unit, False),
+            "tp_dim": tp_dim, "matmul": isinstance(module, nn.Linear) and name.endswith("weight"),
+            "embedding": embedding,
+        })
+    return {
+        "tensors": tensors,
+        "units": [[u, b] for u, b in units],
+        "source": f"model {model_cfg._target_} (counted on the meta device)",
+        "layers": sum(1 for _, b in units if b) or None,
+    }
+
+
+def main() -> int:
+    print(json.dumps(count(model_config(json.loads(sys.stdin.read())))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
