@@ -11,7 +11,7 @@ from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report import starts as start_history
-from dtk.rundir import RunDir, pid_alive, read_jsonl
+from dtk.rundir import RunDir, driver_alive, read_jsonl
 
 DESCRIPTION = """State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
 step / total, loss, last complete checkpoint, restarts by cause and the crash/hang relaunches
@@ -56,7 +56,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         state = "pending" if job_state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING") else "running"
     elif summary and summary.get("status") in ("finished", "failed", "stopped") and last_event == summary["status"]:
         state = summary["status"]
-    elif starts and not last_job and pid_alive(int(starts[-1].get("driver_pid", 0) or 0)):
+    elif starts and not last_job and driver_alive(starts[-1]):
         state = "running"
     elif slurm_error:
         state = "unknown"

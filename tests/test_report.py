@@ -189,3 +189,26 @@ def test_two_runs_without_a_common_step_is_an_error(tmp_path):
     b = write_run(tmp_path / "b", {2: 5.0})
     proc = dtk("dtk.report", str(a), str(b), "--no-plots")
     assert proc.returncode == 2 and "no logged step in common" in proc.stderr
+
+
+def test_goodput_parts_sum_to_the_wall_time_with_a_cancelled_job_and_a_start_never_ready():
+    """A job cancelled while pending (dtk.stop), submitted again; a start that never reached
+    its first step and failed; submitted again and trained. Each second is counted once."""
+    events = [
+        {"time": 0.0, "event": "submitted"},
+        {"time": 10.0, "event": "stopped", "by": "dtk.stop by alice"},  # cancelled in the queue
+        {"time": 50.0, "event": "submitted"},
+        {"time": 52.0, "event": "started", "restart": 0},
+        {"time": 80.0, "event": "failed"},  # never ready
+        {"time": 100.0, "event": "submitted"},
+        {"time": 101.0, "event": "started", "restart": 1},
+        {"time": 105.0, "event": "ready", "step": 0},
+        {"time": 115.0, "event": "finished"},
+    ]
+    lines = [{"step": s, "time": 105.0 + s, "step_time_s": 1.0, "restart": 1} for s in range(1, 11)]
+    g = account(events, lines)
+    p = g["parts"]
+    assert g["wall_s"] == 115.0
+    assert p["queue_s"] == 10.0 + 2.0 + 1.0 and p["down_s"] == 40.0 + 20.0
+    assert p["startup_s"] == 28.0 + 4.0 and p["productive_s"] == 10.0
+    assert sum(p.values()) == pytest.approx(g["wall_s"]) and p["other_s"] == 0.0
