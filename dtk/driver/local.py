@@ -238,8 +238,7 @@ class LocalDriver:
                 return 0
             if decision.action is Action.STOP:
                 checkpoint = record_stopped(self.run, by=outcome.cause, restarts=self._restarts(), job_id=self.job_id)
-                how = "without saving (--now)" if outcome.cause.endswith("--now") else "after committing a checkpoint"
-                print(f"stopped ({outcome.cause}) {how}; {_resume_text(checkpoint)}")
+                print(stopped_line(outcome.cause, checkpoint))
                 return EXIT_STOPPED
             if decision.action is Action.FAIL:
                 return self._fail(outcome, decision.error)
@@ -270,6 +269,13 @@ class LocalDriver:
 def stop_request_text(request: dict) -> str:
     """`dtk.stop by alice` (`--now` added when the workers were not to save)."""
     return f"dtk.stop by {request.get('by', '?')}" + (" --now" if request.get("now") else "")
+
+
+def stopped_line(cause: str, checkpoint: int | None) -> str:
+    """What the local driver prints when a stop ended the run: --now killed the workers
+    before any save, so it resumes from an older checkpoint."""
+    how = "the workers killed without saving" if cause.endswith(" --now") else "after committing a checkpoint"
+    return f"stopped ({cause}) {how}; {_resume_text(checkpoint)}"
 
 
 def _resume_text(checkpoint: int | None) -> str:
