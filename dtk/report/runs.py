@@ -38,23 +38,42 @@ class RunData:
         return [e for e in self.events if e.get("event") == name]
 
 
-def load_run(path: Path) -> RunData:
-    """Read a run directory; a folder that is not one is the user's mistake."""
+HANDOVER_RUN = "run"
+"""Where a handover folder (python -m dtk.handover) keeps the records of its run."""
+
+
+def load_run(path: Path, *, key: str = "RUN_DIR") -> RunData:
+    """Read a run directory, or the run a handover folder carries; a folder that is neither
+    is the user's mistake."""
     if not path.is_dir():
-        raise UserError(f"RUN_DIR={path}: no such directory")
+        raise UserError(f"{key}={path}: no such directory")
+    if not (path / "plan.json").is_file() and (path / HANDOVER_RUN / "plan.json").is_file():
+        path = path / HANDOVER_RUN
     run = RunDir(path)
     if not run.plan_json.is_file():
-        raise UserError(f"RUN_DIR={path}: not a dtk run directory (no plan.json); run directories live under run.root")
+        raise UserError(f"{key}={path}: not a dtk run directory (no plan.json); run directories live under run.root")
     try:
         plan = json.loads(run.plan_json.read_text())
     except json.JSONDecodeError as exc:
-        raise UserError(f"RUN_DIR={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
+        raise UserError(f"{key}={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
     return RunData(
         path=path,
-        name=path.name,
+        name=path.parent.name if path.name == HANDOVER_RUN and (path.parent / "README.md").is_file() else path.name,
         plan=plan,
         metric_lines=[r for r in read_jsonl(run.metrics) if "step" in r],
         events=list(read_jsonl(run.events)),
         summary=run.read_summary(),
         system=list(read_jsonl(path / SYSTEM_LOG)),
     )
+
+
+def load_baseline(path: Path) -> RunData:
+    """The run a comparison is made against: a run directory, or a handover folder, that
+    logged steps (a folder with a plan alone, like a handover's config/, has nothing to
+    compare)."""
+    run = load_run(path, key="--baseline")
+    if not run.metric_lines:
+        where = " (a handover's config/ folder: give the handover folder itself)" if (path.name == "config") else ""
+        raise UserError(f"--baseline {path}: holds no logged step (no metrics.jsonl){where}; a baseline is a run"
+                        " directory, or a handover folder, of a run that trained")
+    return run
