@@ -13,7 +13,7 @@ from dtk import audit
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
 from dtk.report.numbers import run_numbers
-from dtk.report.runs import load_baseline, load_run
+from dtk.report.runs import label_by_differences, load_baseline, load_run
 from dtk.report.text import baseline_block, run_block
 
 AUDIT_LINES = 10  # the newest entries of each run's audit log shown in the text report
@@ -57,13 +57,14 @@ def report(args: argparse.Namespace) -> dict:
     if args.tolerance < 0:
         raise UserError(f"--tolerance={args.tolerance}: expected 0 or more (e.g. 1e-3)")
     runs = [load_run(p) for p in args.runs]
+    label_by_differences(runs)
     numbers = [run_numbers(r) for r in runs]
     out: dict = {"runs": numbers}
     out["audit"] = [{"run": r.name, "entries": audit.read(audit.run_root_of(r.path), run=r.plan.get("run_name", r.name))}
                     for r in runs]
     if len(runs) > 1:
         out["repeatability"] = [
-            {"reference": runs[0].name, "run": r.name, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
+            {"reference": runs[0].label, "run": r.label, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
             for r in runs[1:]
         ]
     if args.baseline is not None:

@@ -132,6 +132,7 @@ def run_numbers(run: RunData) -> dict[str, Any]:
     return {
         "run_dir": str(run.path),
         "name": run.name,
+        "label": run.label or run.name,
         "status": _status(run, bool(latest)),
         "step": last.get("step"),
         "total_steps": run.plan.get("steps"),

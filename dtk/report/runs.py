@@ -24,6 +24,9 @@ class RunData:
     events: list[dict[str, Any]]
     summary: dict[str, Any] | None
     system: list[dict[str, Any]] = field(default_factory=list)
+    label: str = ""
+    """What the report calls the run beside others: the keys in which its config differs
+    from theirs (`optim.lr=0.001`), else its name (see `label_by_differences`)."""
 
     @property
     def latest(self) -> dict[int, dict[str, Any]]:
@@ -77,3 +80,35 @@ def load_baseline(path: Path) -> RunData:
         raise UserError(f"--baseline {path}: holds no logged step (no metrics.jsonl){where}; a baseline is a run"
                         " directory, or a handover folder, of a run that trained")
     return run
+
+
+# Where a run lives and how it was submitted differ between runs without making them other runs.
+_NOT_LABELS = ("run.", "submit.")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, (list, dict)) else str(value)
+
+
+def label_by_differences(runs: list[RunData]) -> None:
+    """Name each of several runs (a sweep) by the config keys whose values differ among them
+    (`optim.lr=0.001, train.seed=2`), the same keys for every run; a run alone, or runs that
+    differ in no key, keep their names."""
+    flats = [_flat(r.plan.get("config") or {}) for r in runs]
+    if not flats:
+        return
+    same = {k for k, v in flats[0].items() if all(k in f and f[k] == v for f in flats)}
+    keys = sorted(k for k in {k for f in flats for k in f} - same if not k.startswith(_NOT_LABELS))
+    for run, flat in zip(runs, flats, strict=True):
+        run.label = ", ".join(f"{k}={_text(flat.get(k))}" for k in keys) if len(runs) > 1 and keys else run.name
