@@ -70,10 +70,13 @@ def handover(run_dir: Path, out: Path) -> list[Artifact]:
         plan = Plan.from_json((run_dir / "plan.json").read_text())
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"RUN_DIR={run_dir}: plan.json is not a dtk plan ({' '.join(str(exc).split())[:120]})") from None
-    try:  # a folder of its own: nothing of anybody else's beside --out is touched
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.handover-", dir=out.parent))
+    # A folder of its own, inside an existing empty --out or beside a new one: nothing of
+    # anybody else's is touched.
+    where = out if out.is_dir() else out.parent
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.handover-", dir=where))
     except OSError as exc:
-        raise UserError(f"--out {out}: cannot write in {out.parent} ({exc.strerror or exc})") from None
+        raise UserError(f"--out {out}: cannot write in {where} ({exc.strerror or exc})") from None
     try:
         (tmp / "config").mkdir()
         made = _write(run_dir, plan, tmp)
@@ -88,7 +91,11 @@ def _move_into(tmp: Path, out: Path) -> None:
     """The finished folder becomes --out: renamed there, or, where --out is an empty folder
     already (a team's, with its owner, group and mode), its entries moved into it."""
     if out.is_dir():
-        for entry in tmp.iterdir():
+        entries = list(tmp.iterdir())
+        taken = [e.name for e in entries if (out / e.name).exists()]
+        if taken:  # someone wrote into --out meanwhile: keep theirs
+            raise UserError(f"--out {out}: {taken[0]} appeared there while the handover was written; name a new folder")
+        for entry in entries:
             entry.rename(out / entry.name)
         tmp.rmdir()
         return
