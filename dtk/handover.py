@@ -258,6 +258,7 @@ def _readme(plan, run_dir: Path, made: list[Artifact]) -> str:
         lines += ["The run is of a project of its own (project.txt: its folder and the git commit of its code)."
                   " From a checkout of that project at that commit, the same configuration (the same config"
                   " hash, so the same run name) is composed by:", "",
+                  "    cd PROJECT_CHECKOUT   # the project's code, at the commit project.txt names",
                   "    python -m dtk.submit --config-dir THIS_FOLDER $(cat THIS_FOLDER/config/overrides.txt)"
                   " run.root=YOUR_RUN_ROOT", "",
                   "with this folder's `conf/` (the project's, copied). acceptance.md says how to check the"
