@@ -139,7 +139,7 @@ def test_a_resume_after_dtk_stop_is_named_a_stop_not_a_preemption():
               ev(5.5, "stopped", by="dtk.stop by alice", step=4, checkpoint=4),
               ev(20.0, "submitted", job_id="10"), ev(21.0, "started", restart=1, job_id="10", nodes=["n1"])]
     starts = history(events, [], max_restarts=1)
-    assert starts[1]["cause"] == "stopped by dtk.stop by alice, then submitted again"
+    assert starts[1]["cause"] == "stopped (dtk.stop by alice), then submitted again"
 
 
 def test_the_memory_line_puts_the_largest_rank_beside_its_own_plan(tmp_path):

@@ -43,7 +43,7 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
     if "time_limit_near" in kinds:
         return "time limit (stopped by the driver before it)"
     if "stopped" in kinds:  # the workers' `preempted` on the stop's SIGTERM is no preemption
-        return f"stopped by {kinds['stopped'].get('by') or '?'}, then submitted again"
+        return f"stopped ({kinds['stopped'].get('by') or '?'}), then submitted again"
     if "preempted" in kinds:
         reason = (kinds.get("requeued") or {}).get("reason") or ""
         signal = kinds["preempted"].get("signal")
