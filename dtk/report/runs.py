@@ -59,7 +59,7 @@ def load_run(path: Path, *, key: str = "RUN_DIR") -> RunData:
         plan = json.loads(run.plan_json.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{key}={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
-    return RunData(
+    data = RunData(
         path=path,
         name=path.parent.name if path.name == HANDOVER_RUN and (path.parent / "README.md").is_file() else path.name,
         plan=plan,
@@ -68,6 +68,8 @@ def load_run(path: Path, *, key: str = "RUN_DIR") -> RunData:
         summary=run.read_summary(),
         system=list(read_jsonl(path / SYSTEM_LOG)),
     )
+    data.label = data.name
+    return data
 
 
 def load_baseline(path: Path) -> RunData:
