@@ -129,11 +129,20 @@ class RunDir:
         return self.path / STOP_REQUEST
 
     def read_stop_request(self) -> dict[str, Any] | None:
-        """What `python -m dtk.stop` asked for (`by`, `now`, `time`), or None."""
+        """What `python -m dtk.stop` asked for (`by`, `now`, `time`), or None. A request
+        older than the run's latest submission was left behind by a stop that never took
+        effect (it timed out, the run ended first, its driver died): it is removed here and
+        stops nothing, so it never acts on a later start."""
         try:
-            return json.loads(self.stop_request.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            request = json.loads(self.stop_request.read_text())
+            asked = float(request.get("time") or self.stop_request.stat().st_mtime)
+        except (FileNotFoundError, json.JSONDecodeError, AttributeError, TypeError, ValueError):
             return None
+        submitted = [float(e["time"]) for e in read_jsonl(self.events) if e.get("event") == "submitted" and "time" in e]
+        if submitted and asked < submitted[-1]:
+            self.stop_request.unlink(missing_ok=True)
+            return None
+        return request
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:08d}"
@@ -194,3 +203,32 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # it exists, owned by someone else
     return True
+
+
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """What tells this process from a later one given the same pid: its start time and
+    command name (recorded in the `started` event of a local driver)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    return {"driver_pid": proc.pid, "driver_started": round(proc.create_time(), 3), "driver_name": proc.name()}
+
+
+def driver_alive(started: dict[str, Any]) -> bool:
+    """Whether the local driver a `started` event names still runs: its pid exists and,
+    where the event recorded them, with the same start time and command name (a dead
+    driver's pid given to another process is not the run running)."""
+    import psutil
+
+    pid = int(started.get("driver_pid") or 0)
+    if not pid_alive(pid):
+        return False
+    if "driver_started" not in started:  # recorded by an older dtk: the pid is all there is
+        return True
+    try:
+        now = process_identity(pid)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    # create_time is derived from boot time and clock ticks: equal to within a tick.
+    return (abs(now["driver_started"] - float(started["driver_started"])) < 0.5
+            and now["driver_name"] == started.get("driver_name", now["driver_name"]))

@@ -109,7 +109,7 @@ def _launch_local(plan: Plan, *, lock: RunLock, files: dict[str, str] | None = N
 
     progress = Progress(run.metrics, total=plan.steps, every=plan.config.train.log_every)
     progress.skip_existing()
-    code = LocalDriver(plan, run, progress=progress).run_to_end()
+    code = LocalDriver(plan, run, progress=progress, lock_fd=lock.fileno()).run_to_end()
     if code == 0:
         summary = run.read_summary() or {}
         print(f"finished: {run.path} step {summary.get('final_step')} loss {summary.get('final_loss')}")

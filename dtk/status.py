@@ -11,7 +11,7 @@ from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report import starts as start_history
-from dtk.rundir import RunDir, pid_alive, read_jsonl
+from dtk.rundir import RunDir, driver_alive, read_jsonl
 
 DESCRIPTION = """State (pending, running, finished, failed, stopped; unknown when Slurm does not answer),
 step / total, loss, last complete checkpoint, restarts by cause and the crash/hang relaunches
@@ -42,7 +42,6 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         raise UserError(f"{run.path}: not a dtk run directory (no plan.json); run directories live under run.root")
     plan = json.loads(run.plan_json.read_text())
     events = run.events_list()
-    metrics = run.latest_metrics()
     summary = run.read_summary()
     starts = [e for e in events if e.get("event") == "started"]
     fabrics = [e for e in events if e.get("event") == "topology"]
@@ -56,7 +55,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         state = "pending" if job_state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING") else "running"
     elif summary and summary.get("status") in ("finished", "failed", "stopped") and last_event == summary["status"]:
         state = summary["status"]
-    elif starts and not last_job and pid_alive(int(starts[-1].get("driver_pid", 0) or 0)):
+    elif starts and not last_job and driver_alive(starts[-1]):
         state = "running"
     elif slurm_error:
         state = "unknown"
@@ -64,9 +63,13 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         state = "pending" if last_job else "submitted"
     else:
         state = "stopped"
-    last_step = max(metrics) if metrics else 0
+    lines = list(read_jsonl(run.metrics))
+    # Where the run is now: the newest record. During a redo after a restart, the larger
+    # steps on record are the dead start's.
+    current = next((r for r in reversed(lines) if "step" in r), None)
+    last_step = int(current["step"]) if current else 0
     max_restarts = _max_restarts(plan)
-    history = start_history.history(events, list(read_jsonl(run.metrics)), max_restarts=max_restarts)
+    history = start_history.history(events, lines, max_restarts=max_restarts)
     # Sizes against the manifest, not checksums: status must stay quick on large checkpoints
     # (python -m dtk.checkpoint list RUN_DIR reads every byte).
     complete = [c.step for c in list_checkpoints(run, checksums=False) if c.verified]
@@ -77,7 +80,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "slurm_error": slurm_error,
         "step": last_step,
         "total_steps": plan["steps"],
-        "loss": metrics[last_step]["loss"] if metrics else None,
+        "loss": current.get("loss") if current else None,
         "last_checkpoint": complete[-1] if complete else None,
         "restarts": max(0, len(starts) - 1),
         "restarts_by_cause": _by_cause(history),
@@ -102,10 +105,16 @@ def _audit(run_dir: Path, name: str) -> dict[str, Any]:
 
 
 def _memory(memory: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The largest rank's measured memory against its plan (summary.json's `memory`)."""
+    """The largest rank's measured memory against that same rank's plan (summary.json's
+    `memory`; a summary of an older dtk put the largest plan of any rank beside it)."""
     if not memory or memory.get("gap") is None:
         return None
-    return {k: memory[k] for k in ("device", "predicted_bytes", "measured_bytes", "gap", "mismatch_ranks")}
+    out = {k: memory[k] for k in ("device", "predicted_bytes", "measured_bytes", "gap", "mismatch_ranks")}
+    ranks = [r for r in memory.get("ranks") or [] if r.get("measured_bytes") is not None]
+    if ranks:
+        worst = max(ranks, key=lambda r: r["measured_bytes"])
+        out.update({k: worst[k] for k in ("predicted_bytes", "measured_bytes", "gap")}, rank=worst["rank"])
+    return out
 
 
 def _max_restarts(plan: dict[str, Any]) -> int:
@@ -150,8 +159,10 @@ def render(info: dict[str, Any]) -> str:
     memory = info["memory"]
     if memory:
         off = f"; plan_mismatch on rank(s) {', '.join(map(str, memory['mismatch_ranks']))}" if memory["mismatch_ranks"] else ""
+        rank = f"rank {memory['rank']}, " if "rank" in memory else ""
         lines.append(f"memory       {memory['measured_bytes'] / 1e9:.3f} GB measured on the largest rank against"
-                     f" {memory['predicted_bytes'] / 1e9:.3f} GB planned ({memory['gap']:+.0%}, {memory['device']}){off}")
+                     f" {memory['predicted_bytes'] / 1e9:.3f} GB planned for it ({rank}{memory['gap']:+.0%},"
+                     f" {memory['device']}){off}")
     if info["error"]:
         lines.append(f"error        {info['error']}")
     if info["stopped_by"]:

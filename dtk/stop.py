@@ -21,7 +21,7 @@ from pathlib import Path
 from dtk import audit
 from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import PLAN_JSON, RunDir, pid_alive, write_json_atomic
+from dtk.rundir import PLAN_JSON, RunDir, driver_alive, write_json_atomic
 
 POLL_S = 0.5
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED")
@@ -37,8 +37,7 @@ def where(run: RunDir) -> tuple[str, str | None, str]:
         job = str(submitted[-1]["job_id"])
         return "slurm", job, slurmctl.job_state(job) or "gone"
     starts = [e for e in events if e.get("event") == "started"]
-    pid = int(starts[-1].get("driver_pid") or 0) if starts else 0
-    return "local", None, "running" if pid and pid_alive(pid) else "not running"
+    return "local", None, "running" if starts and driver_alive(starts[-1]) else "not running"
 
 
 def wait_stopped(run: RunDir, *, since: float, timeout_s: float) -> dict | None:
@@ -78,13 +77,23 @@ def stop(run: RunDir, *, now: bool, timeout_s: float) -> str:
     how = "the workers are killed without saving (--now)" if now else "the workers save at the end of this step"
     what = f"job {job}" if job else "the local driver"
     ended = wait_stopped(run, since=asked - 1, timeout_s=timeout_s)
+    if ended is None or ended["event"] != "stopped":
+        _withdraw(run, asked)  # a request left behind would stop the next start of this run
     if ended is None:
         hint = f"; `scancel {job}` ends the job" if job else ""
-        return (f"asked {what} to stop ({how}); it has not stopped within {timeout_s:g} s. "
-                f"Watch python -m dtk.status {run.path}{hint}")
+        return (f"asked {what} to stop ({how}); it has not stopped within {timeout_s:g} s, and the request is"
+                f" withdrawn. Watch python -m dtk.status {run.path}{hint}")
     if ended["event"] != "stopped":
         return f"the run {ended['event']} before the stop took effect (step {ended.get('step')})"
     return f"stopped {what} at step {ended.get('step')} ({how}); not requeued; " + _resume(run, ended.get("checkpoint"))
+
+
+def _withdraw(run: RunDir, asked: float) -> None:
+    """Remove this command's request, not one a later dtk.stop wrote meanwhile. A driver
+    that already told its workers keeps what was asked."""
+    request = run.read_stop_request()
+    if request is not None and request.get("time") == asked:
+        run.stop_request.unlink(missing_ok=True)
 
 
 def _resume(run: RunDir, checkpoint: int | None) -> str:

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import dtk, only_run_dir
 from dtk.config.compose import compose
+from dtk.handover import main as handover_main
 from dtk.plan.plan import Plan, make_plan
 
 ARTIFACTS = ("README.md", "plan.md", "config/config.yaml", "config/plan.json", "config/overrides.txt", "plan.txt", "access.md",
@@ -34,8 +35,7 @@ def test_the_handover_folder_has_every_artifact_and_its_plan_matches_the_run(tmp
     assert proc.returncode == 0, proc.stderr
     run = only_run_dir(tmp_path / "runs")
     out = tmp_path / "handover"
-    proc = dtk("dtk.handover", str(run), "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert handover_main([str(run), "--out", str(out)]) == 0
     assert "missing" not in proc.stdout
     for name in ARTIFACTS:
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -54,3 +54,121 @@ def test_the_handover_folder_has_every_artifact_and_its_plan_matches_the_run(tmp
     assert json.loads((out / "status.json").read_text())["state"] == "finished"
     assert "submit" in (out / "audit.txt").read_text()
     assert "access policy open" in (out / "access.md").read_text()
+
+
+def _recorded_run(root, overrides, *, search=None, steps=4):
+    """A run directory as dtk.submit and a finished job leave it (plan, config, records),
+    written here without training: handover reads only these files."""
+    from dtk.config.compose import SearchPath, to_yaml
+
+    search = search or SearchPath()
+    cfg = compose([*overrides, f"run.root={root}"], search=search)
+    plan = make_plan(cfg, import_path=search.modules)
+    run = root / plan.run_name
+    run.mkdir(parents=True)
+    (run / "plan.json").write_text(plan.to_json())
+    (run / "config.yaml").write_text(to_yaml(plan.config))
+    (run / "plan.md").write_text("# the topology scheme\n")
+    events = [{"time": 10.0, "event": "submitted", "cluster": "local"}, {"time": 11.0, "event": "started", "restart": 0},
+              {"time": 12.0, "event": "ready"}, {"time": 12.0 + steps, "event": "finished", "step": steps}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": 12.0 + s, "loss": 5.0 - s, "restart": 0,
+                                                           "step_time_s": 1.0, "world_size": 2}) + "\n"
+                                       for s in range(1, steps + 1)))
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "final_step": steps, "final_loss": 5.0 - steps}))
+    return run, plan
+
+
+def test_an_empty_out_folder_keeps_its_owner_group_and_mode_and_nothing_beside_it_is_touched(tmp_path):
+    import os
+
+    run, _ = _recorded_run(tmp_path / "runs", ["train.steps=4"])
+    out = tmp_path / "team" / "handover"
+    out.mkdir(parents=True)
+    out.chmod(0o2750)
+    gid = 1 if os.geteuid() == 0 else os.getgid()  # another group where this user may give one
+    os.chown(out, -1, gid)
+    before = out.stat()
+    theirs = tmp_path / "team" / ".handover.tmp"  # someone's folder, named as dtk's temporary once was
+    theirs.mkdir()
+    (theirs / "keep").write_text("mine")
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    after = out.stat()
+    assert (after.st_ino, after.st_mode, after.st_uid, after.st_gid) == (before.st_ino, before.st_mode, before.st_uid,
+                                                                          before.st_gid)
+    assert (out / "README.md").is_file() and (theirs / "keep").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "team").iterdir()) == [".handover.tmp", "handover"]
+    new = tmp_path / "team" / "new"
+    assert handover_main([str(run), "--out", str(new)]) == 0
+    assert new.stat().st_mode & 0o777 == 0o777 & ~_umask()  # a folder of its own: the usual mode, not 0700
+    assert dtk("dtk.handover", str(run), "--out", str(tmp_path / "nowhere" / "h")).stderr.startswith(
+        f"error: --out {tmp_path / 'nowhere' / 'h'}: no folder")
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_handover_folder_is_a_baseline_and_its_config_folder_is_not_one(tmp_path):
+    run, _ = _recorded_run(tmp_path / "runs", ["train.steps=4"])
+    out = tmp_path / "handover"
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    assert {p.name for p in (out / "run").iterdir()} >= {"metrics.jsonl", "events.jsonl", "summary.json", "plan.json"}
+    report = (out / "report" / "report.txt").read_text()
+    assert "  report/loss.png" in report and str(tmp_path) + "/." not in report  # no temporary folder's paths
+    again, _ = _recorded_run(tmp_path / "again", ["train.steps=4"], steps=4)
+    proc = dtk("dtk.report", str(again), "--baseline", str(out), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    assert "against baseline" in proc.stdout and "step time (s)" in proc.stdout and "same" in proc.stdout
+    proc = dtk("dtk.report", str(again), "--baseline", str(out / "config"), "--no-plots")
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --baseline {out / 'config'}: holds no logged step")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+def test_a_run_of_the_users_own_project_is_repeated_from_the_handover_folder(tmp_path):
+    """The project (python -m dtk.init), a git checkout; its run handed over; the overrides
+    composed with the handover folder's conf/ from elsewhere give the run's hash and name."""
+    import subprocess
+
+    from dtk.config.compose import search_path
+
+    project = tmp_path / "proj"
+    assert dtk("dtk.init", str(project)).returncode == 0
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "project"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    search = search_path([str(project)], cwd=tmp_path)
+    run, plan = _recorded_run(tmp_path / "runs", ["model.width=32", "optim.lr=1e-3"], search=search)
+    out = tmp_path / "handover"
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    assert (out / "conf" / "model" / "proj.yaml").read_text() == (project / "conf" / "model" / "proj.yaml").read_text()
+    assert f"{project}  {commit}" in (out / "project.txt").read_text()
+    overrides = (out / "config" / "overrides.txt").read_text().split()
+    assert "model.width=32" in overrides
+    again = make_plan(compose([*overrides, f"run.root={tmp_path / 'runs'}"], search=search_path([str(out)], cwd=tmp_path)),
+                      import_path=(str(project),))
+    assert (again.config_hash, again.run_name) == (plan.config_hash, plan.run_name)
+
+
+def test_a_hugging_face_run_is_repeated_from_the_handover_folder(tmp_path):
+    from dtk.config.compose import SearchPath
+
+    hf = tmp_path / "tiny-llama"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64}))
+    run, plan = _recorded_run(tmp_path / "runs", ["model=hf", f"model.config={hf}", "model.seq_len=32"])
+    out = tmp_path / "handover"
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    overrides = (out / "config" / "overrides.txt").read_text().split()
+    assert "model=hf" in overrides
+    again = make_plan(compose([*overrides, f"run.root={tmp_path / 'runs'}"], search=SearchPath()))
+    assert (again.config_hash, again.run_name) == (plan.config_hash, plan.run_name)

@@ -189,3 +189,70 @@ def test_two_runs_without_a_common_step_is_an_error(tmp_path):
     b = write_run(tmp_path / "b", {2: 5.0})
     proc = dtk("dtk.report", str(a), str(b), "--no-plots")
     assert proc.returncode == 2 and "no logged step in common" in proc.stderr
+
+
+def test_goodput_parts_sum_to_the_wall_time_with_a_cancelled_job_and_a_start_never_ready():
+    """A job cancelled while pending (dtk.stop), submitted again; a start that never reached
+    its first step and failed; submitted again and trained. Each second is counted once."""
+    events = [
+        {"time": 0.0, "event": "submitted"},
+        {"time": 10.0, "event": "stopped", "by": "dtk.stop by alice"},  # cancelled in the queue
+        {"time": 50.0, "event": "submitted"},
+        {"time": 52.0, "event": "started", "restart": 0},
+        {"time": 80.0, "event": "failed"},  # never ready
+        {"time": 100.0, "event": "submitted"},
+        {"time": 101.0, "event": "started", "restart": 1},
+        {"time": 105.0, "event": "ready", "step": 0},
+        {"time": 115.0, "event": "finished"},
+    ]
+    lines = [{"step": s, "time": 105.0 + s, "step_time_s": 1.0, "restart": 1} for s in range(1, 11)]
+    g = account(events, lines)
+    p = g["parts"]
+    assert g["wall_s"] == 115.0
+    assert p["queue_s"] == 10.0 + 2.0 + 1.0 and p["down_s"] == 40.0 + 20.0
+    assert p["startup_s"] == 28.0 + 4.0 and p["productive_s"] == 10.0
+    assert sum(p.values()) == pytest.approx(g["wall_s"]) and p["other_s"] == 0.0
+
+
+def _with_config(path: Path, config: dict) -> Path:
+    plan = json.loads((path / "plan.json").read_text())
+    (path / "plan.json").write_text(json.dumps({**plan, "config": {**plan["config"], **config}}))
+    return path
+
+
+def test_a_sweep_names_each_run_by_the_keys_that_differ(tmp_path):
+    a = _with_config(write_run(tmp_path / "transformer-1a", {1: 5.0, 2: 4.0}),
+                     {"optim": {"lr": 1e-3, "beta1": 0.9}, "run": {"name": "transformer-1a"}})
+    b = _with_config(write_run(tmp_path / "transformer-2b", {1: 5.0, 2: 4.1}),
+                     {"optim": {"lr": 3e-3, "beta1": 0.9}, "run": {"name": "transformer-2b"}})
+    proc = dtk("dtk.report", str(a), str(b))
+    assert proc.returncode == 0, proc.stderr
+    assert f"run          {a}  (optim.lr=0.001)" in proc.stdout
+    assert "repeatability of optim.lr=0.003 against optim.lr=0.001: diverged" in proc.stdout
+    assert _png(a / "report" / "loss.png")[1] == "curves=2: optim.lr=0.001, optim.lr=0.003"
+    alone = json.loads(dtk("dtk.report", str(a), "--json", "--no-plots").stdout)["runs"][0]
+    assert alone["label"] == "transformer-1a"
+
+
+def test_the_phases_legend_is_beside_the_bars_not_over_them(tmp_path):
+    run = load_run(write_run(tmp_path / "a", {s: 5.0 - s / 10 for s in range(1, 21)}))
+    fig = phase_breakdown(run)
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend, plot = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= plot.x1  # wholly right of the axes: no bar is under it
+    assert len(ax.get_legend().get_texts()) == len(PHASES)
+
+
+def test_a_run_shorter_than_the_sampling_interval_has_one_system_sample(tmp_path):
+    from dtk.report.numbers import system_load
+    from dtk.rundir import read_jsonl
+    from dtk.train.system import SystemSampler
+
+    path = tmp_path / "system.jsonl"
+    sampler = SystemSampler(path, interval_s=3600.0, rank=0).start()
+    sampler.stop()
+    samples = list(read_jsonl(path))
+    assert len(samples) == 1 and samples[0]["cpu_percent"] is not None
+    assert system_load(samples)["samples"] == 1

@@ -95,3 +95,70 @@ def test_status_prints_and_returns_the_history(tmp_path):
     assert "cause: hung: no heartbeat" in text and "from step 30, 3 steps redone, down 11.0 s" in text
     assert info["fabric"] == {"restart": 4, "transport": "socket", "interface": "lab0", "master_addr": "10.77.0.2"}
     assert "fabric       socket across nodes over lab0, master 10.77.0.2 (start 4; why: topology.json)" in text
+
+
+def _write(run, events, metrics, summary=None):
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"steps": 50, "run_name": "run", "config": {"fault": {"max_restarts": 3}}}))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+
+
+# Crashed at step 25 (checkpoint 20), relaunched: it is redoing step 22 now.
+REDO_EVENTS = [ev(0.0, "submitted", job_id="local-1"), ev(1.0, "started", restart=0, job_id="local-1", nodes=["h"]),
+               ev(30.0, "relaunched", cause="crashed", step=25, resume_from=20, attempt=1),
+               ev(31.0, "started", restart=1, job_id="local-1", nodes=["h"]), ev(32.0, "checkpoint_loaded", step=20)]
+REDO_METRICS = [rec(1.0 + s, s, 0) for s in range(1, 26)] + [rec(33.0 + s, s, 1) for s in range(21, 23)]
+
+
+def test_status_and_report_show_the_step_of_the_start_that_runs_not_the_dead_ones(tmp_path):
+    run = tmp_path / "run"
+    _write(run, REDO_EVENTS, REDO_METRICS)
+    info = json.loads(dtk("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"}).stdout)
+    assert info["step"] == 22 and info["loss"] == 1.0 / 22
+    out = json.loads(dtk("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]
+    assert out["step"] == 22 and out["final_loss"] == 1.0 / 22
+
+
+def test_report_does_not_call_a_run_failed_that_was_started_again(tmp_path):
+    run = tmp_path / "run"
+    events = [ev(0.0, "submitted"), ev(1.0, "started", restart=0), ev(5.0, "failed", error="boom"),
+              ev(9.0, "submitted"), ev(10.0, "started", restart=1)]
+    _write(run, events, [rec(2.0, 1, 0), rec(11.0, 1, 1)], summary={"status": "failed", "final_step": 1})
+    out = json.loads(dtk("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]
+    assert out["status"] == "running or stopped (started again after it failed)"
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events[:3]))
+    assert json.loads(dtk("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]["status"] == "failed"
+
+
+def test_a_resume_after_dtk_stop_is_named_a_stop_not_a_preemption():
+    events = [ev(1.0, "started", restart=0, job_id="9", nodes=["n1"], world_size=1),
+              ev(5.0, "preempted", step=4, signal="SIGTERM", saved=True, checkpoint_step=4),  # the stop's SIGTERM
+              ev(5.5, "stopped", by="dtk.stop by alice", step=4, checkpoint=4),
+              ev(20.0, "submitted", job_id="10"), ev(21.0, "started", restart=1, job_id="10", nodes=["n1"])]
+    starts = history(events, [], max_restarts=1)
+    assert starts[1]["cause"] == "stopped (dtk.stop by alice), then submitted again"
+
+
+def test_the_memory_line_puts_the_largest_rank_beside_its_own_plan(tmp_path):
+    from dtk.plan.predict import summarize
+
+    ranks = [{"rank": 0, "predicted_bytes": 900, "measured_bytes": 1000, "gap": 0.1111},
+             {"rank": 1, "predicted_bytes": 2000, "measured_bytes": 800, "gap": -0.6}]
+    memory = summarize(ranks, device="cpu")
+    assert (memory["rank"], memory["predicted_bytes"], memory["measured_bytes"]) == (0, 900, 1000)
+    run = tmp_path / "run"
+    older = {**memory, "predicted_bytes": 2000}  # as an older dtk wrote it: the largest plan of any rank
+    _write(run, [ev(0.0, "submitted"), ev(1.0, "finished")], [rec(1.0, 1, 0)],
+           summary={"status": "finished", "final_step": 1, "final_loss": 1.0, "memory": older})
+    info = json.loads(dtk("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"}).stdout)
+    assert (info["memory"]["predicted_bytes"], info["memory"]["measured_bytes"], info["memory"]["rank"]) == (900, 1000, 0)
+
+
+def test_a_stop_with_now_does_not_claim_a_checkpoint_was_committed():
+    from dtk.driver.local import stopped_line
+
+    assert "without saving" in stopped_line("dtk.stop by alice --now", 20)
+    assert "after committing a checkpoint" in stopped_line("dtk.stop by alice", 40)

@@ -18,6 +18,7 @@ from dtk.config.compose import compose
 from dtk.config.schema import Config
 from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
 from dtk.driver.exclusions import add_exclusions, read_exclusions, readmit
+from dtk.driver.record import record_failure
 from dtk.driver.supervisor import DriverFailed, Supervisor, drive
 from dtk.launch.slurmctl import RETRY_S, Slurm, SlurmUnavailable
 from dtk.plan.plan import make_plan
@@ -477,3 +478,40 @@ def test_the_decision_table_in_one_place():
     asked = Facts(code=137, workers_stopped=True, lost=("n2",), error_line="rank 0: error: x", stop_asked="scancel 1")
     assert classify(asked, detected_at=1).kind is Kind.STOP_ASKED
     assert classify(Facts(code=0, stop_asked="scancel 1"), detected_at=1).kind is Kind.FINISHED
+
+
+def test_a_stop_request_left_from_before_the_submission_stops_nothing(tmp_path, base_config):
+    """A request whose dtk.stop gave up (or whose driver died) before the run was submitted
+    again is stale: the job trains, and the request is gone."""
+    job = Job(tmp_path, base_config, [Script(exit=0, steps=10)])
+    job.run.stop_request.write_text(json.dumps({"by": "bob", "now": False, "time": 1000.0}))
+    job.run.event("submitted", cluster="slurm", job_id="42")
+    assert job.sup.drive() == 0
+    assert len(job.fake.steps) == 1 and not job.events("stopped") and not job.run.stop_request.exists()
+
+
+def test_a_stop_withdrawn_after_the_workers_were_told_still_ends_as_a_stop(tmp_path, base_config):
+    """dtk.stop removes its request when it stops waiting; the driver remembers who asked."""
+    job = Job(tmp_path, base_config, [Script(exit=None, steps=25)])
+    ask = lambda: job.run.stop_request.write_text(json.dumps({"by": "alice", "now": False}))  # noqa: E731
+    job.fake.scripts[0].at_s = {10.0: ask}
+    signal_steps = job.sup.slurm.signal_steps
+
+    def signal_then_withdraw(job_id, signal_name):  # dtk.stop gives up right after the driver told the workers
+        signal_steps(job_id, signal_name)
+        job.run.stop_request.unlink()
+
+    job.sup.slurm.signal_steps = signal_then_withdraw
+    assert job.sup.drive() == 0
+    assert job.events("stopped")[0]["by"] == "dtk.stop by alice" and job.requeue_calls() == []
+
+
+def test_a_run_that_finishes_or_fails_leaves_no_stop_request(tmp_path, base_config):
+    job = Job(tmp_path, base_config, [Script(exit=0, steps=10)])
+    late = lambda: job.run.stop_request.write_text(json.dumps({"by": "carol", "now": False}))  # noqa: E731
+    job.fake.scripts[0].at_s = {4.9: late}  # asked as the last step ends: the driver polls next after the exit
+    assert job.sup.drive() == 0 and not job.events("stopped")
+    assert not job.run.stop_request.exists()
+    job.run.stop_request.write_text(json.dumps({"by": "carol", "now": False}))
+    record_failure(job.run, error="boom", restarts=0)  # what both drivers call when a run fails
+    assert not job.run.stop_request.exists()

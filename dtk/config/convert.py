@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from dtk.config.choices import DataKind
+from dtk.config.hf_json import HF_TARGET, fill_vocab_size
 from dtk.config.schema import (
     DATA_SCHEMAS,
     Config,
@@ -44,6 +45,9 @@ def finish(cfg: Config) -> Config:
     """Give `model`, `data` and `scheme` their after-composition shape (see the module doc)."""
     cfg.model = model_config(cfg.model)
     cfg.data = data_config(cfg.data)
+    if cfg.model._target_ == HF_TARGET and cfg.data.kind == DataKind.synthetic:
+        # Generated data takes the model's vocabulary (config.json) unless the yaml gives one.
+        cfg.model.kwargs = fill_vocab_size(cfg.model.kwargs)
     if cfg.scheme is None:
         cfg.scheme = SchemeConfig()
     return cfg

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from dtk.config.compose import SearchPath
 from dtk.config.convert import to_dict
 from dtk.config.schema import Config
 from dtk.errors import UserError
@@ -42,7 +44,8 @@ def value_text(value: Any) -> str:
 
 
 def group_choices(cfg: dict[str, Any]) -> list[str]:
-    """The group options of a config in its plain form (dtk.config.convert.to_dict)."""
+    """The group options of a config in its plain form (dtk.config.convert.to_dict) that its
+    values name: the data kind, the scheme, the access policy."""
     choices = []
     if cfg["data"]["kind"] != "synthetic":
         choices.append(f"data={cfg['data']['kind']}")
@@ -53,26 +56,65 @@ def group_choices(cfg: dict[str, Any]) -> list[str]:
     return choices
 
 
-def repeat_overrides(cfg: Config, config_hash: str, *, semantic_hash: Callable[[Config], str]
-                     ) -> tuple[list[str] | None, str]:
-    """(overrides, "") that compose a config of the same hash, or (None, why not). The hash
-    is the run identity's (dtk.plan.plan.semantic_hash), handed in: config is the first stage."""
+# Groups whose option a config does not name: found by the factory (`_target_`) it composes to.
+_BY_TARGET = ("model", "task")
+
+
+def _options(group: str, search: SearchPath) -> list[str]:
+    from dtk.config.compose import config_dir
+
+    folders = (*search.config, config_dir())
+    return sorted({p.stem for f in folders for p in (Path(f) / group).glob("*.yaml")})
+
+
+def _target_choices(plain: dict[str, Any], choices: list[str], search: SearchPath) -> tuple[list[str], dict[str, Any]]:
+    """(choices with `model=NAME`, `task=NAME` added where the search path's default (a
+    project's conf/project/default.yaml included) composes another factory than the run's,
+    the plain config those choices compose)."""
     from dtk.config.compose import compose
 
+    found = list(choices)
+    composed = to_dict(compose(found, search=search))
+    for group in _BY_TARGET:
+        wanted = plain[group].get("_target_")
+        if composed[group].get("_target_") == wanted:
+            continue
+        for option in _options(group, search):
+            tried = to_dict(compose([*found, f"{group}={option}"], search=search))
+            if tried[group].get("_target_") == wanted:
+                found, composed = [*found, f"{group}={option}"], tried
+                break
+    return found, composed
+
+
+def repeat_overrides(cfg: Config, config_hash: str, *, semantic_hash: Callable[[Config], str],
+                     search: SearchPath | None = None) -> tuple[list[str] | None, str]:
+    """(overrides, "") that compose a config of the same hash with the config folders of
+    `search` (default: dtk's own alone), or (None, why not). The hash is the run identity's
+    (dtk.plan.plan.semantic_hash), handed in: config is the first stage."""
+    from dtk.config.compose import compose
+
+    search = search if search is not None else SearchPath()
     plain = to_dict(cfg)
     try:
-        choices = group_choices(plain)
-        base = flatten(to_dict(compose(choices)))
+        choices, composed = _target_choices(plain, group_choices(plain), search)
+        base = flatten(composed)
     except (UserError, KeyError) as exc:
         return None, f"the run's config groups are not among this dtk's ({exc})"
     wanted = flatten(plain)
     overrides = choices + [f"{key}={value_text(value)}" for key, value in wanted.items()
                            if key not in LEFT_OUT and base.get(key, object()) != value]
+    overrides += [f"~{key}" for key in base if key not in wanted and key not in LEFT_OUT and _removable(key)]
     try:
-        again = semantic_hash(compose(overrides))
+        again = semantic_hash(compose(overrides, search=search))
     except UserError as exc:
         return None, f"the overrides derived from config.yaml do not compose ({exc}); start from config/config.yaml"
     if again != config_hash:
         return None, (f"the overrides derived from config.yaml compose config hash {again}, not the run's"
                       f" {config_hash}; start from config/config.yaml")
     return overrides, ""
+
+
+def _removable(key: str) -> bool:
+    """A key of a free-form section (a user model's yaml) that the run did not have."""
+    return key.split(".")[0] in _BY_TARGET and key.count(".") == 1 and not key.endswith("_target_")

@@ -110,6 +110,27 @@ class TransformerConfig(ModelParallelConfig):
 
 
 @dataclass
+class HfModelConfig(ModelParallelConfig):
+    """A Hugging Face causal language model by its config.json (group `model`, option `hf`;
+    docs/byo.md). Local files only, no network; pip install "dtk[hf]"."""
+
+    _target_: str = "dtk.models.hf.build"
+    """Factory that builds the transformers model (dtk.models.hf.build)."""
+    config: str | None = None
+    """Folder holding the model's config.json: the architecture, with random weights."""
+    init_from: str | None = None
+    """Folder of config.json and safetensors weights (save_pretrained's, or dtk.checkpoint export --format hf)."""
+    seq_len: int = 256
+    """Tokens per sample: the data is cut to it; at most the model's max_position_embeddings (checked at submission)."""
+    vocab_size: int | None = None
+    """Token ids of the data, at most the model's vocabulary. null: with generated data, config.json's vocab_size."""
+    attn_implementation: str = "sdpa"
+    """transformers' attention implementation (sdpa, eager, flash_attention_2 where installed)."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """config.json keys to replace, e.g. {num_hidden_layers: 2}."""
+
+
+@dataclass
 class ModelConfig(ModelParallelConfig):
     """The `model` section after composition, the same for every model: the factory, how to
     parallelize it, and the factory's own keyword arguments. A user's model has no schema
@@ -340,6 +361,7 @@ def register() -> None:
     cs.store(name="dtk_schema", node=Config)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="model", name="transformer_schema", node=TransformerConfig)
+    cs.store(group="model", name="hf_schema", node=HfModelConfig)
     cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
     cs.store(group="data", name="hdf5_schema", node=Hdf5DataConfig)
     cs.store(group="data", name="user_schema", node=UserDataConfig)

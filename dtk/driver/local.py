@@ -27,7 +27,7 @@ from dtk.driver.decide import Action, Kind, Outcome, decide
 from dtk.driver.logs import error_line, last_line
 from dtk.driver.record import latest_checkpoint_step, record_failure, record_stopped
 from dtk.plan.plan import Plan
-from dtk.rundir import HEARTBEAT, RunDir
+from dtk.rundir import HEARTBEAT, RunDir, process_identity
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import driver_env, rank_env
 
@@ -88,8 +88,11 @@ def _raise_terminated(signum, _frame) -> None:
 
 
 class LocalDriver:
-    def __init__(self, plan: Plan, run: RunDir, *, progress=None) -> None:
+    def __init__(self, plan: Plan, run: RunDir, *, progress=None, lock_fd: int | None = None) -> None:
         self.plan = plan
+        # The run lock's descriptor, inherited by every worker: the flock lives until the last
+        # holder exits, so a killed dtk.submit does not free the run while its workers save.
+        self.lock_fds = () if lock_fd is None else (lock_fd,)
         self.run = run
         self.progress = progress
         self.fault = plan.config.fault
@@ -110,7 +113,7 @@ class LocalDriver:
             job_id=self.job_id,
             nodes=[socket.gethostname()],
             world_size=world,
-            driver_pid=os.getpid(),
+            **process_identity(),  # pid, start time and name: a reused pid is not this driver
         )
         self.procs = []
         for rank in range(world):
@@ -124,6 +127,7 @@ class LocalDriver:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
+                    pass_fds=self.lock_fds,
                 )
             )
             log.close()
@@ -230,10 +234,11 @@ class LocalDriver:
             decision = decide(outcome, job_id=self.job_id, relaunches=relaunches,
                               max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step)
             if decision.action is Action.FINISH:
+                self.run.stop_request.unlink(missing_ok=True)  # the run ended before a stop took effect
                 return 0
             if decision.action is Action.STOP:
                 checkpoint = record_stopped(self.run, by=outcome.cause, restarts=self._restarts(), job_id=self.job_id)
-                print(f"stopped ({outcome.cause}) after committing a checkpoint; {_resume_text(checkpoint)}")
+                print(stopped_line(outcome.cause, checkpoint))
                 return EXIT_STOPPED
             if decision.action is Action.FAIL:
                 return self._fail(outcome, decision.error)
@@ -264,6 +269,13 @@ class LocalDriver:
 def stop_request_text(request: dict) -> str:
     """`dtk.stop by alice` (`--now` added when the workers were not to save)."""
     return f"dtk.stop by {request.get('by', '?')}" + (" --now" if request.get("now") else "")
+
+
+def stopped_line(cause: str, checkpoint: int | None) -> str:
+    """What the local driver prints when a stop ended the run: --now killed the workers
+    before any save, so it resumes from an older checkpoint."""
+    how = "the workers killed without saving" if cause.endswith(" --now") else "after committing a checkpoint"
+    return f"stopped ({cause}) {how}; {_resume_text(checkpoint)}"
 
 
 def _resume_text(checkpoint: int | None) -> str:

@@ -10,7 +10,9 @@ from dtk.rundir import RunDir, read_jsonl, write_json_atomic
 
 def record_failure(run: RunDir, *, error: str, restarts: int, **details: Any) -> None:
     """A `failed` event and a failed summary: step and loss reached, and why it stopped.
-    A later start that finishes overwrites the summary."""
+    A later start that finishes overwrites the summary. A stop request the run did not get
+    to is removed: the run has ended."""
+    run.stop_request.unlink(missing_ok=True)
     run.event("failed", error=error, **details)
     done = run.latest_metrics()
     last = max(done) if done else 0

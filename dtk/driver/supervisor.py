@@ -89,6 +89,7 @@ class Supervisor:
         self.signalled = 0  # SIGTERM (preemption, scancel) or USR2 seen by the driver itself
         self.restart_count = int(self.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         self.stop_signalled = False  # the workers were told to stop for a dtk.stop request
+        self.stop_by = ""  # who asked, once the workers were told
         self.grow: GrowWatch | None = None  # while running on fewer nodes than the plan
         self.stop_reason = ""  # set once the driver stopped the workers itself (to grow back, before the limit)
         self.time_left = TimeLeft(run=run, slurm=self.slurm, job_id=job_id, plan=plan)
@@ -175,7 +176,7 @@ class Supervisor:
         heartbeat = self.run.path / HEARTBEAT
         while proc.poll() is None:
             self.clock.sleep(POLL_S)
-            if not self.stop_signalled and self.run.stop_request.exists():
+            if not self.stop_signalled and self.run.read_stop_request() is not None:
                 self._tell_workers_to_stop()
             try:
                 beat = heartbeat.stat().st_mtime
@@ -202,14 +203,15 @@ class Supervisor:
         SIGKILL with --now (no save: the run resumes from the last committed checkpoint)."""
         request = self.run.read_stop_request() or {}
         self.stop_signalled = True
+        self.stop_by = stop_request_text(request)  # kept: dtk.stop removes its request when it gives up waiting
         self.slurm.signal_steps(self.job_id, "KILL" if request.get("now") else "TERM")
 
     def _stop_asked(self, signalled: bool) -> str:
         """Who asked this start to stop: a dtk.stop request, or `scancel JOB` (the driver
         got SIGTERM and Slurm shows the job cancelled, not preempted or timed out); else ''."""
         request = self.run.read_stop_request()
-        if request is not None:
-            return stop_request_text(request)
+        if request is not None or self.stop_by:
+            return stop_request_text(request) if request is not None else self.stop_by
         if signalled and self.slurm.cancelled(self.job_id, restart_count=self.restart_count):
             return f"scancel {self.job_id}"
         return ""
@@ -244,6 +246,7 @@ class Supervisor:
             decision = decide(outcome, job_id=self.job_id, relaunches=self.relaunches,
                               max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step)
             if decision.action is Action.FINISH:
+                self.run.stop_request.unlink(missing_ok=True)  # the run ended before a stop took effect
                 return 0
             if decision.action is Action.STOP:
                 return self._stop(outcome.cause)

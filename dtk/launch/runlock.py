@@ -5,7 +5,8 @@ unfinished folder of its step, retention deletes folders newer than the step it 
 committed) and rewrite plan.json under each other. So every launch takes RUN_DIR/lock:
 
 - an exclusive `flock` on the file while the launch writes (the local driver keeps it for
-  its whole life: the kernel drops it when the process ends, however it ends);
+  its whole life and its workers inherit the descriptor: the kernel drops it when the last
+  of them ends, however it ends);
 - in the file, who holds the run: `{"kind": "local", "job_id": "local-PID", "host", "pid"}`
   or `{"kind": "slurm", "job_id": "123"}`. A Slurm job holds the run while Slurm says it is
   not ended (pending, running, requeued, ...), with no process of ours alive on this host.
@@ -102,9 +103,16 @@ class RunLock:
         os.pwrite(self._fd, data, 0)
         os.fsync(self._fd)
 
+    def fileno(self) -> int:
+        """The locked descriptor: a process that inherits it holds the run too, until it exits
+        (the local driver hands it to its workers)."""
+        assert self._fd is not None, "fileno() before acquire()"
+        return self._fd
+
     def release(self) -> None:
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            # Closing, not LOCK_UN: an unlock would free the run for the workers that inherited
+            # the descriptor too; closed, the lock lasts until the last of them exits.
             os.close(self._fd)
             self._fd = None
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtk.config.schema import HfModelConfig
 from dtk.errors import UserError
 
 # transformers' tensor-parallel style names -> dtk's (dtk.parallel.tp). Others have no
@@ -165,7 +166,7 @@ def build(
     init_from: str | None = None,
     seq_len: int,
     vocab_size: int | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = HfModelConfig.attn_implementation,  # the schema's default, for direct callers
     config_overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
     """The factory of conf/model/hf.yaml: a transformers causal LM under the current device

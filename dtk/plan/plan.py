@@ -15,6 +15,7 @@ from typing import Any
 
 from dtk.config.choices import ClusterKind, DataKind, DeviceKind, Dtype
 from dtk.config.convert import builtin_transformer, from_dict, to_dict
+from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
@@ -23,7 +24,6 @@ DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs s
 
 # The keys that make a run what it is. Resubmitting with only other keys changed (nodes,
 # scheme, cluster, checkpoint interval, micro batch) continues the same run directory.
-HF_TARGET = "dtk.models.hf.build"  # model=hf (conf/model/hf.yaml)
 
 SEMANTIC_KEYS = ("model", "data", "optim", "train.steps", "train.global_batch", "train.seed")
 
@@ -297,6 +297,8 @@ def _check_model(cfg: Config, import_path: tuple[str | Path, ...]) -> None:
     check_target("model._target_", model._target_, import_path)
     if cfg.data.kind == DataKind.user:
         check_target("data._target_", cfg.data._target_, import_path)
+    if model._target_ == HF_TARGET:
+        check_hf_model(model.kwargs)
     if cfg.data.kind == DataKind.synthetic and (model.seq_len is None or model.vocab_size is None):
         raise UserError(
             f"model._target_={model._target_}: synthetic data needs model.seq_len and model.vocab_size"

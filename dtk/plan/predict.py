@@ -91,7 +91,8 @@ def summarize(ranks: list[dict[str, Any]], *, device: str) -> dict[str, Any]:
     return {
         "device": device,
         "basis": "max_memory_allocated" if device == "cuda" else "live tensors: states + kept for backward (one step)",
-        "predicted_bytes": max(r["predicted_bytes"] for r in ranks),
+        "rank": worst["rank"],
+        "predicted_bytes": worst["predicted_bytes"],  # that rank's plan: like against like
         "measured_bytes": worst["measured_bytes"],
         "gap": worst["gap"],
         "mismatch_ranks": [r["rank"] for r in off],

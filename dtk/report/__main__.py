@@ -13,7 +13,7 @@ from dtk import audit
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
 from dtk.report.numbers import run_numbers
-from dtk.report.runs import load_run
+from dtk.report.runs import label_by_differences, load_baseline, load_run
 from dtk.report.text import baseline_block, run_block
 
 AUDIT_LINES = 10  # the newest entries of each run's audit log shown in the text report
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("runs", metavar="RUN_DIR", nargs="+", type=Path, help="run directories; the first is the reference")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--baseline", metavar="RUN_DIR", type=Path, help="a recorded run to compare speed and utilisation with")
+    p.add_argument("--baseline", metavar="RUN_DIR", type=Path,
+                   help="a recorded run (its run directory, or its handover folder) to compare speed and utilisation with")
     p.add_argument("--out", metavar="DIR", type=Path, help="write the plots here instead of RUN_DIR/report/")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help=f"relative loss difference still counted as repeatable (default {DEFAULT_TOLERANCE:g})")
@@ -73,17 +74,18 @@ def report(args: argparse.Namespace) -> dict:
     if not args.no_plots and args.out is None:
         for run in runs:
             check_plots_writable(run.path)
+    label_by_differences(runs)
     numbers = [run_numbers(r) for r in runs]
     out: dict = {"runs": numbers}
     out["audit"] = [{"run": r.name, "entries": audit.read(audit.run_root_of(r.path), run=r.plan.get("run_name", r.name))}
                     for r in runs]
     if len(runs) > 1:
         out["repeatability"] = [
-            {"reference": runs[0].name, "run": r.name, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
+            {"reference": runs[0].label, "run": r.label, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
             for r in runs[1:]
         ]
     if args.baseline is not None:
-        base = run_numbers(load_run(args.baseline))
+        base = run_numbers(load_baseline(args.baseline))
         out["baseline"] = {"run_dir": base["run_dir"],
                            "comparisons": [{"run": n["name"], "rows": against_baseline(n, base)} for n in numbers]}
     if not args.no_plots:

@@ -23,6 +23,9 @@ run queued or running (between a stopped or failed job and the next submission);
 what is left (evaluation, teardown, failure detection, a step in flight when killed)."""
 
 _QUEUE_STARTS = ("submitted", "requeued")
+_QUEUE_ENDS = ("stopped", "failed", "finished")  # a pending job cancelled (dtk.stop, scancel) ends its wait
+_START_ENDS = ("failed", "stopped", "finished", "relaunched", "hang_detected", "node_failed", "preempted",
+               *_QUEUE_STARTS)
 
 
 def start_segments(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -64,8 +67,10 @@ def _one_start(group: list[dict[str, Any]], end: float, trained: set[Any]) -> di
         info["startup_s"] = 0.0  # trained, but wrote no `ready` event (a run from an older dtk): not measured
         info["startup_measured"] = False
     else:
-        # Never reached its first step: all of it was start-up that trained nothing.
-        last = float(group[-1]["time"]) if len(group) > 1 else end
+        # Never reached its first step: start-up that trained nothing, up to the event that
+        # ended it; a later submission or requeue in its group begins the down or queue time.
+        ended = next((e for e in group[1:] if e.get("event") in _START_ENDS), None)
+        last = float(ended["time"]) if ended is not None else float(group[-1]["time"]) if len(group) > 1 else end
         info["startup_s"] = max(0.0, min(last, end) - t0 - load)
         info["never_ready"] = True
     info["checkpoint_load_s"] = load
@@ -99,6 +104,9 @@ def account(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
         if kind in _QUEUE_STARTS:
             pending = t if pending is None else pending
         elif kind == "started" and pending is not None:
+            queue += max(0.0, t - pending)
+            pending = None
+        elif kind in _QUEUE_ENDS and pending is not None:  # cancelled while it waited: no start
             queue += max(0.0, t - pending)
             pending = None
         last_alive = t
@@ -149,6 +157,6 @@ def _first_queue(events: list[dict[str, Any]]) -> float:
     for e in events:
         if e.get("event") in _QUEUE_STARTS and pending is None:
             pending = float(e["time"])
-        elif e.get("event") == "started":
+        elif e.get("event") == "started" or (e.get("event") in _QUEUE_ENDS and pending is not None):
             return max(0.0, float(e["time"]) - pending) if pending is not None else 0.0
     return 0.0

@@ -105,19 +105,35 @@ def system_load(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 
+_LIFECYCLE = ("submitted", "started", "requeued", "relaunched", "finished", "failed", "stopped")
+
+
+def _status(run: RunData, logged: bool) -> str:
+    """summary.json's status while it is the run's latest word: a summary from before a later
+    submission or start (a failed run submitted again) does not describe the run now."""
+    said = (run.summary or {}).get("status")
+    lifecycle = [e.get("event") for e in run.events if e.get("event") in _LIFECYCLE]
+    if said and (not lifecycle or lifecycle[-1] == said):
+        return said
+    if said:
+        return f"running or stopped (started again after it {said})"
+    return "running or stopped" if logged else "no steps logged"
+
+
 def run_numbers(run: RunData) -> dict[str, Any]:
     latest = [r for _, r in sorted(run.latest.items())]
     step_times = [float(r["step_time_s"]) for r in latest if r.get("step_time_s")]
     median_step = _median(step_times)
     global_batch = run.plan.get("global_batch")
     seq_len = ((run.plan.get("config") or {}).get("model") or {}).get("seq_len")  # plan.json of any version
-    last = latest[-1] if latest else {}
-    summary = run.summary or {}
+    # Where the run is now: its newest record (during a redo the larger steps are a dead start's).
+    last = run.metric_lines[-1] if run.metric_lines else {}
     epoch_times = [r["epoch_time_s"] for r in latest if r.get("epoch_time_s") is not None]
     return {
         "run_dir": str(run.path),
         "name": run.name,
-        "status": summary.get("status") or ("running or stopped" if latest else "no steps logged"),
+        "label": run.label or run.name,
+        "status": _status(run, bool(latest)),
         "step": last.get("step"),
         "total_steps": run.plan.get("steps"),
         "world_size": last.get("world_size") or run.plan.get("world_size"),

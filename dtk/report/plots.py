@@ -46,7 +46,7 @@ def loss_curves(runs: list[RunData]):
     ax = fig.add_subplot()
     for run in runs:
         losses = run.losses
-        ax.plot(list(losses), list(losses.values()), label=run.name, linewidth=1.2)
+        ax.plot(list(losses), list(losses.values()), label=run.label, linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over the global batch)")
     ax.set_title("loss")
@@ -67,7 +67,8 @@ def phase_breakdown(run: RunData):
         xs = [r["step"] for r in profiled]
         ys = [[float(r["phases"].get(p) or 0.0) * 1000 for r in profiled] for p in PHASES]
         ax.stackplot(xs, ys, labels=list(PHASES), alpha=0.85)
-        ax.legend(loc="upper right", fontsize="small", ncol=2)
+        # Beside the plot, not over it: inside, it hid the tallest steps.
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
         ax.set_title(f"{run.name}: step time by phase")
     else:
         ax.plot(steps, [float(r.get("step_time_s") or 0.0) * 1000 for r in records], label="step time")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
-from dtk.rundir import SYSTEM_LOG, RunDir, read_jsonl
+from dtk.rundir import PLAN_JSON, SYSTEM_LOG, RunDir, read_jsonl
 
 
 @dataclass
@@ -23,6 +23,9 @@ class RunData:
     events: list[dict[str, Any]]
     summary: dict[str, Any] | None
     system: list[dict[str, Any]] = field(default_factory=list)
+    label: str = ""
+    """What the report calls the run beside others: the keys in which its config differs
+    from theirs (`optim.lr=0.001`), else its name (see `label_by_differences`)."""
 
     @property
     def latest(self) -> dict[int, dict[str, Any]]:
@@ -37,23 +40,76 @@ class RunData:
         return [e for e in self.events if e.get("event") == name]
 
 
-def load_run(path: Path) -> RunData:
-    """Read a run directory; a folder that is not one is the user's mistake."""
+HANDOVER_RUN = "run"
+"""Where a handover folder (python -m dtk.handover) keeps the records of its run."""
+
+
+def load_run(path: Path, *, key: str = "RUN_DIR") -> RunData:
+    """Read a run directory, or the run a handover folder carries; a folder that is neither
+    is the user's mistake."""
     if not path.is_dir():
-        raise UserError(f"RUN_DIR={path}: no such directory")
+        raise UserError(f"{key}={path}: no such directory")
+    if not (path / PLAN_JSON).is_file() and (path / HANDOVER_RUN / PLAN_JSON).is_file():
+        path = path / HANDOVER_RUN
     run = RunDir(path)
     if not run.plan_json.is_file():
-        raise UserError(f"RUN_DIR={path}: not a dtk run directory (no plan.json); run directories live under run.root")
+        raise UserError(f"{key}={path}: not a dtk run directory (no plan.json); run directories live under run.root")
     try:
         plan = json.loads(run.plan_json.read_text())
     except json.JSONDecodeError as exc:
-        raise UserError(f"RUN_DIR={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
-    return RunData(
+        raise UserError(f"{key}={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
+    data = RunData(
         path=path,
-        name=path.name,
+        name=path.parent.name if path.name == HANDOVER_RUN and (path.parent / "README.md").is_file() else path.name,
         plan=plan,
         metric_lines=[r for r in read_jsonl(run.metrics) if "step" in r],
         events=list(read_jsonl(run.events)),
         summary=run.read_summary(),
         system=list(read_jsonl(path / SYSTEM_LOG)),
     )
+    data.label = data.name
+    return data
+
+
+def load_baseline(path: Path) -> RunData:
+    """The run a comparison is made against: a run directory, or a handover folder, that
+    logged steps (a folder with a plan alone, like a handover's config/, has nothing to
+    compare)."""
+    run = load_run(path, key="--baseline")
+    if not run.metric_lines:
+        where = " (a handover's config/ folder: give the handover folder itself)" if (path.name == "config") else ""
+        raise UserError(f"--baseline {path}: holds no logged step (no metrics.jsonl){where}; a baseline is a run"
+                        " directory, or a handover folder, of a run that trained")
+    return run
+
+
+# Where a run lives and how it was submitted differ between runs without making them other runs.
+_NOT_LABELS = ("run.", "submit.")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, (list, dict)) else str(value)
+
+
+def label_by_differences(runs: list[RunData]) -> None:
+    """Name each of several runs (a sweep) by the config keys whose values differ among them
+    (`optim.lr=0.001, train.seed=2`), the same keys for every run; a run alone, or runs that
+    differ in no key, keep their names."""
+    flats = [_flat(r.plan.get("config") or {}) for r in runs]
+    if not flats:
+        return
+    same = {k for k, v in flats[0].items() if all(k in f and f[k] == v for f in flats)}
+    keys = sorted(k for k in {k for f in flats for k in f} - same if not k.startswith(_NOT_LABELS))
+    for run, flat in zip(runs, flats, strict=True):
+        run.label = ", ".join(f"{k}={_text(flat.get(k))}" for k in keys) if len(runs) > 1 and keys else run.name

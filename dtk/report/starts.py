@@ -42,6 +42,8 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
         return f"node returned: {','.join(kinds['node_returned'].get('nodes') or [])}"
     if "time_limit_near" in kinds:
         return "time limit (stopped by the driver before it)"
+    if "stopped" in kinds:  # the workers' `preempted` on the stop's SIGTERM is no preemption
+        return f"stopped ({kinds['stopped'].get('by') or '?'}), then submitted again"
     if "preempted" in kinds:
         reason = (kinds.get("requeued") or {}).get("reason") or ""
         signal = kinds["preempted"].get("signal")
@@ -50,7 +52,7 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
         return f"preempted ({signal})" if signal else "preempted"
     if "requeued" in kinds:
         return f"requeued: {kinds['requeued'].get('reason')}"
-    for kind in ("stopped", "failed", "finished"):
+    for kind in ("failed", "finished"):
         if kind in kinds:
             return f"{kind}, then submitted again"
     return "ended without a recorded cause (the driver was killed?)"

@@ -20,7 +20,7 @@ def _pct(x: float | None) -> str:
 def run_block(n: dict[str, Any]) -> list[str]:
     loss = f"{n['final_loss']:.6f}" if n["final_loss"] is not None else "-"
     lines = [
-        f"run          {n['run_dir']}",
+        f"run          {n['run_dir']}" + (f"  ({n['label']})" if n.get("label", n["name"]) != n["name"] else ""),
         f"status       {n['status']}: step {n['step']}/{n['total_steps']}, world size {n['world_size']},"
         f" restarts {n['restarts']}",
         f"final loss   {loss}",

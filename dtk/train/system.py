@@ -120,8 +120,14 @@ class SystemSampler:
         return self
 
     def stop(self) -> None:
-        """Stop sampling (and wait for a sample being written)."""
+        """Stop sampling (and wait for a sample being written), then write one last record:
+        the time since the last sample is measured too, and a run shorter than the
+        interval still has one."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+            try:
+                append_jsonl(self.path, self.sample())
+            except OSError:
+                pass
