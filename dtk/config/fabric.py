@@ -57,3 +57,5 @@ class PlanConfig:
     """Bytes per gradient element (the ZeRO paper: 2). None: dtk's fp32 (4)."""
     optimizer_bytes: float | None = None
     """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
+    max_nodes: int | None = None
+    """Most nodes the planner's search may recommend. None: up to 4096."""

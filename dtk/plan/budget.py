@@ -20,9 +20,11 @@ from typing import Any
 
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
+from dtk.plan.degrees import resolve_degrees
 from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for
 from dtk.plan.shape import ModelShape
-from dtk.plan.variants import SCHEME_KEYS, Variant, make_variant, standard_scheme
+from dtk.plan.variants import SCHEME_KEYS, Variant, checked_scheme, make_variant, standard_scheme
+from dtk.plan.whatif import check_whatif
 
 # Node counts tried when looking for the smallest that fits: every count up to 64, then
 # steps of an eighth of a power of two up to 4096.
@@ -69,6 +71,9 @@ class Context:
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None) -> Variant:
+        if not self.shape.exact:  # a what-if: its own dimensions, as make_plan checks a typed command
+            check_whatif(resolve_degrees(checked_scheme(scheme), nodes * (tasks_per_node or self.tasks_per_node)),
+                         self.shape, virtual_stages=int(scheme["pp_virtual_stages"]))
         v = make_variant(
             key, scheme, nodes=nodes, tasks_per_node=tasks_per_node or self.tasks_per_node,
             global_batch=self.global_batch, micro_batch=self.micro_batch, model=self.model_checks,

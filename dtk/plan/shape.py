@@ -13,6 +13,7 @@ Three sources give the same record:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -69,6 +70,11 @@ class ModelShape:
     @property
     def params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @functools.cached_property
+    def block_units(self) -> frozenset[str]:
+        """Units that are repeated blocks (asked per tensor by the budget: a set, not a scan)."""
+        return frozenset(unit for unit, is_block in self.units if is_block)
 
     @property
     def has_activation_shape(self) -> bool:

@@ -22,8 +22,6 @@ from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 
 SCHEME_KEYS = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
-# zero2 has no file of its own: FSDP that keeps gathered parameters from forward to backward.
-DERIVED = {"zero2": ("fsdp", {"reshard_after_forward": False})}
 CARRIED = ("activation_checkpoint", "param_dtype", "reduce_dtype", "compile")
 """Scheme keys that describe the training job rather than the layout: kept from the job's scheme."""
 INTERPOLATIONS = ("${nodes}", "${tasks_per_node}")
@@ -42,8 +40,7 @@ class Variant:
     @property
     def overrides(self) -> list[str]:
         """What to type to get this scheme (besides the node count)."""
-        base, extra = DERIVED.get(self.key, (self.key, {}))
-        return [f"+scheme={base}", *(f"scheme.{k}={str(v).lower()}" for k, v in extra.items())]
+        return [f"+scheme={self.key}"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -130,8 +127,7 @@ def make_variant(
     check_scheme(checked, degrees, model, num_microbatches=num_micro, eval_every=0)
     stages = degrees.pp * scheme["pp_virtual_stages"]
     if degrees.pp > 1 and stages > blocks:
-        raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split"
-                        " (a what-if model needs plan.layers)")
+        raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split")
     return Variant(key, scheme, degrees, nodes, tasks_per_node, micro, num_micro)
 
 
@@ -140,9 +136,8 @@ def standard_scheme(
     tasks_per_node: int,
 ) -> dict[str, Any]:
     """One of SCHEME_KEYS, from its file, at a size."""
-    base, extra = DERIVED.get(key, (key, {}))
-    raw = scheme_file(conf_dirs, base)
-    return resolve_scheme(defaults, raw, nodes=nodes, tasks_per_node=tasks_per_node, carried=carried, extra=extra)
+    raw = scheme_file(conf_dirs, key)
+    return resolve_scheme(defaults, raw, nodes=nodes, tasks_per_node=tasks_per_node, carried=carried)
 
 
 def chosen_at(
@@ -160,7 +155,7 @@ def chosen_at(
 
 def scheme_key(scheme: dict[str, Any]) -> str:
     """Which of SCHEME_KEYS a composed scheme is (its name; fsdp that keeps gathered
-    parameters is zero2)."""
+    parameters is zero2, as +scheme=zero2 is)."""
     name = scheme["name"]
     if name == "fsdp" and not scheme["reshard_after_forward"]:
         return "zero2"
