@@ -221,7 +221,9 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
     if ctx.capacity is None:
         rec = Recommendation("", f"device memory unknown ({ctx.capacity_source})", [], [])
     else:
-        ranked, where = searched(ctx, hw, max_nodes=plan.config.plan.max_nodes)
+        mem_gb = plan.config.cluster.mem_gb
+        ranked, where = searched(ctx, hw, max_nodes=plan.config.plan.max_nodes,
+                                 host_node_bytes=mem_gb * 2**30 if mem_gb else None)
         rec = _recommendation(ranked, where, hw)
     return MemoryPlan(
         ctx=ctx, key=chosen.key, chosen=own, min_nodes=found.nodes if found else None,

@@ -35,8 +35,14 @@ SIMPLE = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
 """Scheme files from the simplest to the most involved (the tie-break)."""
 TIE = 0.03
 VARIED = ("dp_replicate", "dp_shard", "tp", "pp", "data_parallel", "shard_optimizer", "reshard_after_forward",
-          "cpu_offload", "activation_checkpoint", "pp_schedule", "pp_virtual_stages", "pp_microbatches")
+          "sequence_parallel", "cpu_offload", "activation_checkpoint", "pp_schedule", "pp_virtual_stages", "pp_microbatches")
 """Scheme keys the search sets; the overrides name those that differ from the scheme file."""
+MAX_PP = 16
+"""Deepest pipeline searched (the published runs of docs/planning.md go to 8; each stage is
+a rank whose memory the budget computes)."""
+HOST_NODE_BYTES = 2 * 10**12
+"""Host memory of a node when cluster.mem_gb does not say (a DGX H100 or A100 has 2 TB): what
+CPU offload and the staged checkpoint copy may take, shared by the node's workers."""
 KNOBS = ({"activation_checkpoint": "none"}, {"activation_checkpoint": "selective"},
          {"activation_checkpoint": "full"}, {"activation_checkpoint": "full", "cpu_offload": True})
 """From the cheapest in time to the cheapest in memory: a layout takes the first that fits."""
@@ -50,9 +56,17 @@ class Candidate:
     estimate: Estimate
     time: StepTime | None
 
+    host_capacity: int | None = None
+    """Host bytes one worker may use (None: not checked)."""
+
     @property
     def variant(self) -> Variant:
         return self.estimate.variant
+
+    @property
+    def fits(self) -> bool:
+        host_ok = self.host_capacity is None or self.estimate.bytes.host <= self.host_capacity
+        return bool(self.estimate.fits) and host_ok
 
     @property
     def degrees(self) -> Degrees:
@@ -88,9 +102,11 @@ def _layouts(nodes: int, tpn: int, world: int, blocks: int) -> list[tuple[str, d
     """(scheme file, degree and layout keys) of every structure at a size."""
     out: list[tuple[str, dict[str, Any]]] = []
     for tp in (t for t in _divisors(tpn, tpn) if t & (t - 1) == 0):
-        for pp in _divisors(world // tp, blocks):
+        for pp in _divisors(world // tp, min(blocks, MAX_PP)):
             dp = world // (tp * pp)
-            deg = {"tp": tp, "pp": pp}
+            # Sequence parallelism costs no more traffic than tp's all-reduces and keeps norms
+            # and residuals split: always with tp.
+            deg = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1}
             if tp == 1 and pp == 1:
                 out.append(("ddp", dict(deg, dp_replicate=dp, dp_shard=1, data_parallel="ddp")))
                 if dp > 1:
@@ -123,8 +139,9 @@ def _file_key(key: str, keys: dict[str, Any], nodes: int, tpn: int, world: int) 
 class Search:
     """One search over a budget context; `at(nodes)` gives the fitting candidates at a size."""
 
-    def __init__(self, ctx: Context, hw: Hardware | None) -> None:
+    def __init__(self, ctx: Context, hw: Hardware | None, *, host_node_bytes: int | None = None) -> None:
         self.ctx, self.hw = ctx, hw
+        self.host_capacity = (host_node_bytes or HOST_NODE_BYTES) // ctx.tasks_per_node if ctx.device == "cuda" else None
         self.blocks = sum(1 for _, is_block in ctx.shape.units if is_block)
         self.base_cache: dict[tuple[str, int], dict[str, Any]] = {}
 
@@ -161,7 +178,7 @@ class Search:
         except UserError:
             return None
         overrides.append(f"nodes={nodes}")
-        return Candidate(key, overrides, estimate(ctx, v), None)
+        return Candidate(key, overrides, estimate(ctx, v), None, self.host_capacity)
 
     def _micros(self, dp: int) -> list[int]:
         if self.ctx.global_batch % dp:
@@ -190,14 +207,14 @@ class Search:
             layout = dict(keys, **knob)
             if keys["pp"] > 1:
                 c = next((c for c in (self.candidate(key, layout, nodes, m) for m in micros) if c is not None), None)
-                if c is not None and c.estimate.fits:
+                if c is not None and c.fits:
                     return self.timed(c)
                 continue
             lo, hi, best = 0, len(micros) - 1, None
             while lo <= hi:
                 mid = (lo + hi) // 2
                 c = self.candidate(key, layout, nodes, micros[mid])
-                if c is not None and c.estimate.fits:
+                if c is not None and c.fits:
                     best, lo = c, mid + 1
                 else:
                     hi = mid - 1
@@ -228,10 +245,10 @@ class Search:
         tpn, world = self.ctx.tasks_per_node, nodes * self.ctx.tasks_per_node
         frugal = {"activation_checkpoint": "full", "cpu_offload": self.ctx.device == "cuda"}
         for tp in sorted({1, tpn}):
-            for pp in sorted({1, max(_divisors(world // tp, self.blocks))}):
-                keys = dict(frugal, tp=tp, pp=pp, dp_replicate=1, dp_shard=world // (tp * pp), data_parallel="fsdp")
+            for pp in sorted({1, max(_divisors(world // tp, min(self.blocks, MAX_PP)))}):
+                keys = dict(frugal, tp=tp, pp=pp, sequence_parallel=tp > 1, dp_replicate=1, dp_shard=world // (tp * pp), data_parallel="fsdp")
                 c = self.candidate("hybrid", keys, nodes, 1)
-                if c is not None and c.estimate.fits:
+                if c is not None and c.fits:
                     return True
         return False
 
@@ -250,9 +267,11 @@ def rank(found: list[Candidate]) -> list[Candidate]:
     return tied[:1] + [c for c in ordered if c is not tied[0]]
 
 
-def searched(ctx: Context, hw: Hardware | None, *, max_nodes: int | None) -> tuple[list[Candidate], str]:
-    """The ranked candidates at the size the search settles on, and why that size."""
-    s = Search(ctx, hw)
+def searched(ctx: Context, hw: Hardware | None, *, max_nodes: int | None,
+             host_node_bytes: int | None = None) -> tuple[list[Candidate], str]:
+    """The ranked candidates at the size the search settles on, and why that size.
+    `host_node_bytes`: a node's host memory (cluster.mem_gb), else HOST_NODE_BYTES."""
+    s = Search(ctx, hw, host_node_bytes=host_node_bytes)
     found = s.at(ctx.nodes)
     if found:
         return rank(found), f"fits on the {ctx.nodes} node(s) asked"
@@ -272,5 +291,7 @@ def why_loses(c: Candidate, best: Candidate) -> str:
         return f"needs {c.variant.nodes} nodes"
     if c.step_s is not None and best.step_s is not None and c.step_s > best.step_s * (1 + TIE):
         return f"{c.step_s / best.step_s - 1:+.0%} step time"
+    if c.step_s is None:
+        return "not as simple (no step time to compare)"
     return "as fast within the model's precision, but not as simple"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,11 @@ def resolve_scheme(
 
 
 SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
+FAST_KEYS = ("data_parallel", "shard_optimizer", "reshard_after_forward", "sequence_parallel", "cpu_offload",
+             "activation_checkpoint", "pp_schedule", "pp_virtual_stages", "pp_microbatches")
+"""Keys the planner's search varies: set on a typed copy when their value has the field's
+type (an Enum member's value, a bool, an int), typed by OmegaConf otherwise."""
+_DEFAULT = SchemeConfig()
 
 
 @functools.lru_cache(maxsize=256)
@@ -96,15 +102,27 @@ def _typed_layout(items: tuple[tuple[str, Any], ...]) -> SchemeConfig:
     return typed(SchemeConfig, dict(items), prefix="scheme.")
 
 
+def _fast(key: str, value: Any) -> Any:
+    """`value` as the field's type, or None when it is not plainly one (OmegaConf decides)."""
+    default = getattr(_DEFAULT, key)
+    if isinstance(default, Enum):
+        try:
+            return type(default)(value)
+        except ValueError:
+            return None
+    return value if type(value) is type(default) else None
+
+
 def checked_scheme(scheme: dict[str, Any]) -> SchemeConfig:
-    """`scheme` typed by SchemeConfig. Typing is slow (OmegaConf), and the search for the
-    smallest size that fits tries a scheme at hundreds of sizes, which differ only in their
-    integer degrees: the rest is typed once and the degrees set on a copy."""
-    sizes = {k: scheme[k] for k in SIZE_KEYS if k in scheme}
-    if not all(type(v) is int for v in sizes.values()):
-        return typed(SchemeConfig, scheme, prefix="scheme.")
-    rest = tuple(sorted((k, v) for k, v in scheme.items() if k not in SIZE_KEYS))
-    return dataclasses.replace(_typed_layout(rest), **sizes)
+    """`scheme` typed by SchemeConfig. Typing is slow (OmegaConf), and the planner tries a
+    scheme at hundreds of sizes and layouts, which differ only in integer degrees and a few
+    closed-set or boolean options: the rest is typed once and those set on a copy."""
+    fast = {k: scheme[k] for k in SIZE_KEYS if k in scheme and type(scheme[k]) is int}
+    for k in FAST_KEYS:
+        if k in scheme and (v := _fast(k, scheme[k])) is not None:
+            fast[k] = v
+    rest = tuple(sorted((k, v) for k, v in scheme.items() if k not in fast))
+    return dataclasses.replace(_typed_layout(rest), **fast)
 
 
 def make_variant(
