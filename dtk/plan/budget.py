@@ -70,13 +70,15 @@ class Context:
             split_points=self.split_points,
         )
 
-    def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None) -> Variant:
+    def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,
+                micro_batch: int | None = None) -> Variant:
+        """`scheme` at a size, checked as a typed command is; `micro_batch` replaces the job's."""
         if not self.shape.exact:  # a what-if: its own dimensions, as make_plan checks a typed command
             check_whatif(resolve_degrees(checked_scheme(scheme), nodes * (tasks_per_node or self.tasks_per_node)),
                          self.shape, virtual_stages=int(scheme["pp_virtual_stages"]))
         v = make_variant(
             key, scheme, nodes=nodes, tasks_per_node=tasks_per_node or self.tasks_per_node,
-            global_batch=self.global_batch, micro_batch=self.micro_batch, model=self.model_checks,
+            global_batch=self.global_batch, micro_batch=micro_batch or self.micro_batch, model=self.model_checks,
             blocks=sum(1 for _, is_block in self.shape.units if is_block),
         )
         stages = v.degrees.pp * int(v.scheme["pp_virtual_stages"]) if v.degrees.pp > 1 else 1

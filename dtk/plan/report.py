@@ -136,6 +136,10 @@ class MemoryPlan:
         elif self.predicted is not None:
             lines.append(f"step time   {self.predicted.describe()} under {self.key} as given"
                          f" [{self.hardware.source}]")
+        elif self.fits is False:
+            lines.append("step time   not predicted: the job as given does not fit")
+        else:
+            lines.append("step time   not predicted: no sequence length to count tokens by (plan.seq_len)")
         lines.append(f"checkpoint  {gb(self.checkpoint_bytes)} GB")
         neck = bottleneck(self.traffic)
         for a in self.traffic:

@@ -26,10 +26,9 @@ from typing import Any
 
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES, Context, Estimate, estimate
-from dtk.plan.degrees import Degrees, resolve_degrees
+from dtk.plan.degrees import Degrees, micro_batch_size, resolve_degrees
 from dtk.plan.steptime import Hardware, StepTime, step_time
-from dtk.plan.variants import Variant, checked_scheme, make_variant, standard_scheme
-from dtk.plan.whatif import check_whatif
+from dtk.plan.variants import Variant, checked_scheme, standard_scheme
 
 SIMPLE = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
 """Scheme files from the simplest to the most involved (the tie-break)."""
@@ -152,6 +151,15 @@ class Search:
                                                           nodes=nodes, tasks_per_node=ctx.tasks_per_node)
         return self.base_cache[key, nodes]
 
+    def bare(self, key: str, nodes: int) -> dict[str, Any]:
+        """The scheme file alone, without the job's own choices: what the overrides typed on a
+        command without them give; a key is printed when it differs from this or from `base`."""
+        if (key, -nodes) not in self.base_cache:
+            ctx = self.ctx
+            self.base_cache[key, -nodes] = standard_scheme(key, ctx.conf_dirs, ctx.defaults, {},
+                                                           nodes=nodes, tasks_per_node=ctx.tasks_per_node)
+        return self.base_cache[key, -nodes]
+
     def candidate(self, key: str, keys: dict[str, Any], nodes: int, micro: int) -> Candidate | None:
         """The candidate as its overrides would type it, or None when a check refuses it."""
         ctx, tpn = self.ctx, self.ctx.tasks_per_node
@@ -162,23 +170,24 @@ class Search:
         if (base_degrees.dp_replicate, base_degrees.pp, base_degrees.dp_shard, base_degrees.tp) != tuple(scheme[k] for k in ("dp_replicate", "pp", "dp_shard", "tp")):
             overrides += [f"scheme.{k}={scheme[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
         for k in VARIED[4:]:
-            if scheme[k] != base[k]:
+            if scheme[k] != base[k] or scheme[k] != self.bare(key, nodes)[k]:
                 overrides.append(f"scheme.{k}={str(scheme[k]).lower()}")
         try:
-            if not ctx.shape.exact:
-                check_whatif(Degrees(scheme["dp_replicate"], scheme["pp"], scheme["dp_shard"], scheme["tp"]),
-                             ctx.shape, virtual_stages=scheme["pp_virtual_stages"])
-            typed = make_variant(key, scheme, nodes=nodes, tasks_per_node=tpn, global_batch=ctx.global_batch,
-                                 micro_batch=ctx.micro_batch, model=ctx.model_checks, blocks=self.blocks)
-            v = typed
-            if typed.micro_batch != micro:
-                v = make_variant(key, scheme, nodes=nodes, tasks_per_node=tpn, global_batch=ctx.global_batch,
-                                 micro_batch=micro, model=ctx.model_checks, blocks=self.blocks)
-                overrides.append(f"train.micro_batch={micro}")
+            v = ctx.variant(key, scheme, nodes, tpn, micro_batch=micro)
         except UserError:
             return None
+        # train.micro_batch is printed unless both the job's and a bare command's give this one
+        if any(self._derived(scheme, v.degrees, given) != micro for given in {ctx.micro_batch, None}):
+            overrides.append(f"train.micro_batch={micro}")
         overrides.append(f"nodes={nodes}")
         return Candidate(key, overrides, estimate(ctx, v), None, self.host_capacity)
+
+    def _derived(self, scheme: dict[str, Any], degrees: Degrees, given: int | None) -> int | None:
+        try:
+            return micro_batch_size(checked_scheme(scheme), micro_batch=given, global_batch=self.ctx.global_batch,
+                                    degrees=degrees)
+        except UserError:
+            return None
 
     def _micros(self, dp: int) -> list[int]:
         if self.ctx.global_batch % dp:
