@@ -119,3 +119,16 @@ def test_plan_json_has_the_recommendation_and_its_alternatives(tmp_path):
     proc = dtk("dtk.plan", *H100, "nodes=8", *LLAMA_70B, *rec["overrides"], "--json", cwd=tmp_path)
     own = json.loads(proc.stdout)
     assert own["fits"] is True and own["predicted_step_s"] == pytest.approx(rec["predicted_step_s"])
+
+
+def test_plan_md_records_the_recommendation_its_step_and_the_alternatives():
+    from dtk.plan.handout import why_section
+
+    _, mp = planned(*H100, "nodes=8", *LLAMA_70B, "+scheme=fsdp", "scheme.activation_checkpoint=full")
+    text = "\n".join(why_section(mp))
+    assert f"Predicted step of the job as asked: {mp.predicted.describe()}" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "`" in ln]
+    assert len(rows) == 4 and "| recommended |" in rows[0]
+    assert f"`{' '.join(mp.ranked[0].overrides)}`" in rows[0]
+    for row, alt in zip(rows[1:], mp.ranked[1:4], strict=True):
+        assert f"`{' '.join(alt.overrides)}`" in row and "step time" in row or "not as simple" in row

@@ -296,11 +296,15 @@ def searched(ctx: Context, hw: Hardware | None, *, max_nodes: int | None,
 
 
 def why_loses(c: Candidate, best: Candidate) -> str:
+    """Why `c` ranks below `best`, in a few words."""
     if c.variant.nodes != best.variant.nodes:
         return f"needs {c.variant.nodes} nodes"
-    if c.step_s is not None and best.step_s is not None and c.step_s > best.step_s * (1 + TIE):
-        return f"{c.step_s / best.step_s - 1:+.0%} step time"
+    parts = []
+    if c.step_s is not None and best.step_s is not None and c.step_s > best.step_s * 1.001:
+        slower = c.step_s / best.step_s - 1
+        parts.append(f"{slower:+.1%} step time" + (" (within the model's precision)" if slower <= TIE else ""))
+    if c.complexity > best.complexity:
+        parts.append("not as simple")
     if c.step_s is None:
-        return "not as simple (no step time to compare)"
-    return "as fast within the model's precision, but not as simple"
-
+        parts.append("no step time to compare")
+    return ", ".join(parts) or "no better in the model"
