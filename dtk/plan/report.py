@@ -215,7 +215,8 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
     found = smallest_fit(ctx, lambda n: make_at(n, ctx.tasks_per_node))
     rows = all_rows(ctx)
     assert set(rows) == set(SCHEME_KEYS)
-    hw = hardware_of(plan.config.cluster, device=ctx.device, param_dtype=str(ctx.chosen["param_dtype"]))
+    hw = hardware_of(plan.config.cluster, device=ctx.device, param_dtype=str(ctx.chosen["param_dtype"]),
+                     doctor=plan.config.plan.doctor)
     own = estimate(ctx, chosen)
     predicted = None
     if hw is not None and own.fits is not False:

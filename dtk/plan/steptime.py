@@ -20,8 +20,9 @@ not hide, the pipeline bubble, and the host traffic of CPU offload. Pure arithme
   gradients back (PCIe, not hidden), and runs AdamW on the host.
 
 Bandwidths are the bus bandwidths nccl-tests reaches (GB/s per device, one direction),
-first that applies: `cluster.intra_node_gbps` / `cluster.inter_node_gbps` (the figures
-`python -m dtk.doctor` measured, or the site's), else the accelerator's row in SPEEDS.
+first that applies: what `python -m dtk.doctor` measured on the cluster (`plan.doctor`,
+its doctor.json), `cluster.intra_node_gbps` / `cluster.inter_node_gbps` (a site's cluster
+file), else the accelerator's row in SPEEDS.
 """
 
 from __future__ import annotations
@@ -174,9 +175,40 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
     return StepTime(compute, comm, bubble, offload, tokens, tokens * model_fpt, d.world, hw.peak_tflops, axes)
 
 
-def hardware_of(cluster, *, device: str, param_dtype: str) -> Hardware | None:
+def doctor_links(path: str) -> tuple[float | None, float | None]:
+    """(inside a node, across nodes) bus bandwidth in GB/s from `python -m dtk.doctor`'s
+    doctor.json (the file or its folder): each group's figure at its largest message, the
+    median over the nodes' own groups (one node: the world's). UserError when unreadable."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from dtk.errors import UserError
+
+    file = Path(path).expanduser()
+    file = file / "doctor.json" if file.is_dir() else file
+    try:
+        groups = json.loads(file.read_text())["groups"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"plan.doctor={path}: not a doctor.json of python -m dtk.doctor ({type(exc).__name__});"
+                        " give the folder the doctor wrote, or its doctor.json") from None
+
+    def largest(g: dict) -> float | None:
+        rows = [r for r in g.get("rows") or [] if r.get("busbw_gbs")]
+        return max(rows, key=lambda r: r["size_mb"])["busbw_gbs"] if rows else None
+
+    inside = [b for g in groups if str(g.get("group", "")).startswith("inside ") and (b := largest(g))]
+    across = [b for g in groups if str(g.get("group", "")).startswith("across nodes") and (b := largest(g))]
+    if not inside and not across:  # one node: the world is the node
+        inside = [b for g in groups if g.get("group") == "world" and (b := largest(g))]
+    return (statistics.median(inside) if inside else None), (statistics.median(across) if across else None)
+
+
+def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = None) -> Hardware | None:
     """The device's peak and links from the cluster section (`cfg.cluster`); None on the CPU
-    or for a GPU whose peak is unknown (no accelerator named, no cluster.peak_tflops)."""
+    or for a GPU whose peak is unknown (no accelerator named, no cluster.peak_tflops).
+    Links, first that applies: the doctor's measured figures (`plan.doctor`), the cluster's
+    `intra_node_gbps` / `inter_node_gbps`, the accelerator's row in SPEEDS."""
     from dtk.plan.accelerators import lookup
 
     if device != "cuda" or not (cluster.peak_tflops or cluster.accelerator):
@@ -185,7 +217,10 @@ def hardware_of(cluster, *, device: str, param_dtype: str) -> Hardware | None:
     dtype = "tf32" if param_dtype == "float32" else "bfloat16"
     peak = cluster.peak_tflops or acc.peak_tflops(dtype)
     base = SPEEDS.get(acc.name, GENERIC) if acc else GENERIC
+    intra, inter = doctor_links(doctor) if doctor else (None, None)
     source = f"{acc.name if acc else 'cluster.peak_tflops'} ({peak:g} TFLOP/s dense {dtype} x {base.efficiency:g})"
-    speeds = Speeds(base.efficiency, cluster.intra_node_gbps or base.intra_gbps,
-                    cluster.inter_node_gbps or base.inter_gbps, base.host_gbps)
+    if intra or inter:
+        source += f", links measured by dtk.doctor ({doctor})"
+    speeds = Speeds(base.efficiency, intra or cluster.intra_node_gbps or base.intra_gbps,
+                    inter or cluster.inter_node_gbps or base.inter_gbps, base.host_gbps)
     return Hardware(peak, speeds, source)

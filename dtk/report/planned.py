@@ -38,7 +38,10 @@ def _step(run: RunData, measured: float | None) -> dict[str, Any]:
     if not is_builtin(cfg.model):
         return {"predicted_s": None, "why": "a model of the user's: python -m dtk.plan predicts its step"}
     device = device_kind(cfg)
-    hw = hardware_of(cfg.cluster, device=device, param_dtype=str(cfg.scheme.param_dtype))
+    try:
+        hw = hardware_of(cfg.cluster, device=device, param_dtype=str(cfg.scheme.param_dtype), doctor=cfg.plan.doctor)
+    except UserError as exc:
+        return {"predicted_s": None, "why": str(exc)}
     if hw is None:
         return {"predicted_s": None, "why": "no step-time model for this device (the CPU, or a GPU of unknown peak)"}
     try:
