@@ -69,6 +69,7 @@ def test_whatif_without_a_shape_says_activations_were_not_estimated():
     # no model to split: the tp column is not a "fits"
     assert mp.rows["tp"].estimate is None and "plan.layers" in mp.rows["tp"].error
     assert mp.to_json()["activations_estimated"] is False
+    assert mp.recommended.reason.endswith("activations not estimated: it fits the states alone")
 
 
 def test_smallest_says_that_no_node_count_fits():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -230,6 +231,8 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
         ranked, where = searched(ctx, hw, max_nodes=plan.config.plan.max_nodes,
                                  host_node_bytes=mem_gb * 2**30 if mem_gb else None)
         rec = _recommendation(ranked, where, hw)
+        if ranked and not ctx.shape.has_activation_shape:
+            rec = dataclasses.replace(rec, reason=rec.reason + "; activations not estimated: it fits the states alone")
     return MemoryPlan(
         ctx=ctx, key=chosen.key, chosen=own, min_nodes=found.nodes if found else None,
         min_devices=smallest_devices(ctx, make_at), rows=rows, recommended=rec,
