@@ -78,8 +78,9 @@ TITAN_H100 = "500 W H100 with 96 GB HBM2e (Grand Teton): planned with the H100 S
 SELECTIVE = (TITAN_H100 + ". Does not fit in dtk: its selective checkpointing keeps every matmul output of a"
              " block (torchtitan's op-level policy every second one), and it holds the fp32 loss gradient of the"
              " whole vocabulary; dtk's recommendation (one sample per micro-batch) fits")
-NO_LOSS_PARALLEL = (". Does not fit in dtk: every tp rank holds the whole logits and their fp32 gradient"
-                    " (torchtitan's loss parallel keeps 1/tp of them), 16 x 8192 x 128256 of them here")
+NO_LOSS_PARALLEL = (". Does not fit in dtk's plan: its budget counts the whole logits and their fp32 gradient"
+                    " on every tp rank, 16 x 8192 x 128256 of them here (the workers' loss parallel keeps 1/tp of"
+                    " them, as torchtitan's does; the budget does not model it yet)")
 SETUPS = (
     Setup("Llama 3.1 8B, FSDP", TORCHTITAN.format(1), _llama(8.03e9, 32, 4096, 32), "h100-80gb", 8,
           ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], 16,

@@ -27,6 +27,7 @@ from typing import Any
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES, Context, Estimate, estimate
 from dtk.plan.degrees import Degrees, micro_batch_size, resolve_degrees
+from dtk.plan.shape import is_builtin
 from dtk.plan.steptime import Hardware, StepTime, step_time
 from dtk.plan.variants import Variant, checked_scheme, standard_scheme
 
@@ -97,15 +98,16 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
 
 
-def _layouts(nodes: int, tpn: int, world: int, blocks: int) -> list[tuple[str, dict[str, Any]]]:
+def _layouts(nodes: int, tpn: int, world: int, blocks: int, *, max_tp: int,
+             sequence_parallel: bool) -> list[tuple[str, dict[str, Any]]]:
     """(scheme file, degree and layout keys) of every structure at a size."""
     out: list[tuple[str, dict[str, Any]]] = []
-    for tp in (t for t in _divisors(tpn, tpn) if t & (t - 1) == 0):
+    for tp in (t for t in _divisors(tpn, max_tp) if t & (t - 1) == 0):
         for pp in _divisors(world // tp, min(blocks, MAX_PP)):
             dp = world // (tp * pp)
             # Sequence parallelism costs no more traffic than tp's all-reduces and keeps norms
             # and residuals split: always with tp.
-            deg = {"tp": tp, "pp": pp, "sequence_parallel": tp > 1}
+            deg = {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel and tp > 1}
             if tp == 1 and pp == 1:
                 out.append(("ddp", dict(deg, dp_replicate=dp, dp_shard=1, data_parallel="ddp")))
                 if dp > 1:
@@ -142,6 +144,10 @@ class Search:
         self.ctx, self.hw = ctx, hw
         self.host_capacity = (host_node_bytes or HOST_NODE_BYTES) // ctx.tasks_per_node if ctx.device == "cuda" else None
         self.blocks = sum(1 for _, is_block in ctx.shape.units if is_block)
+        # A model whose tensors tensor parallelism does not split (a user's without tp_plan)
+        # gains nothing from tp; sequence parallelism needs the built-in's plan (or a what-if).
+        self.max_tp = ctx.tasks_per_node if any(t.tp_dim is not None for t in ctx.shape.tensors) else 1
+        self.sequence_parallel = not ctx.shape.exact or is_builtin(ctx.model_checks)
         self.base_cache: dict[tuple[str, int], dict[str, Any]] = {}
 
     def base(self, key: str, nodes: int) -> dict[str, Any]:
@@ -234,7 +240,8 @@ class Search:
     def at(self, nodes: int) -> list[Candidate]:
         tpn = self.ctx.tasks_per_node
         found = []
-        for key, keys in _layouts(nodes, tpn, nodes * tpn, self.blocks):
+        for key, keys in _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
+                                  sequence_parallel=self.sequence_parallel):
             for virtual in (1, 2) if keys["pp"] > 1 else (1,):
                 if virtual == 2 and 2 * keys["pp"] > self.blocks:
                     continue
@@ -253,9 +260,10 @@ class Search:
         test of the search for the fewest nodes."""
         tpn, world = self.ctx.tasks_per_node, nodes * self.ctx.tasks_per_node
         frugal = {"activation_checkpoint": "full", "cpu_offload": self.ctx.device == "cuda"}
-        for tp in sorted({1, tpn}):
+        for tp in sorted({1, min(tpn, self.max_tp)}):
             for pp in sorted({1, max(_divisors(world // tp, min(self.blocks, MAX_PP)))}):
-                keys = dict(frugal, tp=tp, pp=pp, sequence_parallel=tp > 1, dp_replicate=1, dp_shard=world // (tp * pp), data_parallel="fsdp")
+                keys = dict(frugal, tp=tp, pp=pp, sequence_parallel=self.sequence_parallel and tp > 1, dp_replicate=1,
+                            dp_shard=world // (tp * pp), data_parallel="fsdp")
                 c = self.candidate("hybrid", keys, nodes, 1)
                 if c is not None and c.fits:
                     return True
