@@ -133,3 +133,10 @@ def test_plan_md_records_the_recommendation_its_step_and_the_alternatives():
     assert f"`{' '.join(mp.ranked[0].overrides)}`" in rows[0]
     for row, alt in zip(rows[1:], mp.ranked[1:4], strict=True):
         assert f"`{' '.join(alt.overrides)}`" in row and "step time" in row or "not as simple" in row
+
+
+def test_submit_refuses_whatif_keys_it_would_not_train(tmp_path):
+    proc = dtk("dtk.submit", "cluster=lab", "plan.params=70e9", "plan.heads=64", "+scheme=tp", "submit.dry_run=true",
+               f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: plan.params=7e+10 plan.heads=64: what-if keys")
+    assert "\n" not in proc.stderr.strip() and not list(tmp_path.iterdir())
