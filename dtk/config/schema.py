@@ -71,6 +71,10 @@ class ClusterConfig:
     """Memory per device in decimal GB; overrides the accelerator's figure (a MIG slice, a new part). None: from cluster.accelerator, or on the CPU the node's memory over its workers."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device in the dtype the matmuls run in, the denominator of MFU. None: the accelerator table's (dtk/plan/accelerators.py) for cluster.accelerator, else for the GPU's name; no MFU on the CPU."""
+    intra_node_gbps: float | None = None
+    """Bus bandwidth between the GPUs of a node in GB/s per device (NVLink / NVSwitch; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (dtk/plan/steptime.py)."""
+    inter_node_gbps: float | None = None
+    """Bus bandwidth across nodes in GB/s per device (InfiniBand / Ethernet; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (one 400 Gb/s NIC per H100)."""
 
 
 @dataclass

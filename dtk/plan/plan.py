@@ -19,6 +19,7 @@ from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.whatif import check_whatif, whatif_of
 
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
 
@@ -207,7 +208,11 @@ def make_plan(
             f" = {micro} x {degrees.dp} = {per_step}; try train.global_batch={per_step * max(1, round(global_batch / per_step))}"
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
-    check_scheme(scheme, degrees, cfg.model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    whatif = whatif_of(cfg)  # a what-if model is checked by its own dimensions, not the config's model
+    checked_model = ModelConfig(_target_="(what-if: plan.*)") if whatif else cfg.model
+    check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    if whatif:
+        check_whatif(degrees, whatif, virtual_stages=scheme.pp_virtual_stages)
     if degrees.pp > 1 and cfg.model._target_ == HF_TARGET:
         raise UserError(
             f"scheme.pp={degrees.pp} with model=hf: a Hugging Face model's forward does not skip the layers a"

@@ -13,6 +13,7 @@ Three sources give the same record:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,11 @@ class ModelShape:
     @property
     def params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @functools.cached_property
+    def block_units(self) -> frozenset[str]:
+        """Units that are repeated blocks (asked per tensor by the budget: a set, not a scan)."""
+        return frozenset(unit for unit, is_block in self.units if is_block)
 
     @property
     def has_activation_shape(self) -> bool:
