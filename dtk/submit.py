@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtk.config.compose import CONFIG_DIR_FLAG, compose, expand_sweep, search_path
@@ -102,7 +103,11 @@ def main(argv: list[str]) -> int:
     multirun = args.multirun
     points = plan_points(args.overrides, multirun, args.config_dirs)
 
-    from dtk.launch.launch import Launched, describe_launch, launch
+    from dtk.launch.launch import Launched, check_run_root, describe_launch, launch
+
+    for p in points:
+        if p.plan.config.submit.dry_run:  # a dry run says now what the real one would refuse
+            check_run_root(Path(p.plan.run_dir).parent)
 
     results = []
     for p in points:

@@ -21,6 +21,7 @@ from dtk.errors import UserError
 from dtk.plan.shape import ModelShape, shape_from_counted, tp_dim_for
 
 COUNT_TIMEOUT_S = 60
+EXIT_USER_ERROR = 2  # the subprocess found a mistake in the model's keys; its last stderr line says which
 
 
 class NotCounted(UserError):
@@ -40,8 +41,11 @@ def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> 
             f"model._target_={target}: building it on the meta device to count its parameters took over"
             f" {timeout_s:.0f} s; set plan.params (and plan.layers) to plan without building it"
         ) from None
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if proc.returncode == EXIT_USER_ERROR and last.startswith("error: "):
+        # The keys do not fit the model: the workers would fail the same way, after the queue.
+        raise UserError(last.removeprefix("error: "))
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise NotCounted(f"model._target_={target}: cannot count its parameters on the meta device: {last}")
     return shape_from_counted(json.loads(proc.stdout))
 
@@ -51,14 +55,18 @@ def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
     worker with the model it built on meta (`model`, not yet parallelized)."""
     from torch import nn
 
-    from dtk.models.build import build_model
+    from dtk.models.build import ParallelSpec, build_model
     from dtk.parallel.units import pipeline_units
 
     if model is None:
-        model = build_model(model_cfg, device="meta", seed=0)
+        try:
+            model = build_model(model_cfg, device="meta", seed=0)
+        except TypeError as exc:  # the factory's own keys misused (a key of the wrong type, ...)
+            raise UserError(f"model._target_={model_cfg._target_}: building it failed: TypeError: {exc}") from None
     units = pipeline_units(model)
     blocks = dict(units)
-    tp_plan = dict(model_cfg.tp_plan)
+    spec = ParallelSpec.from_config(model_cfg).with_model_defaults(model)  # what the workers use
+    tp_plan = dict(spec.tp_plan)
     modules = dict(model.named_modules())
     tensors = []
     for name, p in model.named_parameters():
@@ -77,11 +85,20 @@ def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
         "units": [[u, b] for u, b in units],
         "source": f"model {model_cfg._target_} (counted on the meta device)",
         "layers": sum(1 for _, b in units if b) or None,
+        "modules": [[path, type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}"]
+                    for path, m in modules.items()],
+        "wrap_classes": list(spec.wrap_classes),
+        "tp_plan": {k: str(v) for k, v in tp_plan.items()},
     }
 
 
 def main() -> int:
-    print(json.dumps(count(model_config(json.loads(sys.stdin.read())))))
+    try:
+        record = count(model_config(json.loads(sys.stdin.read())))
+    except UserError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(json.dumps(record))
     return 0
 
 

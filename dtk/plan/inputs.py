@@ -23,6 +23,7 @@ from dtk.config.convert import builtin_transformer
 from dtk.config.schema import Config, ModelConfig
 from dtk.plan.accelerators import lookup
 from dtk.plan.budget import Context
+from dtk.plan.parts import check_parts
 from dtk.plan.plan import Plan
 from dtk.plan.shape import ModelShape, builtin_shape, is_builtin, whatif_shape
 
@@ -99,7 +100,15 @@ def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
     (dtk.config.compose.SearchPath.config), searched before dtk's own for scheme files."""
     from dtk.config.schema import SchemeConfig
 
-    shape = shape or model_shape(cfg)
+    if shape is None:  # the login node: the model's keys are held against its modules first
+        shape = model_shape(cfg)
+        check_parts(
+            shape,
+            wrap_classes=shape.wrap_classes if shape.wrap_classes is not None else tuple(cfg.model.wrap_classes),
+            tp_plan=shape.tp_plan if shape.tp_plan is not None else dict(cfg.model.tp_plan),
+            split_points=tuple(cfg.model.split_points), degrees=plan.degrees,
+            pp_virtual_stages=cfg.scheme.pp_virtual_stages, target=f"model._target_={cfg.model._target_}",
+        )
     device = device_kind(cfg)
     capacity, source = device_capacity(cfg, device, plan.tasks_per_node)
     whatif = not shape.exact

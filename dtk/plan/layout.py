@@ -56,7 +56,7 @@ def uses_zero1(scheme: dict[str, Any], d: Degrees) -> bool:
 def stage_units(units: tuple[tuple[str, bool], ...], split_points: tuple[str, ...], num_stages: int) -> list[list[str]]:
     """Unit paths of each pipeline stage, as dtk.parallel.pipeline.stage_units cuts them."""
     names = [name for name, _ in units]
-    if split_points:
+    if split_points and num_stages > 1:  # one stage (pp=1) ignores them, as the workers do
         starts = [names.index(p) for p in split_points]
     else:
         blocks = [i for i, (_, is_block) in enumerate(units) if is_block]
