@@ -176,3 +176,25 @@ def test_a_dry_run_checks_the_run_root(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=r"run.root=.*file: cannot create a run directory there \(Not a directory"):
         main([f"run.root={tmp_path / 'file'}", "submit.dry_run=true"])
+
+
+def test_what_only_a_worker_sees_is_a_user_error_there():
+    """The same mistakes, where a worker meets them (a plan made without building the model,
+    plan.params): UserError, which the worker turns into exit 2 and its `error:` line."""
+    from dtk.config.choices import ActivationCheckpoint
+    from dtk.models.build import build_model
+    from dtk.parallel.ac import apply_ac
+    from dtk.parallel.pipeline import stage_units
+    from dtk.parallel.tp import check_tp_plan
+
+    with pytest.raises(UserError, match="its keys do not fit the factory: got an unexpected keyword argument 'widht'"):
+        build_model(user_model(widht=3), device="meta", seed=0)
+    model = build_model(user_model(), device="meta", seed=0)
+    with pytest.raises(UserError, match="scheme.tp > 1 needs model.tp_plan"):
+        check_tp_plan(model, {})
+    with pytest.raises(UserError, match="pattern 'blocks.\\*.upp' matches no module"):
+        check_tp_plan(model, {"blocks.*.upp": "colwise"})
+    with pytest.raises(UserError, match=r"model.split_points \['blocks.9'\] are not units of the model"):
+        stage_units(model, split_points=("blocks.9",), num_stages=2)
+    with pytest.raises(UserError, match="model.wrap_classes=\\['Nope'\\] matches no module"):
+        apply_ac(model, mode=ActivationCheckpoint.full, wrap_classes=("Nope",))
