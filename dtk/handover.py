@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtk import audit
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, check_out, run_cli
+from dtk.rundir import RunDir
 
 DOCS = {"recovery.md": "recovery.md", "operations.md": "operations.md", "acceptance.md": "acceptance.md",
         "reference.md": "reference.md", "access-guide.md": "access.md"}
@@ -50,11 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 def handover(run_dir: Path, out: Path) -> list[Artifact]:
     from dtk.plan.plan import Plan
 
-    if not (run_dir / "plan.json").is_file():
+    run = RunDir(run_dir)
+    if not run.plan_json.is_file():
         raise UserError(f"RUN_DIR={run_dir}: not a dtk run directory (no plan.json)")
+    check_out(out, folder=True)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: exists and is not an empty folder; name a new one")
-    plan = Plan.from_json((run_dir / "plan.json").read_text())
+    plan = Plan.read(run)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "config").mkdir(parents=True)

@@ -31,6 +31,7 @@ CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
 HEARTBEAT = "heartbeat"
 STOP_REQUEST = "stop_request.json"
+PLAN_KEYS = ("steps",)  # in every plan.json dtk wrote; status and report read no other key for sure
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -78,6 +79,25 @@ class RunDir:
     @property
     def plan_json(self) -> Path:
         return self.path / "plan.json"
+
+    def read_plan(self) -> dict[str, Any]:
+        """plan.json as a dict, refused unless it is dtk's (of any version: the keys every
+        plan has): a folder that is not a run directory is the user's mistake."""
+        from dtk.errors import UserError
+
+        where = f"RUN_DIR={self.path}"
+        if not self.plan_json.is_file():
+            raise UserError(f"{where}: not a dtk run directory (no plan.json); run directories live under run.root")
+        try:
+            plan = json.loads(self.plan_json.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{where}: its plan.json does not parse ({exc}); not a dtk run directory, or a damaged one"
+                            ) from None
+        missing = [k for k in PLAN_KEYS if not isinstance(plan, dict) or k not in plan]
+        if missing:
+            raise UserError(f"{where}: its plan.json is not a dtk plan (no {', '.join(missing)});"
+                            " run directories live under run.root")
+        return plan
 
     @property
     def metrics(self) -> Path:

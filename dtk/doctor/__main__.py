@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dtk.config.compose import compose
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.launch.launch import read_exclude_file
+from dtk.launch.launch import check_run_root, read_exclude_file
 from dtk.plan.plan import DEFAULT_CPU_TASKS
 
 # Slurm job states before the end (squeue's long names).
@@ -108,6 +108,19 @@ def _run_local(out: Path, world: int) -> int:
     return max(p.wait() for p in procs)
 
 
+def _new_folder(root: Path, name: str) -> Path:
+    """root/name, or root/name-2, ... when another doctor started in the same second."""
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        out = root / (name if n == 1 else f"{name}-{n}")
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            continue
+    raise UserError(f"run.root={root}: {name} and 999 more doctor folders of this second exist; remove some")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_intermixed_args(argv)
     cfg = compose(args.overrides)
@@ -117,8 +130,9 @@ def main(argv: list[str]) -> int:
     tasks = cfg.tasks_per_node or cfg.cluster.gpus_per_node or DEFAULT_CPU_TASKS
     req = request(cfg, gpus=bool(cfg.cluster.gpus_per_node))
     exclude = read_exclude_file(cfg.cluster.exclude_from) if slurm else ()
-    out = Path(cfg.run.root).absolute() / f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True)
+    root = Path(cfg.run.root).absolute()
+    check_run_root(root)
+    out = _new_folder(root, f"doctor-{time.strftime('%Y%m%d-%H%M%S')}")
     (out / "request.json").write_text(json.dumps(req, indent=1) + "\n")
     print(f"doctor: {cfg.nodes} node(s) x {tasks} rank(s), all-reduce {req['sizes_mb'][0]:g}-{req['sizes_mb'][-1]:g} MB;"
           f" output in {out}", flush=True)

@@ -19,6 +19,7 @@ from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.parts import check_builtin_arguments
+from dtk.rundir import RunDir
 
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
 
@@ -66,6 +67,17 @@ class Plan:
         raw["import_path"] = tuple(raw.get("import_path", ()))
         raw["cluster_kind"] = ClusterKind(raw["cluster_kind"])
         return Plan(**raw)
+
+    @staticmethod
+    def read(run: RunDir) -> Plan:
+        """A run directory's plan, refused as the user's mistake unless it is dtk's and of
+        this version's form."""
+        run.read_plan()
+        try:
+            return Plan.from_json(run.plan_json.read_text())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"RUN_DIR={run.path}: its plan.json is not a plan this dtk reads ({type(exc).__name__}:"
+                            f" {exc}); was it written by another version?") from None
 
     def describe(self) -> str:
         d, ckpt = self.degrees, self.config.checkpoint

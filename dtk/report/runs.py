@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,12 +42,7 @@ def load_run(path: Path) -> RunData:
     if not path.is_dir():
         raise UserError(f"RUN_DIR={path}: no such directory")
     run = RunDir(path)
-    if not run.plan_json.is_file():
-        raise UserError(f"RUN_DIR={path}: not a dtk run directory (no plan.json); run directories live under run.root")
-    try:
-        plan = json.loads(run.plan_json.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"RUN_DIR={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
+    plan = run.read_plan()
     return RunData(
         path=path,
         name=path.name,
