@@ -169,9 +169,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hold", type=int, default=30,
                         help="seconds the preempting job holds the nodes, or the storage stays read-only")
     args = parser.parse_args(argv)
-    if not (args.run_dir / "plan.json").is_file():
-        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
+    run.read_plan()  # a folder that is not a run directory stops here
     check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
     audit.check_writable(audit.run_root_of(run.path))
     if args.kind == "storage":

@@ -105,9 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if not (args.run_dir / "plan.json").is_file():
-        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
+    run.read_plan()  # a folder that is not a run directory stops here
     check_action(run.path, "submitter", doing="stop a run")
     audit.check_writable(audit.run_root_of(run.path))
     said = stop(run, now=args.now, timeout_s=args.timeout)
