@@ -354,9 +354,17 @@ def test_a_bad_input_is_one_error_line_and_leaves_nothing(command, args, expecte
     assert not left, f"{command} {args} left {left}"
 
 
-def test_the_battery_covers_every_command_with_at_least_120_cases():
+def test_the_battery_covers_every_command_and_docs_acceptance_counts_it():
+    import re
+
+    from conftest import REPO
+
     per_command = {c: sum(1 for case in CASES if case[0] == c) for c in MAINS}
     assert len(CASES) >= 120 and all(n >= 5 for n in per_command.values()), per_command
+    text = (REPO / "docs" / "acceptance.md").read_text()
+    table = text.split("<!-- bad inputs: per command -->")[1].split("<!-- end bad inputs -->")[0]
+    counted = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| (\w+) \| (\d+) \|$", table, re.M)}
+    assert counted == {**per_command, "all": len(CASES)}
 
 
 @pytest.mark.parametrize(("command", "args"), SUBPROCESS, ids=[f"{c} {a}" for c, a in SUBPROCESS])
