@@ -152,7 +152,9 @@ def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) 
             raise UserError(f"job {job} runs on one node ({nodes[0]}), its batch host; node-fail needs a second node")
         victim = nodes[-1]  # not the first: that is the batch host, whose loss ends the job itself
         _scontrol("update", f"NodeName={victim}", "State=DOWN", "Reason=dtk-drill")
-        return f"node {victim} set DOWN (bring it back: scontrol update nodename={victim} state=resume)"
+        return (f"node {victim} set DOWN; the lab may return it by itself (ReturnToService=2). To give it back by hand"
+                f" if it is still down: if sinfo -h -N -n {victim} -t down,drain -o %N | grep -q .; then scontrol update"
+                f" nodename={victim} state=resume; fi (docs/recovery.md, A node failed)")
     if kind == "crash":
         return _signal_worker(run, start, rank, signal.SIGKILL)
     if kind == "hang":

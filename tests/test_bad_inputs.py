@@ -386,3 +386,16 @@ def test_two_doctors_in_the_same_second_get_folders_of_their_own(tmp_path):
 
 if sys.platform != "linux":  # /proc stands for a folder nobody can write, root included
     pytestmark = pytest.mark.skip(reason="the battery's unwritable folder is /proc")
+
+
+def test_submit_after_while_slurmctld_does_not_answer_is_one_line(quiet_slurm, capsys):
+    """The dependency check of a Slurm submission (after the partitions answered)."""
+    from dtk.errors import run_cli
+    from dtk.launch import slurmctl
+    from dtk.launch.launch import check_dependencies
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda argv: check_dependencies("4711", slurmctl.job_state), [])
+    out, err = capsys.readouterr()
+    assert_clean("submit", "submit.after=4711", exit_info.value.code, out, err, "Is slurmctld up")
+    assert "squeue -h -j 4711" in err and "Unable to contact slurm controller" in err
