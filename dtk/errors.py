@@ -96,7 +96,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
     except UserError as exc:
         fail(str(exc))
     except Unanswered as exc:
-        fail(f"{exc}; nothing was changed. Is slurmctld up (scontrol ping)? Try again once it answers")
+        fail(f"{exc}. Is slurmctld up (scontrol ping)? Try again once it answers")
     except PermissionError as exc:
         # A file this user may not read or write: under an access policy that is the
         # policy speaking (docs/access.md), not a bug; say which file and who asked.
