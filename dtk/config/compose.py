@@ -174,8 +174,10 @@ def _unchosen_group(overrides: list[str], search: SearchPath) -> str:
         group = key.partition(".")[0]
         options = sorted({p.stem for f in folders for p in (f / group).glob("*.yaml")})
         if "." in key and options:
+            named = key.partition(".")[2]  # scheme.tp -> the tp scheme, when there is one
+            example = named if named in options else options[0]
             return (f"{text}: {group}.* keys need a {group} chosen first; add +{group}=NAME before them"
-                    f" (one of: {', '.join(options)}), e.g. +{group}={options[0]} {text.lstrip('+')}")
+                    f" (one of: {', '.join(options)}), e.g. +{group}={example} {text.lstrip('+')}")
     return f"overrides {' '.join(overrides)} do not compose (a key under a config group that was not chosen?)"
 
 
