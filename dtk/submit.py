@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtk.config.compose import add_config_dir, compose, expand_sweep, search_path
@@ -111,7 +112,12 @@ def main(argv: list[str]) -> int:
     multirun = args.multirun
     points = plan_points(args.overrides, multirun, args.config_dirs)
 
+    from dtk.launch.launch import check_run_root
     from dtk.start import Launched, describe_launch, launch
+
+    for p in points:
+        if p.plan.config.submit.dry_run:  # a dry run says now what the real one would refuse
+            check_run_root(Path(p.plan.run_dir).parent)
 
     results = []
     for p in points:

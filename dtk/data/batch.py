@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dtk.errors import UserError
+
 
 def as_torch(batch: Any) -> Any:
     """numpy arrays (dtk's token datasets return them) as tensors, the structure kept."""
@@ -48,7 +50,7 @@ def batch_size(batch: Any) -> int:
     """Samples in a batch: the length of its leaves, which must agree."""
     sizes = {len(leaf) for leaf in _leaves(batch)}
     if len(sizes) != 1:
-        raise ValueError(f"a batch whose parts have different lengths {sorted(sizes)}: every part must hold one row per sample")
+        raise UserError(f"a batch whose parts have different lengths {sorted(sizes)}: every part must hold one row per sample")
     return sizes.pop()
 
 

@@ -48,7 +48,8 @@ def shared_gpu_error(local_world_size: int, device_count: int) -> str | None:
 def pick_device(want: DeviceKind, env: WorkerRanks) -> torch.device:
     if want == DeviceKind.cuda or (want == DeviceKind.auto and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("dist.device=cuda but no GPU is visible to this process")
+            raise UserError("dist.device=cuda but this worker sees no GPU (CUDA_VISIBLE_DEVICES, the node's driver);"
+                            " request GPUs with cluster.gpus_per_node, or use dist.device=cpu")
         error = shared_gpu_error(env.local_world_size, torch.cuda.device_count())
         if error:
             raise UserError(error)

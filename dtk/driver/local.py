@@ -195,8 +195,8 @@ class LocalDriver:
         log = logs / f"rank_{rank}.log"
         self.failure = {"rank": rank, "host": socket.gethostname(), "exit_code": code, "log": str(log),
                         "last_line": last_line(log)}
-        said = error_line(log) if code == EXIT_CONFIG else None
-        if said:  # the worker's own error line says it all; starting again cannot fix it
+        if code == EXIT_CONFIG:  # a configuration error: starting again cannot fix it
+            said = error_line(log) or f"error: a worker exited with code {EXIT_CONFIG} (a configuration error); see {log}"
             return Outcome(Kind.CONFIG_ERROR, code=code, cause=f"rank {rank}: {said}", detected_at=time.time())
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return Outcome(Kind.CRASHED, code=code, cause=f"worker rank {rank} on {socket.gethostname()} {how}",

@@ -155,6 +155,8 @@ def slow(node: str, rate: str | None, *, root: Path | None = None, log: Log = pr
     (None). Needs a lab with network namespaces: without them the nodes share one stack."""
     require_root("slow")
     layout = LabLayout(root or lab_dir())
+    if read_record(layout) is None:
+        raise LabError(f"no lab is running from {layout.root}; start one with python -m dtk.lab up --netns")
     with _locked(layout):
         record = read_record(layout)
         if record is None or not record.netns:

@@ -22,6 +22,7 @@ from dtk.config.compose import config_dir
 from dtk.config.schema import Config, ModelConfig
 from dtk.plan.accelerators import lookup
 from dtk.plan.budget import Context
+from dtk.plan.parts import check_parts
 from dtk.plan.plan import Plan
 from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, is_builtin, whatif_shape
 
@@ -100,7 +101,15 @@ def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
     from dtk.config.schema import SchemeConfig
 
     assert cfg.scheme is not None, "compose() sets the scheme"
-    shape = shape or model_shape(cfg)
+    if shape is None:  # the login node: the model's keys are held against its modules first
+        shape = model_shape(cfg)
+        check_parts(
+            shape,
+            wrap_classes=shape.wrap_classes if shape.wrap_classes is not None else tuple(cfg.model.wrap_classes),
+            tp_plan=shape.tp_plan if shape.tp_plan is not None else dict(cfg.model.tp_plan),
+            split_points=tuple(cfg.model.split_points), degrees=plan.degrees,
+            pp_virtual_stages=cfg.scheme.pp_virtual_stages, target=f"model._target_={cfg.model._target_}",
+        )
     device = device_kind(cfg)
     capacity, source = device_capacity(cfg, device, plan.tasks_per_node)
     whatif = not shape.exact

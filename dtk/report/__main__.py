@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from dtk import audit
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, check_out, run_cli
 from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
 from dtk.report.numbers import run_numbers
 from dtk.report.planned import planned, planned_lines
@@ -115,6 +115,8 @@ def render(out: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.out is not None:
+        check_out(args.out, folder=True)
     out = report(args)
     print(json.dumps(out, indent=2, default=str) if args.json else render(out))
     return 0
