@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.schema import Hdf5DataConfig, ModelConfig
 from dtk.data.hdf5 import Hdf5Tokens, split
 from dtk.data.loader import StepBatches, build_splits
@@ -130,23 +130,23 @@ def test_prepare_npy_streams_and_rows(tmp_path):
 
 
 def test_prepare_cli_prints_the_version_and_errors_are_one_line(text_file, tmp_path):
-    proc = dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
+    proc = run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
     assert proc.returncode == 0, proc.stderr
     version = proc.stdout.strip()
     assert version == json.loads((tmp_path / "d" / "manifest.json").read_text())["version"]
-    again = dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
+    again = run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
     assert again.returncode == 2 and again.stderr.startswith("error: --out") and "--force" in again.stderr
-    forced = dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32",
+    forced = run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32",
                  "--force")
     assert forced.returncode == 0 and forced.stdout.strip() == version
     np.save(tmp_path / "f.npy", np.ones(100, dtype=np.float32))
     for args in (["--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")],
                  ["--input", str(tmp_path / "f.npy"), "--out", str(tmp_path / "x")],
                  ["--out", str(tmp_path / "x")]):
-        proc = dtk("dtk.data", "prepare", *args)
+        proc = run_main("dtk.data", "prepare", *args)
         assert proc.returncode == 2, args
         assert proc.stderr.startswith("error:") and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert dtk("dtk.data", "verify", str(tmp_path / "d")).returncode == 0
+    assert run_main("dtk.data", "verify", str(tmp_path / "d")).returncode == 0
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -155,7 +155,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def prepare_cli(text_file: Path, out: Path, *extra: str):
-    return dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(out), "--seq-len", "32", *extra)
+    return run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(out), "--seq-len", "32", *extra)
 
 
 def test_force_never_replaces_a_folder_of_the_users_files(text_file, tmp_path):
