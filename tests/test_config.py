@@ -181,6 +181,15 @@ def test_composed_config_is_typed_to_the_last_field():
     assert compose([]).scheme == schema.SchemeConfig()  # no +scheme: the schema's (DDP)
 
 
+def test_explicit_ddp_on_two_workers_plans_the_default_run():
+    """`+scheme=ddp tasks_per_node=2` is the default job spelled out: the same scheme, world
+    and run directory, so the default job's real run (tests/test_spine.py) runs it too."""
+    explicit = make_plan(compose(["+scheme=ddp", "tasks_per_node=2", "train.steps=5"]), local_gpus=0)
+    default = make_plan(compose(["train.steps=5"]), local_gpus=0)
+    assert explicit.scheme == default.scheme == "ddp" and explicit.world_size == default.world_size == 2
+    assert explicit.config_hash == default.config_hash and explicit.run_dir == default.run_dir
+
+
 def test_plan_json_holds_the_config_as_the_user_spells_it():
     import json
 

@@ -111,14 +111,6 @@ def test_sigkill_of_the_workers_then_the_same_command_resumes(reference, tmp_pat
     assert json.loads((run / "summary.json").read_text())["final_loss"] == losses(reference)[60]
 
 
-def test_scheme_ddp_with_explicit_workers(tmp_path):
-    proc = dtk("dtk.submit", "+scheme=ddp", "tasks_per_node=2", "train.steps=5", f"run.root={tmp_path}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    run = only_run_dir(tmp_path)
-    assert sorted(losses(run)) == [1, 2, 3, 4, 5]
-    assert json.loads((run / "plan.json").read_text())["scheme"] == "ddp"
-
-
 def _events(run: Path, name: str) -> list[dict]:
     return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == name]
 
