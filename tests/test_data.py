@@ -118,6 +118,23 @@ def test_prepare_text_twice_gives_the_same_version_and_bytes(text_file, tmp_path
     assert other["version"] != a["version"]
 
 
+def test_an_npy_dataset_is_what_submit_accepts_with_its_version(tmp_path):
+    """An .npy input ends as the same HDF5 dataset as a text one: submit checks it against the
+    model and plans it (the text dataset's real training run is tests/test_data_train.py)."""
+    tokens = np.random.default_rng(0).integers(0, 200, size=33 * 400).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    made = run_main("dtk.data", "prepare", "--input", str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "data"),
+                    "--seq-len", "32")
+    assert made.returncode == 0, made.stderr
+    data = Hdf5Tokens(tmp_path / "data", verify=True)
+    assert made.stdout.strip() == data.version and np.array_equal(data.get(np.array([1])), tokens[33:66][None])
+    proc = run_main("dtk.submit", "train.global_batch=32", "train.micro_batch=8", "model.seq_len=32", "data=hdf5",
+                    f"data.path={tmp_path / 'data'}", "train.steps=4", "submit.dry_run=true",
+                    f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_prepare_npy_streams_and_rows(tmp_path):
     stream = np.random.default_rng(0).integers(0, 1000, size=5000)
     np.save(tmp_path / "stream.npy", stream)
