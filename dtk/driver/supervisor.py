@@ -3,8 +3,9 @@
 submitit runs `drive(run_dir)` once, in the batch script (`use_srun=False`). The driver
 starts the worker step with srun, watches it (exit code, and the heartbeat rank 0 beats)
 and owns every recovery decision; workers never requeue themselves. What it does after
-each start is the table in dtk/driver/decide.py; this module gathers the facts and carries
-the decision out.
+each start is the table in dtk/driver/decide.py, applied by the loop of the driver core
+both drivers share (dtk/driver/core.py); this module gathers the facts of a start on Slurm
+and carries the decisions out.
 
 Every Slurm command goes through a `dtk.launch.slurmctl.Slurm` and every wait through its
 clock, so tests run the whole loop against a fake Slurm in fake time.
