@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dtk
+from conftest import REPO, dtk, run_main
 
 DOCS = ("operations.md", "acceptance.md", "recovery.md", "access.md")
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]{2,}\b|<[^>]+>|\$")
@@ -55,7 +55,7 @@ def test_plan_and_submit_lines_compose_and_plan(name, tmp_path):
         if module not in ("dtk.plan", "dtk.submit") or any(PLACEHOLDER.search(a) for a in args):
             continue
         argv = [*args, f"run.root={tmp_path / 'runs'}"] + (["submit.dry_run=true"] if module == "dtk.submit" else [])
-        proc = dtk(module, *argv, cwd=tmp_path)
+        proc = run_main(module, *argv, cwd=tmp_path)
         assert proc.returncode == 0, f"docs/{name}: python -m {module} {' '.join(args)}: {proc.stderr}"
         checked += 1
     assert not (tmp_path / "runs").exists()  # plans and dry runs create nothing

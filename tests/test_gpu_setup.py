@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.choices import Backend
 from dtk.config.compose import compose
 from dtk.dist.init import backend_string, shared_gpu_error
@@ -75,7 +75,7 @@ def test_the_local_cluster_starts_one_worker_per_visible_gpu():
 
 
 def test_the_refusal_is_one_error_line(tmp_path: Path):
-    proc = dtk("dtk.plan", "cluster.kind=slurm", "cluster.gpus_per_node=4", "tasks_per_node=8", cwd=tmp_path)
+    proc = run_main("dtk.plan", "cluster.kind=slurm", "cluster.gpus_per_node=4", "tasks_per_node=8", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: tasks_per_node=8 is more workers than GPUs"), proc.stderr

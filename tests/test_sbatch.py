@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.compose import compose
 from dtk.driver.supervisor import srun_command
 from dtk.errors import UserError
@@ -106,7 +106,7 @@ def test_a_newline_in_the_run_directory_is_refused_before_anything_is_written():
 
 
 def test_dry_run_prints_the_fsdp_16_node_script_and_submits_nothing(tmp_path):
-    proc = dtk("dtk.submit", "+scheme=fsdp", "nodes=16", "cluster=slurm", "submit.dry_run=true",
+    proc = run_main("dtk.submit", "+scheme=fsdp", "nodes=16", "cluster=slurm", "submit.dry_run=true",
                f"run.root={ROOT}", "run.name=golden", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     script = proc.stdout.split("would submit this sbatch script:\n\n", 1)[1]
@@ -148,7 +148,7 @@ def test_executor_submits_the_script_the_dry_run_shows(tmp_path, monkeypatch):
     (["submit.after=4711"], "submit.after=4711: only a Slurm job can wait for another (cluster.kind=local)"),
 ])
 def test_a_bad_dependency_is_refused_before_anything_is_written(tmp_path, overrides, needle):
-    proc = dtk("dtk.submit", *overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    proc = run_main("dtk.submit", *overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {needle}")
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
@@ -189,11 +189,11 @@ def test_partition_checks_before_submission():
 def test_exclude_from_file_leaves_its_nodes_out_of_the_sbatch(tmp_path):
     listed = tmp_path / "slow_nodes.txt"
     listed.write_text("# written by python -m dtk.doctor\nnode3  # p2p 4.1x the median\n\nnode1\n")
-    proc = dtk("dtk.submit", "cluster=lab", "nodes=1", f"cluster.exclude_from={listed}", "submit.dry_run=true",
+    proc = run_main("dtk.submit", "cluster=lab", "nodes=1", f"cluster.exclude_from={listed}", "submit.dry_run=true",
                f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --exclude=node1,node3" in proc.stdout
-    missing = dtk("dtk.submit", "cluster=lab", f"cluster.exclude_from={tmp_path / 'nope.txt'}",
+    missing = run_main("dtk.submit", "cluster=lab", f"cluster.exclude_from={tmp_path / 'nope.txt'}",
                   f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.startswith("error: cluster.exclude_from=")
     assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

@@ -362,6 +362,8 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    if "access" in cs.repo:  # stored by an earlier call (the last group below): storing again costs
+        return                # a third of a compose, and every compose() calls this
     cs.store(name="dtk_schema", node=Config)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="model", name="transformer_schema", node=TransformerConfig)
