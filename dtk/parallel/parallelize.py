@@ -8,7 +8,8 @@ Order, fixed, each step an `apply_*` of its own module:
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
     5. FSDP                 shard each block over dp_shard, replicate over dp_replicate
        materialize          storage and initial values (after sharding: no rank ever holds
-                            the whole model; before DDP, which broadcasts real weights)
+                            the whole model; before DDP, which broadcasts real weights); with
+                            FSDP's CPU offload the shards on the host, buffers on the device
        DDP                  or wrap for replicated data parallelism
     6. pipeline schedule    stages of this rank -> the schedule that runs the micro-batches
 
@@ -55,13 +56,13 @@ def parallelize(
     scheme: SchemeConfig,
     spec: ParallelSpec,
     device: torch.device,
-    materialize: Callable[[list[nn.Module]], None],
+    materialize: Callable[[list[nn.Module], torch.device], None],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_microbatches: int,
     sharded_logits: bool,
 ) -> Parallelized:
     """Return this rank's model ready to train under `scheme`. `model` is on the meta device;
-    `materialize(parts)` gives parts storage and initial values; `loss_fn` is the run's loss,
+    `materialize(parts, on)` gives parts storage on device `on` and initial values; `loss_fn` is the run's loss,
     which a pipeline schedule calls on its last stage; `sharded_logits`: the run's task takes
     logits sharded over the vocabulary (tensor parallel then keeps them sharded)."""
     degrees = mesh.degrees
@@ -127,7 +128,12 @@ def parallelize(
                 device=device,
             )
 
-    materialize(parts)
+    if use_fsdp and scheme.cpu_offload:
+        from dtk.parallel.fsdp import materialize_offloaded
+
+        materialize_offloaded(parts, materialize, device=device)
+    else:
+        materialize(parts, device)
 
     # 5. DDP (needs real weights: it checks and broadcasts them when it wraps)
     if use_ddp:
