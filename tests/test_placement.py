@@ -23,7 +23,7 @@ ONE_SOCKET = RecordedSource(FIXTURES / "one-socket")
 SOCKET0 = set(cpulist("0-55,112-167"))
 SOCKET1 = set(cpulist("56-111,168-223"))
 ALL_DGX = SOCKET0 | SOCKET1
-BINDING = binding_name("closest", gpus_per_task=False)
+BINDING = binding_name(["--gpu-bind=closest"], gpu_bind="closest", slurm=True)
 
 
 def node_ranks(visible: dict[int, str | None], src, *, allotted=lambda _r: ALL_DGX, num_gpus=8):
@@ -124,7 +124,7 @@ def test_nvml_names_the_same_buses_as_the_driver_folder(tmp_path):
 def test_two_ranks_left_one_gpu_are_refused_with_the_binding_named():
     # A site's map_gpu binding that gives local ranks 0 and 4 the same GPU.
     visible = {r: str(r % 4) for r in range(8)}
-    binding = binding_name("map_gpu:0,1,2,3,0,1,2,3", gpus_per_task=False)
+    binding = binding_name(["--gpu-bind=map_gpu:0,1,2,3,0,1,2,3"], gpu_bind="map_gpu:0,1,2,3,0,1,2,3", slurm=True)
     with pytest.raises(UserError) as caught:
         choose_gpu(4, visible, num_gpus=8, node="node1", binding=binding)
     message = str(caught.value)

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtk.config.choices import Backend, DeviceKind
+from dtk.config.choices import Backend, ClusterKind, DeviceKind
 from dtk.errors import UserError
+from dtk.launch.sbatch import gpu_step_flags
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
 from dtk.topology.choose import FabricChoice
@@ -121,7 +122,8 @@ def place_worker(plan: Plan, env: WorkerEnv, run: RunDir) -> Placement:
         rank=env.rank, node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(), node_rank=env.node_rank,
         local_rank=env.local_rank, local_world_size=env.local_world_size, meet=run.log_dir(env.restart) / "gpus",
         timeout_s=cfg.fault.startup_timeout_s, wants_gpu=cuda or would,
-        binding=binding_name(cfg.cluster.gpu_bind, gpus_per_task=cfg.cluster.kind == "slurm" and would))
+        binding=binding_name(gpu_step_flags(plan), gpu_bind=cfg.cluster.gpu_bind,
+                             slurm=cfg.cluster.kind == ClusterKind.slurm))
 
 
 def record_placement(placement: Placement, env: WorkerEnv, run: RunDir) -> None:

@@ -99,11 +99,13 @@ def choose_gpu(local_rank: int, visible: dict[int, str | None], *, num_gpus: int
     return position, entries[position]
 
 
-def binding_name(gpu_bind: str | None, gpus_per_task: bool) -> str:
-    """How the worker step bound GPUs, as the user set it (srun flags from the cluster file)."""
+def binding_name(step_flags: list[str], *, gpu_bind: str | None, slurm: bool) -> str:
+    """How the worker step bound GPUs, for the refusal: the srun flags and the key behind them."""
+    if not slurm:
+        return "the local driver (every worker sees this machine's GPUs)"
     if gpu_bind:
-        return f"srun --gpu-bind={gpu_bind} (cluster.gpu_bind={gpu_bind})"
-    return "srun --gpus-per-task=1" if gpus_per_task else "the site's GPU binding (no --gpu-bind)"
+        return f"srun {' '.join(step_flags)} (cluster.gpu_bind={gpu_bind})"
+    return f"srun {' '.join(step_flags)}" if step_flags else "srun without a GPU binding (cluster.gpu_bind=null)"
 
 
 def share_visible(folder: Path, *, node_rank: int, local_rank: int, local_world_size: int, cvd: str | None,
