@@ -66,7 +66,13 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
 
 
 def write_gres(layout: LabLayout, system: SystemFiles, num_nodes: int, gpus_per_node: int) -> None:
-    """gres.conf beside slurm.conf, and the device files it names (none without GPUs)."""
+    """gres.conf beside slurm.conf, and the device files it names. Without GPUs there is
+    none: a gres.conf of an earlier GPU lab goes, a foreign one stays untouched."""
+    if not gpus_per_node:
+        gres.make_devices(layout.root, 0)
+        if system.gres_conf.exists() and files.is_ours(system.gres_conf):
+            system.gres_conf.unlink()
+        return
     if not files.is_ours(system.gres_conf):
         raise LabError(f"{system.gres_conf} exists and was not written by dtk.lab; the lab will not overwrite it")
     gres.make_devices(layout.root, gpus_per_node)
