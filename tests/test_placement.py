@@ -28,7 +28,7 @@ BINDING = binding_name(["--gpu-bind=closest"], gpu_bind="closest", slurm=True)
 
 def node_ranks(visible: dict[int, str | None], src, *, allotted=lambda _r: ALL_DGX, num_gpus=8):
     return [place(rank=r, node="dgx-001", local_rank=r, visible=visible, num_gpus=num_gpus, binding=BINDING,
-                  allotted=allotted(r), src=src) for r in sorted(visible)]
+                  allotted=allotted(r), src=src, cvd=visible[r]) for r in sorted(visible)]
 
 
 def test_one_gpu_per_task_gives_each_rank_its_gpu_and_its_numa_node():
@@ -117,8 +117,20 @@ def test_nvml_names_the_same_buses_as_the_driver_folder(tmp_path):
     src = RecordedSource(sysfs_only)
     assert driver_gpus(src) == {}
     placement = place(rank=6, node="dgx-001", local_rank=0, visible={0: "6"}, num_gpus=8, binding=BINDING,
-                      allotted=ALL_DGX, src=src, nvml=nvml)
+                      allotted=ALL_DGX, src=src, cvd="6", nvml=nvml)
     assert placement.numa == 1 and set(placement.cpus) == SOCKET1
+
+
+def test_slurms_node_wide_ids_tell_tasks_apart_where_device_cgroups_renumber_them():
+    # ConstrainDevices=yes: every task's CVD counts from 0; SLURM_STEP_GPUS holds the ids.
+    step_gpus = {r: str(r) for r in range(8)}
+    placements = [place(rank=r, node="dgx-001", local_rank=r, visible=step_gpus, num_gpus=8, binding=BINDING,
+                        allotted=ALL_DGX, src=DGX, cvd="0", named_by="SLURM_STEP_GPUS") for r in range(8)]
+    assert [p.gpu for p in placements] == list(range(8))
+    assert [(p.cuda_visible_devices, p.device_index) for p in placements] == [("0", 0)] * 8
+    assert [p.numa for p in placements] == [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.raises(UserError, match=r"\(SLURM_STEP_GPUS=0\)"):
+        choose_gpu(1, {0: "0", 1: "0"}, num_gpus=8, node="n", binding=BINDING, named_by="SLURM_STEP_GPUS")
 
 
 def test_two_ranks_left_one_gpu_are_refused_with_the_binding_named():

@@ -17,9 +17,9 @@ torchrun's --numa-binding does. The GPU's NUMA node is read from sysfs: the NVID
 NVML (the nvidia-ml-py package) gives the minor and bus id where the driver's folder is
 absent. No torch here.
 
-Physical GPU ids are CVD's entries, as Slurm numbers them without device cgroups; a site
-that confines devices (ConstrainDevices=yes) renumbers each step's GPUs from 0, so on a
-node shared with other jobs `gpu` is then the index within the job's GPUs.
+Under Slurm the ranks compare SLURM_STEP_GPUS (each task's GPU ids on the node, in CVD's
+order) rather than CVD, which device cgroups (ConstrainDevices=yes) renumber from 0 per
+task; `gpu` is then that id. Without Slurm it is CVD's entry.
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ def visible_entries(cvd: str | None, num_gpus: int) -> list[str]:
 
 
 def choose_gpu(local_rank: int, visible: dict[int, str | None], *, num_gpus: int, node: str,
-               binding: str) -> tuple[int, str] | None:
+               binding: str, named_by: str = "CUDA_VISIBLE_DEVICES") -> tuple[int, str] | None:
     """(index within this rank's visible set, the entry of that GPU), or None without GPUs.
-    `visible`: every local rank's CVD. The rank takes the GPU at its position among the
-    local ranks given the same set; `binding` names how Slurm bound them, for the refusal."""
+    `visible`: every local rank's GPU list, as the variable `named_by` gives it. The rank
+    takes the GPU at its position among the local ranks given the same list; `binding`
+    names how Slurm bound them, for the refusal."""
     mine = visible[local_rank]
     entries = visible_entries(mine, num_gpus)
     if not entries:
@@ -93,7 +94,7 @@ def choose_gpu(local_rank: int, visible: dict[int, str | None], *, num_gpus: int
         shown = "unset" if mine is None else mine
         raise UserError(
             f"{binding} gave local ranks {', '.join(map(str, sharers))} of {node} the same"
-            f" {len(entries)} GPU(s) (CUDA_VISIBLE_DEVICES={shown}): two workers would share a GPU, which NCCL"
+            f" {len(entries)} GPU(s) ({named_by}={shown}): two workers would share a GPU, which NCCL"
             " refuses; use a binding that gives each task its own GPU (cluster.gpu_bind=null: srun"
             " --gpus-per-task=1) or fewer tasks per node")
     return position, entries[position]
@@ -193,14 +194,18 @@ def numa_cpus(numa: int | None, allotted: set[int], src: Source) -> list[int]:
 
 
 def place(*, rank: int, node: str, local_rank: int, visible: dict[int, str | None], num_gpus: int, binding: str,
-          allotted: set[int], src: Source, nvml: Any | None = None, wants_gpu: bool = True) -> Placement:
-    """This rank's GPU and CPUs (pure given its inputs: the caller binds). Without
-    `wants_gpu` (a CPU job) no GPU is chosen and the CPUs stay those allotted."""
-    chosen = choose_gpu(local_rank, visible, num_gpus=num_gpus, node=node, binding=binding) if wants_gpu else None
+          allotted: set[int], src: Source, cvd: str | None, nvml: Any | None = None, wants_gpu: bool = True,
+          named_by: str = "CUDA_VISIBLE_DEVICES") -> Placement:
+    """This rank's GPU and CPUs (pure given its inputs: the caller binds). `visible`: each
+    local rank's GPU ids (`named_by`: SLURM_STEP_GPUS under Slurm, else CVD); `cvd`: this
+    rank's CVD, for the record. Without `wants_gpu` (a CPU job) no GPU
+    is chosen and the CPUs stay those allotted."""
+    chosen = choose_gpu(local_rank, visible, num_gpus=num_gpus, node=node, binding=binding,
+                        named_by=named_by) if wants_gpu else None
     index, entry = chosen if chosen else (None, None)
     gpu: int | str | None = int(entry) if entry is not None and entry.isdigit() else entry
     numa = gpu_numa(gpu, src, nvml)
-    return Placement(rank=rank, node=node, local_rank=local_rank, cuda_visible_devices=visible[local_rank],
+    return Placement(rank=rank, node=node, local_rank=local_rank, cuda_visible_devices=cvd,
                      device_index=index, gpu=gpu, numa=numa, cpus=numa_cpus(numa, allotted, src))
 
 
@@ -209,14 +214,19 @@ def place_this_worker(*, rank: int, node: str, node_rank: int, local_rank: int, 
     """Meet the node's other ranks, choose, and bind this process to the chosen CPUs.
     `wants_gpu`: the worker uses a GPU, or would on a GPU node (the CPU lab)."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # Slurm names each task's GPUs by their ids on the node in SLURM_STEP_GPUS (in CVD's
+    # order); CVD may count from 0 per task where device cgroups confine it, so two tasks
+    # showing "0" need not share a GPU. Without Slurm, CVD is all there is.
+    step_gpus = os.environ.get("SLURM_STEP_GPUS")
+    ids, named_by = (step_gpus, "SLURM_STEP_GPUS") if step_gpus is not None else (cvd, "CUDA_VISIBLE_DEVICES")
     src = LiveSource()
     num_gpus = len(driver_gpus(src))
     visible = share_visible(meet, node_rank=node_rank, local_rank=local_rank, local_world_size=local_world_size,
-                            cvd=cvd, timeout_s=timeout_s) if wants_gpu else {local_rank: cvd}
+                            cvd=ids, timeout_s=timeout_s) if wants_gpu else {local_rank: ids}
     allotted = set(os.sched_getaffinity(0))
     placement = place(rank=rank, node=node, local_rank=local_rank, visible=visible, num_gpus=num_gpus,
                       binding=binding, allotted=allotted, src=src, nvml=load_nvml() if wants_gpu else None,
-                      wants_gpu=wants_gpu)
+                      wants_gpu=wants_gpu, cvd=cvd, named_by=named_by)
     if set(placement.cpus) != allotted:
         os.sched_setaffinity(0, placement.cpus)
     return placement
