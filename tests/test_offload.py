@@ -87,3 +87,19 @@ def test_offloaded_shards_on_the_host_buffers_on_the_device_and_one_gradient_hoo
     # FSDP makes the host copy of a hooked parameter's gradient blocking: one hook, on the
     # first parameter (the root unit's, reduced last).
     assert result["hooked"] == [True] + [False] * (len(result["hooked"]) - 1)
+
+
+def test_the_trainer_hooks_one_parameter_when_a_gpu_step_keeps_parameters_on_the_host():
+    from types import SimpleNamespace
+
+    from dtk.train.trainer import Trainer
+
+    def hooked(step_device: str) -> list[bool]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # parameters in host memory
+        batches = SimpleNamespace(device=torch.device(step_device))  # where the step runs
+        Trainer(model=model, optimizer=[], scheduler=None, batches=batches, task=None, grad_clip=0.0, mesh=None,
+                timer=PhaseTimer(device=torch.device("cpu")))
+        return [bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in model.parameters()]
+
+    assert hooked("cuda") == [True, False, False, False]  # FSDP's CPU offload on a GPU
+    assert hooked("cpu") == [True] * 4  # a CPU run: every gradient counted
