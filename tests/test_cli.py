@@ -41,7 +41,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.lab down": ["--force"],
     "dtk.lab slow": ["NODE", "RATE"],
     "dtk.lab status": [],
-    "dtk.lab up": ["--access", "--force", "--netns", "--no-install", "--nodes", "--timeout"],
+    "dtk.lab up": ["--access", "--force", "--gpus-per-node", "--netns", "--no-install", "--nodes", "--timeout"],
     "dtk.nodes": ["--json", "--readmit", "RUN_DIR"],
     "dtk.parallel.count": ["(no arguments)"],
     "dtk.plan": ["--config-dir", "--json", "KEY=VALUE ..."],

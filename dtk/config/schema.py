@@ -48,7 +48,7 @@ class ClusterConfig:
     cpus_per_task: int = 1
     """CPU cores per worker process (sbatch and srun --cpus-per-task)."""
     gpu_bind: str | None = None
-    """srun --gpu-bind of the worker step, e.g. `closest` (each task gets the GPU nearest its CPUs). None: no binding (CPU clusters, sites that refuse it)."""
+    """srun --gpu-bind of the worker step where a site needs its own, e.g. `closest` (each task sees its socket's GPUs; each worker takes the one at its position among them). None: srun --gpus-per-task=1 when every task has a GPU (each sees only its own), else no binding."""
     mem_gb: int | None = None
     """Memory per node in GiB (sbatch --mem). None: the partition's default."""
     time_min: int = 60

@@ -30,6 +30,7 @@ from dtk.driver.logs import SRUN_LOG, config_error_line, failure_cause
 from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.timeleft import TimeLeft
+from dtk.launch.sbatch import gpu_step_flags
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
@@ -60,8 +61,7 @@ def srun_command(plan: Plan, *, logs: Path, nodes: list[str]) -> list[str]:
         f"--cpus-per-task={cluster.cpus_per_task}",
         f"--nodelist={','.join(nodes)}",
     ]
-    if cluster.gpu_bind:  # each task's GPU nearest its CPUs, where the site's GRES config allows
-        cmd.append(f"--gpu-bind={cluster.gpu_bind}")
+    cmd += gpu_step_flags(plan)  # one GPU per task, or the site's cluster.gpu_bind
     return cmd + [
         "--kill-on-bad-exit=1",  # one dead rank ends the step instead of leaving the rest hung
         "--unbuffered",

@@ -96,7 +96,10 @@ class Trainer:
         self.mesh = mesh
         self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.timer = timer if timer is not None else PhaseTimer(device=batches.device, enabled=False)
-        self.timer.watch_gradients(self._params)  # the moment the last gradient is ready: sync begins
+        # The moment the last gradient is ready: sync begins. Parameters in host memory while
+        # the step runs on a GPU are FSDP's CPU offload, whose gradient copies one hook spares.
+        offloaded = batches.device.type != "cpu" and any(p.device.type == "cpu" for p in self._params)
+        self.timer.watch_gradients(self._params, one=offloaded)
         # Wraps each step's forward and backward (0-based step): dtk.train.measure.StepMemory
         # measures one of them against the plan.
         self.around_step = around_step or (lambda step: contextlib.nullcontext())
