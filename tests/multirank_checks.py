@@ -23,6 +23,7 @@ from dtk.parallel.pipeline import autocast_stage, build_pipeline, split_model
 from dtk.parallel.tp import apply_tp
 from dtk.parallel.zero import ZeroOptimizer
 from dtk.train.loss import TokenCrossEntropy, local_value, sharded_context
+from dtk.train.trainer import tick_after_actions
 from dtk.worker.signals import StopFlag, vote_group
 
 VOCAB, DIM, HIDDEN, SEQ, BATCH = 16, 8, 16, 4, 3
@@ -150,6 +151,9 @@ def check_pp_autocast(rank: int, world: int) -> dict[str, Any]:
         p.register_hook(lambda g: in_backward.append(torch.is_autocast_enabled("cpu")) or g)
     pipe = build_pipeline(parts, ids, num_stages=world, schedule=PipelineSchedule("gpipe"), num_microbatches=2,
                           loss_fn=loss_fn, device=torch.device("cpu"), group=dist.group.WORLD)
+    ticks: list = []  # the trainer's heartbeat ticks, one per pipeline action
+    for stage in pipe.stages:
+        tick_after_actions(stage, lambda: ticks.append(1))
     losses: list = []
     if pipe.has_first_stage:
         pipe.schedule.step(tokens)
@@ -160,6 +164,7 @@ def check_pp_autocast(rank: int, world: int) -> dict[str, Any]:
         "autocast_in_backward": sorted(set(in_backward)),
         "loss": torch.stack(losses).mean().item() if losses else None,
         "reference": reference,
+        "ticks": len(ticks),
     }
 
 

@@ -50,6 +50,8 @@ def test_a_bf16_pipeline_sends_bf16_and_runs_its_backward_outside_autocast(resul
     assert set(first["sent"]) == {"torch.bfloat16"} and len(first["sent"]) >= 2  # shape inference, 2 micro-batches
     assert first["autocast_in_backward"] == [False]
     assert last["loss"] == pytest.approx(last["reference"], rel=2e-2)  # bf16 rounding at the boundary
+    # Each stage's forward and backward of each of the 2 micro-batches is a heartbeat tick.
+    assert first["ticks"] == last["ticks"] == 4
 
 
 def test_zero_optimizer_matches_one_optimizer_over_all_parameters(results):

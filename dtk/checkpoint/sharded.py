@@ -185,6 +185,11 @@ class Saver:
             with contextlib.suppress(Exception):
                 staging.result()
 
+    @property
+    def staging(self) -> bool:
+        """Whether a copy of the state is in flight (`staged` would wait for it)."""
+        return self._staging is not None
+
     def _writer(self, path: Path) -> HashingWriter:
         # Files are fsynced before the manifest can count them, and checksummed as written.
         return HashingWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
