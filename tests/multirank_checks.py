@@ -271,7 +271,31 @@ def check_comm(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "pp_autocast": check_pp_autocast, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm}
+def check_group_timeouts(rank: int, world: int) -> dict[str, Any]:
+    """A world made with dist.timeout_s = 77 s: every group the mesh builds (each axis, the
+    flattened data-parallel one), the checkpoint's and the stop vote's run under 77 s, not
+    torch's defaults for new groups (30 minutes for gloo)."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from dtk.dist.groups import timeout_of
+    from dtk.dist.mesh import build_mesh
+    from dtk.plan.degrees import Degrees
+
+    before = timeout_of()
+    c10d._set_pg_timeout(datetime.timedelta(seconds=77))  # as init_process_group(timeout=77 s) leaves it
+    plain = dist.new_group(backend="gloo")  # what torch gives a new group by itself
+    mesh = build_mesh(Degrees(dp_replicate=1, pp=1, dp_shard=world, tp=1), "cpu")
+    groups = [mesh.world.get_group(name) for name in mesh.world.mesh_dim_names] + [mesh.dp_group]
+    found = [timeout_of(g).total_seconds() for g in groups]
+    found += [timeout_of(Comm.create().group).total_seconds(), timeout_of(vote_group()).total_seconds()]
+    c10d._set_pg_timeout(before)
+    return {"timeouts": found, "plain": timeout_of(plain).total_seconds(), "num_groups": len(groups)}
+
+
+CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "pp_autocast": check_pp_autocast, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm,
+          "group_timeouts": check_group_timeouts}
 
 
 def all_checks(rank: int, world: int) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
+from dtk.dist.groups import new_group
 from dtk.rundir import write_json_atomic
 
 TRAINER_STATE = "trainer.json"
@@ -104,7 +105,7 @@ class Comm:
         if not dist.is_initialized():
             return Comm(None)
         # Collective: every rank creates it at the same point (the CheckpointManager's __init__).
-        return Comm(dist.new_group(backend="gloo"))
+        return Comm(new_group(backend="gloo"))  # the world's timeout: a peer hung in a save is seen then
 
     def barrier(self) -> None:
         if self.group is not None:
