@@ -1,6 +1,9 @@
-"""What the hang timeout measures, on a real local run: a synchronous save longer than
-fault.hang_timeout_s is no hang (the heartbeat thread beats while the training thread is
-inside it), while a SIGSTOPped rank is still detected within the timeout + 5 s."""
+"""What the hang timeout measures, on real local runs (docs/recovery.md, Liveness): a
+synchronous save longer than fault.hang_timeout_s is no hang (the heartbeat thread beats
+while the training thread is inside it), while a SIGSTOPped rank is still detected within
+the timeout + 5 s; a step of several micro-batches lasting 3 x the timeout is progress
+micro-batch by micro-batch, and a resume whose checkpoint load outlasts
+fault.startup_timeout_s is not killed."""
 
 from __future__ import annotations
 
