@@ -280,9 +280,9 @@ class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
     hang_timeout_s: int = 60
-    """A start whose training thread shows no progress for this long is torn down and relaunched: no step and no validation batch completed, outside a checkpoint save and the first step (docs/recovery.md, what the heartbeat measures)."""
+    """A start whose training thread shows no progress for this long is torn down and relaunched: no micro-batch, pipeline action, step or validation batch completed, outside a checkpoint save or load and the first step. Never shorter than twice the longest gap measured between two such ticks (docs/recovery.md, Liveness)."""
     startup_timeout_s: int = 300
-    """Time a start may take to its first heartbeat (imports, process group, checkpoint load)."""
+    """Time a start may take to its first heartbeat (imports, process group, building the model); the checkpoint load after it is busy time, beaten through."""
     survive_node_loss: bool = True
     """Submit with --no-kill so that a failed node ends the worker step, not the job: the driver relaunches on the nodes left. False: Slurm requeues the whole job."""
     shrink: bool = True

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -117,6 +117,8 @@ class Pipeline:
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     has_first_stage: bool
     has_last_stage: bool
+    stages: list = field(default_factory=list)
+    """This rank's PipelineStage objects, in the schedule's order."""
 
 
 def build_pipeline(
@@ -146,4 +148,5 @@ def build_pipeline(
         schedule=sched,
         has_first_stage=0 in stage_ids,
         has_last_stage=num_stages - 1 in stage_ids,
+        stages=stages,
     )

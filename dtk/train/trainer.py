@@ -65,6 +65,21 @@ class StepResult:
     batch_hash: str
 
 
+def tick_after_actions(stage: Any, tick: Callable[[], None]) -> None:
+    """Wrap the stage's actions (every schedule runs a micro-batch's forward, backward and
+    weight gradient through these methods) so each one that returns calls `tick`."""
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        action = getattr(stage, name, None)
+        if action is None:
+            continue
+
+        def ticking(*args, _action=action, **kwargs):
+            out = _action(*args, **kwargs)
+            tick()
+            return out
+        setattr(stage, name, ticking)
+
+
 class Trainer:
     """Runs optimizer steps. Everything distributed is decided before it is built: it gets a
     parallelized model (or a plain module), its own data share, the run's task, and the mesh
@@ -82,6 +97,7 @@ class Trainer:
         mesh: ParallelMesh,
         timer: PhaseTimer | None = None,
         around_step: Callable[[int], contextlib.AbstractContextManager] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None, loss_parallel=False)
@@ -103,6 +119,12 @@ class Trainer:
         # Wraps each step's forward and backward (0-based step): dtk.train.measure.StepMemory
         # measures one of them against the plan.
         self.around_step = around_step or (lambda step: contextlib.nullcontext())
+        # Called after each micro-batch and each pipeline action: the heartbeat's ticks, so a
+        # step of many micro-batches is progress all along, not one silent stretch.
+        self.progress = progress or (lambda: None)
+        if model.pipeline is not None:
+            for stage in model.pipeline.stages:
+                tick_after_actions(stage, self.progress)
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
@@ -131,6 +153,7 @@ class Trainer:
                     (loss / n).backward()
                 self.timer.lap("backward")
             total += local_value(loss.detach()).float()
+            self.progress()
         return total / n
 
     def _pipeline(self, micro: list[torch.Tensor]) -> torch.Tensor:

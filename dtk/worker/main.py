@@ -104,7 +104,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     clock.lap("model")
 
     # Rank 0's liveness file; its thread beats from the first step on (dtk.train.policies.Heartbeat).
-    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None)
+    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None, hang_timeout_s=cfg.fault.hang_timeout_s)
     checkpoints = CheckpointManager(
         run,
         checkpoint=cfg.checkpoint,
@@ -117,7 +117,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         busy=heartbeat.busy,  # a long save is not a hang
     )
     torch.manual_seed(seed + env.rank)  # per-rank stream for anything stochastic; a resume restores it
-    start_step = checkpoints.resume()
+    # Beating from here on: a checkpoint load longer than fault.startup_timeout_s is no hang.
+    heartbeat.start()
+    with heartbeat.busy():
+        start_step = checkpoints.resume()
     if start_step and not checkpoints.rng_restored:  # resumed on another world size: fresh per-rank streams
         torch.manual_seed(seed + 1000 * start_step + env.rank)
 
@@ -148,9 +151,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         mesh=mesh,
         timer=policies.profile.timer,
         around_step=memory.around,
+        progress=heartbeat.tick,  # each micro-batch and pipeline action is progress
     )
-    policies.heartbeat.after_step(start_step)
-    heartbeat.start()
     # One sampler per node, in a thread of its own: host and GPU load in system.jsonl.
     sampler = None
     if cfg.train.system_every_s > 0 and env.local_rank == 0:
