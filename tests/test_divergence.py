@@ -117,3 +117,29 @@ def test_drill_nan_writes_the_request(tmp_path):
 def test_every_nonfinite_value_is_bad(bad):
     out, _ = verdicts([5.0, bad])
     assert out[1].action == SKIP
+
+
+def test_goodput_counts_skipped_and_rolled_back_steps_as_redone():
+    from dtk.report.goodput import account
+
+    def rec(step, t, **extra):
+        return {"step": step, "time": t, "step_time_s": 1.0, "restart": 0, **extra}
+    events = [{"event": "submitted", "time": 0.0}, {"event": "started", "time": 1.0, "restart": 0},
+              {"event": "skipped_update", "time": 4.0, "step": 3}, {"event": "rolled_back", "time": 5.0, "step": 3},
+              {"event": "finished", "time": 9.0}]
+    # Steps 2-3 of the first pass are thrown away by the rollback to step 1; step 4 skipped its update.
+    lines = [rec(1, 2.0), rec(2, 3.0), rec(3, 4.0, skipped="nonfinite_loss"), rec(2, 6.0), rec(3, 7.0),
+             rec(4, 8.0, skipped="spike")]
+    g = account(events, lines)
+    assert g["redone_steps"] == 3 and g["parts"]["redone_s"] == 3.0 and g["parts"]["productive_s"] == 3.0
+    assert g["skipped_updates"] == 1 and g["rollbacks"] == 1
+
+
+def test_status_names_the_skips_and_the_rollback():
+    from dtk.status import _divergence
+
+    events = [{"event": "skipped_update", "step": s} for s in (5, 6, 7)] + [
+        {"event": "rolled_back", "step": 5, "last_bad_step": 7, "cause": "nonfinite_loss", "to_step": 4,
+         "data_window": [4, 6]}]
+    div = _divergence(events)
+    assert div["skipped_steps"] == [5, 6, 7] and div["rollbacks"][0]["to_step"] == 4
