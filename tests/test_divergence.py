@@ -143,3 +143,17 @@ def test_status_names_the_skips_and_the_rollback():
          "data_window": [4, 6]}]
     div = _divergence(events)
     assert div["skipped_steps"] == [5, 6, 7] and div["rollbacks"][0]["to_step"] == 4
+
+
+def test_a_resumed_watch_judges_the_next_steps_as_the_uninterrupted_one():
+    losses = [5.0, 4.0, 3.0, 1e6, 3.5, 3.2, NAN]
+    out, _ = verdicts(losses + [NAN, 40.0])
+    # bad steps 4 (spike), 7, 8 within 5 steps: a rollback; then 40 > 10 x median(3, 3.5, 3.2)
+    assert [v.action for v in out] == [OK, OK, OK, SKIP, OK, OK, SKIP, ROLLBACK, SKIP]
+    # The records metrics.jsonl holds after step 7, as a resume from its checkpoint reads them.
+    records = {s: {"loss": v, "batch_hash": f"h{s}", **({"skipped": v2.cause()} if v2.action != OK else {})}
+               for s, v, v2 in zip(range(1, 8), losses, out, strict=False)}
+    _, resumed = verdicts([])
+    resumed.restore(records, up_to=7)
+    again = [resumed.observe(8, NAN, 1.0, "h8"), resumed.observe(9, 40.0, 1.0, "h9")]
+    assert [(v.action, [b.step for b in v.bad]) for v in again] == [(ROLLBACK, [4, 7, 8]), (SKIP, [9])]

@@ -296,7 +296,7 @@ class FaultConfig:
     spike_factor: float = 10.0
     """A step whose loss exceeds this factor x the median of the last `spike_window` good losses is bad, like a non-finite loss or gradient norm. 0: only non-finite values are bad."""
     spike_window: int = 50
-    """Good steps in the running median of the spike check; a spike is judged only once the window is full (after a start, a resume or a rollback it fills again)."""
+    """Good steps in the running median of the spike check; a spike is judged only once the window is full (a resume or a rollback restores it as it stood at its checkpoint)."""
     rollback_after: int = 3
     """Bad steps within `rollback_window` steps that count as a divergence ("it repeats"): the run rolls back to the newest verified checkpoint before the first of them and skips the data window from the first to the last (RUN_DIR/data_skips.json). 0: skip bad updates, never roll back."""
     rollback_window: int = 20

@@ -116,6 +116,16 @@ class DivergenceWatch:
         self.rollbacks_done += 1
         return Verdict(ROLLBACK, bad)
 
+    def restore(self, records: dict[int, dict[str, Any]], *, up_to: int) -> None:
+        """After a resume from step `up_to`: the window and the bad steps as they stood then,
+        from metrics.jsonl's latest record of each step (every step has one; a skipped one
+        says why), so a resumed run judges its next steps as the uninterrupted one did."""
+        steps = [s for s in sorted(records) if s <= up_to]
+        self.good = [(s, float(records[s]["loss"])) for s in steps if not records[s].get("skipped")]
+        del self.good[:-(self.spike_window + GOOD_HISTORY)]
+        self.bad = [BadStep(s, records[s]["skipped"], records[s].get("batch_hash", ""), float(records[s]["loss"]))
+                    for s in steps if records[s].get("skipped") and s > up_to - self.rollback_window]
+
     def rolled_back(self, to_step: int) -> None:
         """After the rollback to `to_step`: the window as it stood then (what this process saw)."""
         self.good = [(s, v) for s, v in self.good if s <= to_step]

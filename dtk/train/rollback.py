@@ -18,10 +18,19 @@ from dtk.rundir import RunDir
 from dtk.train.divergence import Diverged, DivergenceWatch, Rollback, diverged_line, read_skips, record_skip
 
 
-def divergence_watch(fault: FaultConfig, run: RunDir) -> DivergenceWatch:
-    return DivergenceWatch(spike_factor=fault.spike_factor, spike_window=fault.spike_window,
-                           rollback_after=fault.rollback_after, rollback_window=fault.rollback_window,
-                           max_rollbacks=fault.max_rollbacks, rollbacks_done=len(read_skips(run.path)))
+def divergence_watch(fault: FaultConfig, run: RunDir, *, start_step: int, comm: Any) -> DivergenceWatch:
+    """Collective. The watch of a start: the rollbacks made so far, and after a resume the
+    window and bad steps of its checkpoint's step (rank 0 reads metrics.jsonl, all get it)."""
+    watch = DivergenceWatch(spike_factor=fault.spike_factor, spike_window=fault.spike_window,
+                            rollback_after=fault.rollback_after, rollback_window=fault.rollback_window,
+                            max_rollbacks=fault.max_rollbacks, rollbacks_done=len(read_skips(run.path)))
+    if start_step:
+        # Enough steps back for a full window of good losses around the bad ones of a rollback window.
+        since = start_step - 2 * (fault.spike_window + fault.rollback_window)
+        records = comm.broadcast({s: r for s, r in run.latest_metrics().items() if since < s <= start_step}
+                                 if comm.rank == 0 else None)
+        watch.restore(records, up_to=start_step)
+    return watch
 
 
 def _remove(path) -> None:
@@ -55,6 +64,8 @@ def roll_back(rollback: Rollback, run: RunDir, checkpoints: Any, batches: Any, t
                       redone_steps=first - 1 - to_step)
     to_step = checkpoints.comm.broadcast(to_step)
     if to_step is None:
+        if rank0:
+            run.event("diverged", step=last, steps=[b.step for b in bad], batch_hashes=[b.batch_hash for b in bad])
         raise Diverged(diverged_line(bad, rollbacks=trainer.watch.rollbacks_done - 1,
                                      reason=f"no verified checkpoint before step {first} to roll back to"))
     start = checkpoints.resume()  # the newest that verifies: the rollback's checkpoint, or one before it

@@ -149,7 +149,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         mesh=mesh,
         timer=policies.profile.timer,
         around_step=memory.around,
-        watch=divergence_watch(cfg.fault, run) if cfg.fault.divergence else None,
+        watch=divergence_watch(cfg.fault, run, start_step=start_step, comm=checkpoints.comm) if cfg.fault.divergence
+        else None,
         nan_drill=NanDrill(run.path if rank0 else None),
         event=run.event if rank0 else None,
     )
