@@ -14,6 +14,11 @@ gradient summed; with one, they are the pipeline's micro-batches and the schedul
 them all. Either way the gradient is the mean over the rank's samples, and the data-
 parallel reduction makes it the mean over the global batch - the same number a single
 process computes.
+
+The divergence check (dtk.train.divergence) is no policy: it must come before the update.
+With it, the loss is reduced before the optimizer step and read on the host with the
+gradient norm; a bad step skips the update, and a repeated one raises Rollback (the worker
+loads the checkpoint and calls `fit` again) or Diverged.
 """
 
 from __future__ import annotations
