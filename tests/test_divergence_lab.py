@@ -19,6 +19,7 @@ LAB = ["cluster=lab", "nodes=2", "tasks_per_node=1", *[j for j in JOB if not j.s
 
 
 def submit_drilled(tmp_path, *extra):
+    tmp_path.mkdir(exist_ok=True)
     proc = dtk("dtk.submit", *LAB, *extra, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = proc.stdout.split("submitted job ", 1)[1].split()[0]
