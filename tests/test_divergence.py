@@ -105,7 +105,7 @@ def test_the_nan_request_is_taken_once_at_a_step_boundary(tmp_path):
 
 
 def test_drill_nan_writes_the_request(tmp_path):
-    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "plan.json").write_text(json.dumps({"steps": 10}))
     proc = dtk("dtk.drill", "nan", str(tmp_path), "--at-step", "6", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / NAN_REQUEST).read_text()) == {"at_step": 6, "num_steps": 2}
