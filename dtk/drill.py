@@ -1,5 +1,6 @@
-"""python -m dtk.drill {preempt,timelimit,node-fail,crash,hang,storage} RUN_DIR: inject a real
-fault into a live run (Slurm, or any run for storage), to see (and test) that it recovers.
+"""python -m dtk.drill {preempt,timelimit,node-fail,crash,hang,storage,nan} RUN_DIR: inject a
+real fault into a live run (Slurm, or any run for storage and nan), to see (and test) that
+it recovers.
 
     preempt     a high-priority job on the `high` partition takes the run's nodes
     timelimit   the job's time limit is cut so that it ends shortly after the signal lead;
@@ -9,6 +10,10 @@ fault into a live run (Slurm, or any run for storage), to see (and test) that it
     hang        one worker is stopped with SIGSTOP (a collective that never completes)
     storage     RUN_DIR/checkpoints turns read-only for --hold seconds, then writable again
                 (root; the saves in between fail, training goes on: dtk.drill_storage)
+    nan         the loss of --steps steps from --at-step on (default: the next step) is NaN:
+                RUN_DIR/nan_request.json, read by rank 0 at a step boundary; the run skips
+                those updates and, with fault.rollback_after of them, rolls back (Divergence
+                in docs/recovery.md). Local or Slurm; a run not yet training takes it too
 
 Afterwards `python -m dtk.status RUN_DIR` and events.jsonl show what happened.
 """
@@ -30,7 +35,7 @@ from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
 from dtk.rundir import RunDir
 
-DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang", "storage")
+DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang", "storage", "nan")
 
 
 def _last_start(run: RunDir) -> dict:
@@ -170,6 +175,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rank", type=int, default=None, help="worker for crash/hang (default: the last rank)")
     parser.add_argument("--hold", type=int, default=30,
                         help="seconds the preempting job holds the nodes, or the storage stays read-only")
+    parser.add_argument("--at-step", type=int, default=None,
+                        help="nan: the first step (completed steps after it) whose loss is NaN (default: the next)")
+    parser.add_argument("--steps", type=int, default=3, help="nan: how many steps in a row get a NaN loss")
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     run.read_plan()  # a folder that is not a run directory stops here
@@ -179,6 +187,14 @@ def main(argv: list[str]) -> int:
         from dtk.drill_storage import storage_drill
 
         said = storage_drill(run.checkpoints, hold_s=args.hold)
+    elif args.kind == "nan":
+        if args.steps < 1 or (args.at_step is not None and args.at_step < 1):
+            raise UserError("--steps and --at-step must be at least 1")
+        from dtk.train.divergence import write_nan_request
+
+        path = write_nan_request(run.path, at_step=args.at_step, num_steps=args.steps)
+        first = f"step {args.at_step}" if args.at_step else "the next step"
+        said = f"{path}: the loss of {args.steps} step(s) from {first} on is NaN (rank 0 reads it at a step boundary)"
     else:
         said = drill(args.kind, run, rank=args.rank, hold_s=args.hold)
     job = next((str(e["job_id"]) for e in reversed(run.events_list()) if e.get("event") == "started"), None)

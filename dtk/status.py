@@ -92,6 +92,7 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
         "stopped_by": summary.get("stopped_by") if summary and state == "stopped" else None,
         "final_loss": summary.get("final_loss") if summary and state == "finished" else None,
         "memory": _memory(summary.get("memory") if summary and state == "finished" else None),
+        "divergence": _divergence(events),
         **_audit(run.path, plan.get("run_name", run.path.name)),
     }
 
@@ -124,6 +125,15 @@ def _max_restarts(plan: dict[str, Any]) -> int:
     from dtk.config.schema import FaultConfig
 
     return FaultConfig().max_restarts
+
+
+def _divergence(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Skipped updates and rollbacks of a divergence (dtk.train.divergence)."""
+    return {
+        "skipped_steps": [e["step"] for e in events if e.get("event") == "skipped_update"],
+        "rollbacks": [{k: e.get(k) for k in ("step", "last_bad_step", "cause", "to_step", "data_window")}
+                      for e in events if e.get("event") == "rolled_back"],
+    }
 
 
 def _by_cause(history: list[dict[str, Any]]) -> dict[str, int]:
@@ -161,6 +171,13 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"memory       {memory['measured_bytes'] / 1e9:.3f} GB measured on the largest rank against"
                      f" {memory['predicted_bytes'] / 1e9:.3f} GB planned for it ({rank}{memory['gap']:+.0%},"
                      f" {memory['device']}){off}")
+    div = info.get("divergence") or {}
+    if div.get("skipped_steps"):
+        lines.append(f"divergence   {len(div['skipped_steps'])} skipped update(s), at step(s)"
+                     f" {', '.join(map(str, div['skipped_steps']))}")
+        lines += [f"  rolled back: bad steps {r['step']}-{r['last_bad_step']} ({r['cause']}) -> checkpoint step"
+                  f" {r['to_step']}, data window {r['data_window'][0]}-{r['data_window'][1]} skipped"
+                  for r in div["rollbacks"]]
     if info["error"]:
         lines.append(f"error        {info['error']}")
     if info["stopped_by"]:

@@ -86,3 +86,27 @@ def build_slow(*, vocab_size: int, width: int, depth: int, expansion: int = 4, s
                sleep_s: float = 1.0) -> MlpLM:
     del seq_len
     return SlowLM(vocab_size, width, depth, expansion, sleep_s)
+
+
+class SpikeLM(MlpLM):
+    """Returns a huge (finite) loss on one batch: its `spike_at`-th training forward (0-based,
+    counted in each process; evaluation runs without gradients and is not counted) scales its
+    logits by 1e4, as a bad batch does to a model that trains on it."""
+
+    def __init__(self, vocab_size: int, width: int, depth: int, expansion: int, spike_at: int) -> None:
+        super().__init__(vocab_size, width, depth, expansion)
+        self.spike_at = spike_at
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if not torch.is_grad_enabled():
+            return logits
+        self.forwards += 1
+        return logits * 1e4 if self.forwards - 1 == self.spike_at else logits
+
+
+def build_spike(*, vocab_size: int, width: int, depth: int, spike_at: int, expansion: int = 4,
+                seq_len: int = 64) -> MlpLM:
+    del seq_len
+    return SpikeLM(vocab_size, width, depth, expansion, spike_at)

@@ -291,6 +291,18 @@ class FaultConfig:
     """A rank whose busy time per step (step time less waiting for others), over a train.log_every interval, exceeds the median rank's by this factor is flagged: a `straggler` event with its host. 0: never flagged."""
     signal_lead_floor_s: int = 60
     """Least lead time of the pre-time-limit signal; the lead grows with the measured checkpoint save and step time."""
+    divergence: bool = True
+    """Check every step's global loss and gradient norm before its update (docs/recovery.md, Divergence): a bad step's update is skipped. Costs one host read per step (on a GPU, one wait). False: no check, a NaN trains on."""
+    spike_factor: float = 10.0
+    """A step whose loss exceeds this factor x the median of the last `spike_window` good losses is bad, like a non-finite loss or gradient norm. 0: only non-finite values are bad."""
+    spike_window: int = 50
+    """Good steps in the running median of the spike check; a spike is judged only once the window is full (a resume or a rollback restores it as it stood at its checkpoint)."""
+    rollback_after: int = 3
+    """Bad steps within `rollback_window` steps that count as a divergence ("it repeats"): the run rolls back to the newest verified checkpoint before the first of them and skips the data window from the first to the last (RUN_DIR/data_skips.json). 0: skip bad updates, never roll back."""
+    rollback_window: int = 20
+    """Steps over which bad steps are counted for `rollback_after`."""
+    max_rollbacks: int = 2
+    """Rollbacks a run may make; the next divergence fails it with one line naming the bad steps and their batch hashes (the drivers do not relaunch it)."""
 
 
 @dataclass

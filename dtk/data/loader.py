@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ import torch
 from dtk.config.choices import DataKind
 from dtk.config.schema import ModelConfig
 from dtk.data.batch import as_torch, micro_batches, tensors, to_device, transfer_for
-from dtk.data.order import GlobalOrder, rank_share
+from dtk.data.order import GlobalOrder, data_step, rank_share
 
 
 class TokenDataset(Protocol):
@@ -83,6 +84,7 @@ class StepBatches:
         dp_size: int,
         device: torch.device,
         ahead: int = 2,
+        skips: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.dataset = dataset
         self.ahead = max(1, ahead)
@@ -99,10 +101,26 @@ class StepBatches:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-data")
         self._lock = threading.Lock()  # GlobalOrder caches permutations; one thread at a time
         self._ahead: dict[int, Future] = {}
+        # Data windows skipped after a divergence (RUN_DIR/data_skips.json, dtk.train.divergence):
+        # part of the run's sample order, so every start reads the same batch for a step.
+        self.skips: list[dict[str, Any]] = list(skips)
+
+    def data_step(self, step: int) -> int:
+        """The global batch of the sample stream that training step `step` (0-based) reads."""
+        return data_step(step, self.skips)
+
+    def set_skips(self, skips: list[dict[str, Any]]) -> None:
+        """A new skipped window (a rollback): batches read ahead under the old order are dropped."""
+        with self._lock:
+            self.skips = list(skips)
+            for pending in self._ahead.values():
+                pending.cancel()
+            self._ahead = {}
 
     def _load(self, step: int) -> tuple[list[Any], Any]:
         with self._lock:
-            ids = rank_share(self.order.global_batch(step, self.global_batch), self.dp_rank, self.dp_size)
+            batch_ids = self.order.global_batch(self.data_step(step), self.global_batch)
+            ids = rank_share(batch_ids, self.dp_rank, self.dp_size)
         batch = as_torch(self.dataset.get(ids))
         if self._stream is None:
             return [to_device(m, self.device, self.transfer) for m in micro_batches(batch, self.micro_batch)], None
@@ -115,7 +133,7 @@ class StepBatches:
     def global_hash(self, step: int) -> str:
         """Fingerprint of the global batch of `step`: equal across world sizes iff the order is."""
         with self._lock:
-            ids = self.order.global_batch(step, self.global_batch)
+            ids = self.order.global_batch(self.data_step(step), self.global_batch)
         return hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
 
     def get(self, step: int) -> list[Any]:

@@ -11,6 +11,8 @@ is the number of samples consumed, so it reshards to any D that divides B.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from dtk.errors import UserError
@@ -52,3 +54,11 @@ def rank_share(batch_ids: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:
         raise UserError(f"global batch {len(batch_ids)} does not split over {dp_size} data-parallel ranks")
     per = len(batch_ids) // dp_size
     return batch_ids[dp_rank * per : (dp_rank + 1) * per]
+
+
+def data_step(index: int, skips: list[dict[str, Any]]) -> int:
+    """The global batch of the stream that training step `index` (0-based) reads, given the
+    data windows skipped after a divergence (RUN_DIR/data_skips.json, dtk.train.divergence):
+    each window moves every step from its first bad one (`from_step`, completed steps) on
+    past the window's `num_steps` batches."""
+    return index + sum(s["num_steps"] for s in skips if index >= s["from_step"] - 1)

@@ -118,10 +118,11 @@ def account(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
     startup = sum(s["startup_s"] for s in starts)
     load = sum(s["checkpoint_load_s"] for s in starts)
 
-    # Redone: the earlier record of every step that was computed again after a restart.
+    # Redone: the earlier record of every step that was computed again after a restart or a
+    # divergence's rollback, and a step whose update was skipped (dtk.train.divergence).
     last_index = {int(r["step"]): i for i, r in enumerate(metric_lines)}
-    kept = [r for i, r in enumerate(metric_lines) if last_index[int(r["step"])] == i]
-    thrown = [r for i, r in enumerate(metric_lines) if last_index[int(r["step"])] != i]
+    kept = [r for i, r in enumerate(metric_lines) if last_index[int(r["step"])] == i and not r.get("skipped")]
+    thrown = [r for i, r in enumerate(metric_lines) if last_index[int(r["step"])] != i or r.get("skipped")]
     kept_s, kept_ckpt = _step_seconds(kept)
     redone, _ = _step_seconds(thrown)
     if kept_ckpt or any("phases" in r for r in kept):
@@ -146,6 +147,8 @@ def account(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
         "goodput": round(productive / wall, 4) if wall else None,
         "restart_s": round(max(0.0, restart_s), 3),
         "redone_steps": len(thrown),
+        "skipped_updates": sum(1 for e in events if e.get("event") == "skipped_update"),
+        "rollbacks": sum(1 for e in events if e.get("event") == "rolled_back"),
         "restarts": max(0, len(starts) - 1),
         "starts": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()} for s in starts],
     }

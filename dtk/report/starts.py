@@ -71,7 +71,9 @@ def history(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
     for i, group in enumerate(groups):
         started = group[0]
         records = by_restart.get(started.get("restart"), [])
-        loaded = [e for e in group if e.get("event") == "checkpoint_loaded"]
+        # A divergence's rollback loads again inside the start: the start began from the load before it.
+        rolled = next((i for i, e in enumerate(group) if e.get("event") == "rolled_back"), len(group))
+        loaded = [e for e in group[:rolled] if e.get("event") == "checkpoint_loaded"]
         resumed_from = int(loaded[-1].get("step") or 0) if loaded else 0
         info: dict[str, Any] = {
             "restart": started.get("restart"),

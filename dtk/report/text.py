@@ -53,6 +53,9 @@ def run_block(n: dict[str, Any]) -> list[str]:
         if g["restarts"]:
             lines.append(f"restarts     {g['restarts']}: {g['restart_s']:.1f} s restarting, {g['redone_steps']} step(s)"
                          f" redone ({g['parts']['redone_s']:.1f} s)")
+        if g.get("skipped_updates") or g.get("rollbacks"):
+            lines.append(f"divergence   {g['skipped_updates']} update(s) skipped, {g['rollbacks']} rollback(s);"
+                         " their steps count as redone (events skipped_update, rolled_back)")
     c = n["checkpoints"]
     ck = f"{c['saved']} saved"
     if c["saved"]:

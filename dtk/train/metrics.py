@@ -153,6 +153,8 @@ class MetricsLog:
         if epoch_s is not None:
             record["epoch_time_s"] = round(epoch_s, 3)
         record["batch_hash"] = result.batch_hash
+        if getattr(result, "skipped", ""):  # no update made (dtk.train.divergence): why
+            record["skipped"] = result.skipped
         return record
 
     def write(self, interval: Interval | None) -> None:

@@ -14,6 +14,11 @@ gradient summed; with one, they are the pipeline's micro-batches and the schedul
 them all. Either way the gradient is the mean over the rank's samples, and the data-
 parallel reduction makes it the mean over the global batch - the same number a single
 process computes.
+
+The divergence check (dtk.train.divergence) is no policy: it must come before the update.
+With it, the loss is reduced before the optimizer step and read on the host with the
+gradient norm; a bad step skips the update, and a repeated one raises Rollback (the worker
+loads the checkpoint and calls `fit` again) or Diverged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,17 @@ from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
 from dtk.parallel.precision import autocast
+from dtk.train.divergence import (
+    FAIL,
+    OK,
+    ROLLBACK,
+    Diverged,
+    DivergenceWatch,
+    NanDrill,
+    Rollback,
+    as_json_number,
+    diverged_line,
+)
 from dtk.train.loss import local_value, sharded_context
 from dtk.train.phases import NOT_STEP, PhaseTimer
 from dtk.train.policies import StopRequested
@@ -63,6 +79,8 @@ class StepResult:
     its interval, which makes the interval's sum right."""
     data_wait_s: float
     batch_hash: str
+    skipped: str = ""
+    """Why the update of this step was skipped (dtk.train.divergence); "" when it was made."""
 
 
 def tick_after_actions(stage: Any, tick: Callable[[], None]) -> None:
@@ -98,6 +116,9 @@ class Trainer:
         timer: PhaseTimer | None = None,
         around_step: Callable[[int], contextlib.AbstractContextManager] | None = None,
         progress: Callable[[], None] | None = None,
+        watch: DivergenceWatch | None = None,
+        nan_drill: NanDrill | None = None,
+        event: Callable[..., None] | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None, loss_parallel=False)
@@ -125,6 +146,10 @@ class Trainer:
         if model.pipeline is not None:
             for stage in model.pipeline.stages:
                 tick_after_actions(stage, self.progress)
+        # The divergence check (dtk.train.divergence): None, no check and no host read per step.
+        self.watch = watch
+        self.nan_drill = nan_drill  # rank 0: `dtk.drill nan` requests
+        self.event = event or (lambda name, **details: None)  # rank 0 writes events.jsonl
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
@@ -198,15 +223,26 @@ class Trainer:
                 local = self._pipeline(micro)
             else:
                 local = self._accumulate(micro)
+        if self.nan_drill is not None and self.nan_drill.poisoned(step + 1):
+            local = local + float("nan")  # rank 0's share: the global mean is NaN on every rank
         grad_norm = clip_grad_norm_(self._params, self.grad_clip, pp_group=self.mesh.pp_group)
         lr = self.scheduler.get_last_lr()[0]
+        batch_hash = self.batches.global_hash(step)
+        if self.watch is not None:
+            loss = self._global_mean(local)  # before the update: the verdict is the same on every rank
+            skipped = self._check(step + 1, loss, grad_norm, batch_hash)
+            if skipped:
+                self.timer.lap("optimizer")
+                return StepResult(loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=time.perf_counter() - t0,
+                                  data_wait_s=t_data, batch_hash=batch_hash, skipped=skipped)
         for optimizer in self.optimizers:
             optimizer.step()
         self.scheduler.step()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.timer.lap("optimizer")
-        loss = self._global_mean(local)
+        if self.watch is None:
+            loss = self._global_mean(local)
         self.timer.lap("comm")
         return StepResult(
             loss=loss,
@@ -214,8 +250,32 @@ class Trainer:
             grad_norm=grad_norm,
             step_time_s=time.perf_counter() - t0,
             data_wait_s=t_data,
-            batch_hash=self.batches.global_hash(step),
+            batch_hash=batch_hash,
         )
+
+    def _check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, batch_hash: str) -> str:
+        """The divergence verdict of `step` (completed steps after it): "" to update, else why
+        the update is skipped; raises Rollback or Diverged. One host read of both values."""
+        assert self.watch is not None
+        loss_v, norm_v = torch.stack([loss.detach().float(), grad_norm.detach().float().to(loss.device)]).tolist()
+        verdict = self.watch.observe(step, loss_v, norm_v, batch_hash)
+        if verdict.action == OK:
+            return ""
+        for optimizer in self.optimizers:  # no optimizer step, no scheduler step
+            optimizer.zero_grad(set_to_none=True)
+        self.event("skipped_update", step=step, cause=verdict.cause(), batch_hash=batch_hash,
+                   data_step=self.batches.data_step(step - 1), loss=as_json_number(loss_v),
+                   grad_norm=as_json_number(norm_v))
+        if verdict.action == ROLLBACK:
+            self.timer.end()
+            raise Rollback(verdict.bad)
+        if verdict.action == FAIL:
+            line = diverged_line(verdict.bad, rollbacks=self.watch.rollbacks_done,
+                                 reason=f"fault.max_rollbacks={self.watch.max_rollbacks} reached")
+            self.event("diverged", step=step, steps=[b.step for b in verdict.bad],
+                       batch_hashes=[b.batch_hash for b in verdict.bad])
+            raise Diverged(line)
+        return verdict.cause()
 
     def fit(self, *, start_step: int, total_steps: int, policies: StepPolicies) -> StepResult | None:
         """Train steps [start_step, total_steps). After each, the policies run in this order;

@@ -28,6 +28,7 @@ from dtk.plan.layout import uses_zero1
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
+from dtk.train.divergence import Diverged, NanDrill, Rollback, read_skips
 from dtk.train.evaluate import Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.loss import TokenCrossEntropy
@@ -36,6 +37,7 @@ from dtk.train.metrics import MetricsLog
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
 from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.profile import StepProfiler
+from dtk.train.rollback import divergence_watch, roll_back
 from dtk.train.startup import StartupClock
 from dtk.train.system import SystemSampler
 from dtk.train.task import LmTask, Task, build_task
@@ -132,6 +134,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         dp_rank=mesh.dp_rank,  # tensor and pipeline peers (same dp coordinate) read the same samples
         dp_size=mesh.dp_size,
         device=device,
+        skips=read_skips(run.path),  # data windows skipped by earlier rollbacks: the recorded order
     )
     policies = step_policies(
         plan, env, run, model=model.parts[0], autocast_dtype=model.autocast_dtype, task=task, val_dataset=val_dataset,
@@ -152,6 +155,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         timer=policies.profile.timer,
         around_step=memory.around,
         progress=heartbeat.tick,  # each micro-batch and pipeline action is progress
+        watch=divergence_watch(cfg.fault, run, start_step=start_step, comm=checkpoints.comm) if cfg.fault.divergence
+        else None,
+        nan_drill=NanDrill(run.path if rank0 else None),
+        event=run.event if rank0 else None,
     )
     # One sampler per node, in a thread of its own: host and GPU load in system.jsonl.
     sampler = None
@@ -161,7 +168,12 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     if rank0:
         run.event("ready", step=start_step, restart=env.restart, **clock.ready_event())
     try:
-        last = trainer.fit(start_step=start_step, total_steps=plan.steps, policies=policies)
+        while True:
+            try:
+                last = trainer.fit(start_step=start_step, total_steps=plan.steps, policies=policies)
+                break
+            except Rollback as rollback:  # the verdict of every rank: all roll back together
+                start_step = roll_back(rollback, run, checkpoints, batches, trainer, rank0=rank0)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -306,6 +318,9 @@ def main(argv: list[str]) -> int:
     except StopRequested as stop:
         print(f"worker {env.rank}: {stop}", flush=True)
         return EXIT_STOPPED
+    except Diverged as diverged:  # a relaunch diverges again: the drivers stop the run
+        print(f"error: {diverged}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
