@@ -41,6 +41,7 @@ EVAL_LOG = "eval.jsonl"
 SYSTEM_LOG = "system.jsonl"
 EVENTS = "events.jsonl"
 HEARTBEAT = "heartbeat"
+PROGRESS = "progress"  # rank 0: "<start> <last completed optimizer step>", rewritten after every step
 SUMMARY = "summary.json"
 STOP_REQUEST = "stop_request.json"
 RUN_LOCK = "lock"

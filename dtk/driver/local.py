@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dtk.driver.decide import Action, Kind, Outcome, decide
 from dtk.driver.logs import error_line, last_line
-from dtk.driver.record import latest_checkpoint_step, record_failure, record_stopped
+from dtk.driver.record import last_completed_step, latest_checkpoint_step, record_failure, record_stopped
 from dtk.plan.plan import Plan
 from dtk.rundir import HEARTBEAT, RunDir, process_identity
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
@@ -203,8 +203,7 @@ class LocalDriver:
                        detected_at=time.time())
 
     def _last_step(self) -> int:
-        done = self.run.latest_metrics()
-        return max(done) if done else 0
+        return last_completed_step(self.run)
 
     def _restarts(self) -> int:
         return max(0, self.run.starts() - 1)

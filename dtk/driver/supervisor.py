@@ -24,7 +24,7 @@ from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
 from dtk.driver.exclusions import add_exclusions, read_exclusions
 from dtk.driver.local import free_port, stop_request_text
 from dtk.driver.logs import SRUN_LOG, config_error_line, failure_cause
-from dtk.driver.record import record_failure, record_stopped
+from dtk.driver.record import last_completed_step, record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.timeleft import TimeLeft
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
@@ -293,8 +293,7 @@ class Supervisor:
             self.slurm.signal_steps(self.job_id, "USR2")
 
     def _last_step(self) -> int:
-        done = self.run.latest_metrics()
-        return max(done) if done else 0
+        return last_completed_step(self.run)
 
     def _fail(self, error: str, **details) -> None:
         record_failure(self.run, error=error, restarts=max(0, self.run.starts() - 1), job_id=self.job_id, **details)
