@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from conftest import dtk
 from dtk.driver.record import last_completed_step, read_progress, record_failure
 from dtk.report.goodput import account
 from dtk.report.starts import history
@@ -87,3 +88,21 @@ def test_the_progress_file_is_the_driver_s_last_step(tmp_path):
 def test_an_unreadable_progress_file_is_ignored(tmp_path, text):
     (tmp_path / PROGRESS).write_text(text)
     assert read_progress(RunDir(tmp_path)) is None
+
+
+def test_status_shows_the_newest_start_s_progress_not_its_last_record(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"steps": 50, "run_name": "run", "config": {"fault": {"max_restarts": 3}}}))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS[:6]))  # start 1 is running
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in LINES[:30]))
+
+    def step() -> int:
+        proc = dtk("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"})
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["step"]
+
+    (run / PROGRESS).write_text(f"{0:>10} {37:>12}\n")  # the dead start's: not where the run is
+    assert step() == 30
+    (run / PROGRESS).write_text(f"{1:>10} {28:>12}\n")
+    assert step() == 28
