@@ -8,6 +8,7 @@
         metrics.jsonl     one line per step, written by global rank 0; a redone step appears again
         events.jsonl      lifecycle events, appended by the driver and by rank 0
         heartbeat         touched by rank 0 as training progresses; the driver watches its mtime
+        progress          rank 0: its start and last completed optimizer step, rewritten each step
         checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
         logs/start_NN/rank_R.log     worker output per start
         summary.json      written at the end (finished, failed or stopped)
