@@ -57,8 +57,11 @@ def named(run: RunDir, name: str) -> list[dict]:
     return [e for e in run.events_list() if e["event"] == name]
 
 
-MODES = pytest.mark.parametrize("asynchronous,mode", [(False, "thread"), (True, "thread"), (True, "process")],
-                                ids=["sync", "async", "process"])
+# The process mode spawns DCP's checkpoint process (an interpreter, torch, a gloo group:
+# seconds on 2 cores): its cases run in the slow tier.
+PROCESS = pytest.param(True, "process", id="process", marks=pytest.mark.slow)
+MODES = pytest.mark.parametrize("asynchronous,mode", [pytest.param(False, "thread", id="sync"),
+                                                      pytest.param(True, "thread", id="async"), PROCESS])
 
 
 @pytest.fixture
@@ -134,7 +137,7 @@ def test_max_failures_in_a_row_stop_the_run_with_one_error(tmp_path, root_mounts
     assert mf.verify(run.checkpoint_dir(1))["step"] == 1
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_a_full_file_system_fails_the_shard_writes_in_the_background_save(tmp_path, root_mounts, request, mode):
     """The folder and the small files fit, the shards do not: DCP's writer fails in its
     thread; the failure arrives at the next wait (or save), agreed, and the folder stays uncommitted."""
@@ -206,6 +209,7 @@ def test_the_storage_drill_needs_a_folder_that_is_not_mounted_already(tmp_path, 
     (folder / "probe").write_text("writable again")
 
 
+@pytest.mark.slow
 def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_new_one(tmp_path, group):
     """async_mode=process: the writer process dies (SIGKILL) between saves; the next save is
     a checkpoint_failed, training goes on, nothing is half committed, and the save after it
