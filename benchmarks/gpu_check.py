@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -103,13 +104,20 @@ def throughput(run: Path, plan_json: Path | None) -> None:
     print(memory_figure(summary, json.loads(plan_json.read_text()) if plan_json and plan_json.exists() else None))
     saves = [e for e in _jsonl(run / EVENTS) if e.get("event") == "checkpoint_saved"]
     for e in saves:
-        rate = e["bytes"] / e["seconds"] / 1e9 if e.get("seconds") else float("nan")
-        copy = f", copy to pinned host memory {e['staging_seconds']:.2f} s" if e.get("staging_seconds") is not None else ""
-        print(f"checkpoint      step {e['step']}: {e['bytes'] / 1e9:.2f} GB, training blocked {e['blocked_seconds']:.2f} s"
-              f"{copy}, {e['seconds']:.1f} s to the committed manifest = {rate:.2f} GB/s"
-              f" ({'async' if e.get('asynchronous') else 'sync'})")
+        print(checkpoint_figure(e))
     if not saves:
         print("checkpoint      no checkpoint_saved event")
+
+
+def checkpoint_figure(saved: dict) -> str:
+    """One `checkpoint_saved` event: how long training was blocked, how long the copy to
+    (pinned) host memory took beside training (async), and the time to the committed manifest."""
+    rate = saved["bytes"] / saved["seconds"] / 1e9 if saved.get("seconds") else float("nan")
+    stage = saved.get("staging_seconds")
+    return (f"checkpoint      step {saved['step']} ({'async' if saved.get('asynchronous') else 'sync'}):"
+            f" {saved['bytes'] / 1e9:.2f} GB; block {saved['blocked_seconds']:.2f} s (training waited),"
+            f" stage {'-' if stage is None else f'{stage:.2f} s'} (copy to host memory),"
+            f" commit {saved['seconds']:.1f} s (to the committed manifest) = {rate:.2f} GB/s")
 
 
 SYNC_STEPS, SYNC_INTERVAL = 30, 10  # steps measured, and the metrics' read interval (train.log_every) they use
@@ -169,8 +177,10 @@ def syncs(device_name: str = "cuda") -> None:
         trainer.fit(start_step=0, total_steps=steps, policies=policies)  # warm-up: allocator, first copies
         if cuda:
             torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
+        caught: list[tuple[str, str]] = []
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = recorder(caught)  # restored by catch_warnings
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -181,14 +191,30 @@ def syncs(device_name: str = "cuda") -> None:
         metrics.close()
         profiler.close()
         batches.close()
-    found = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    training, others = split_syncs(caught, training_thread=threading.current_thread().name)
     if not cuda:
         print(f"host syncs      not counted on {dev.type} ({2 * steps} steps of the loop ran; counting needs CUDA)")
         return
-    print(f"host syncs      {len(found) / steps:.2f} per step ({len(found)} over {steps} steps, train.log_every="
-          f"{log_every}; CUDA sync debug mode)")
-    for line in sorted(set(found))[:5]:
+    print(f"host syncs      {len(training) / steps:.2f} per step in the training thread ({len(training)} over {steps}"
+          f" steps, train.log_every={log_every}; CUDA sync debug mode); {len(others)} in other threads (the loader's"
+          " copies), not counted")
+    for line in sorted(set(training))[:5]:
         print(f"  sync: {line[:150]}")
+
+
+def recorder(caught: list[tuple[str, str]]):
+    """A warnings.showwarning that keeps (thread name, first line) of each warning: CUDA's
+    sync debug mode warns in the thread that synchronized."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        caught.append((threading.current_thread().name, str(message).splitlines()[0] if str(message) else ""))
+    return show
+
+
+def split_syncs(caught: list[tuple[str, str]], *, training_thread: str) -> tuple[list[str], list[str]]:
+    """The sync warnings of the training thread, and those of every other thread (the
+    loader's copies, a checkpoint stager): only the first are the loop's syncs per step."""
+    syncs = [(thread, text) for thread, text in caught if "synchroniz" in text]
+    return ([t for th, t in syncs if th == training_thread], [t for th, t in syncs if th != training_thread])
 
 
 def equivalence(reference: Path, runs: list[Path]) -> int:

@@ -13,7 +13,8 @@
 #   equivalence  a small model trained 12 steps in fp32 as ddp, fsdp and tp=1 on one GPU: the
 #                losses agree; with more GPUs, fsdp and tp across all of them as well
 #
-# No GPU: one `error:` line and exit 2, nothing run. Knobs (environment): MICRO (sequences
+# First a preflight (dtk's dependencies, a C compiler and Python.h for Triton, the GPU, a tiny
+# compiled kernel on it): each missing piece one `error:` line, exit 2, nothing run. Knobs (environment): MICRO (sequences
 # per forward, default 4), ACCUM (default 2), STEPS (default 40; the first 10 are warm-up),
 # AC (none, selective, full), PEAK_TFLOPS (the dense peak, for a GPU not in dtk's accelerator
 # table: passed as cluster.peak_tflops). Needs about 35 GiB of GPU memory with the defaults.
@@ -24,11 +25,57 @@ PYTHON=${PYTHON:-python}
 
 fail() { echo "error: $*" >&2; exit 2; }
 
-command -v nvidia-smi >/dev/null 2>&1 || fail "gpu_check needs an NVIDIA GPU: nvidia-smi is not on PATH (no GPU or no driver on this machine)"
-LISTED=$(nvidia-smi -L 2>/dev/null || true)  # captured, not piped into grep -q: pipefail and SIGPIPE
-[[ $LISTED == *GPU* ]] || fail "gpu_check needs an NVIDIA GPU: nvidia-smi lists none"
-"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1 \
-    || fail "gpu_check needs a CUDA build of torch that sees the GPU: torch.cuda.is_available() is False"
+# Preflight, in seconds: every piece the runs below need, each missing one an `error:` line
+# of its own (all of them, not the first only), then exit 2 with nothing run or written.
+MISSING=()
+missing() { MISSING+=("$*"); }
+preflight() {
+    if ! command -v "$PYTHON" >/dev/null 2>&1; then
+        missing "gpu_check needs Python: PYTHON=$PYTHON is not on PATH"
+        return 0
+    fi
+    # dtk's own dependencies and Python.h (benchmarks/gpu_preflight.py), with the Python that runs dtk.
+    local line said
+    said=$(timeout 60 "$PYTHON" benchmarks/gpu_preflight.py 2>/dev/null) \
+        || said="gpu_check needs dtk's dependencies to import: $PYTHON benchmarks/gpu_preflight.py failed (exit code $?)"
+    while IFS= read -r line; do
+        if [ -n "$line" ]; then missing "$line"; fi
+    done <<< "$said"
+    # torch.compile's GPU kernels are built by Triton, which compiles a small C launcher
+    # with $CC (else clang or gcc) against the Python headers checked above.
+    if [ -n "${CC:-}" ]; then
+        command -v "$CC" >/dev/null 2>&1 || missing "gpu_check needs a C compiler for Triton (torch.compile): CC=$CC is not on PATH"
+    elif ! command -v clang >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+        missing "gpu_check needs a C compiler for Triton (torch.compile): neither gcc nor clang is on PATH (install gcc, or set CC)"
+    fi
+    # The GPU, as the driver and as torch see it, then a tiny compiled kernel on it.
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        missing "gpu_check needs an NVIDIA GPU: nvidia-smi is not on PATH (no GPU or no driver on this machine)"
+        return 0
+    fi
+    local listed
+    listed=$(nvidia-smi -L 2>/dev/null || true)  # captured, not piped into grep -q: pipefail and SIGPIPE
+    if [[ $listed != *GPU* ]]; then
+        missing "gpu_check needs an NVIDIA GPU: nvidia-smi lists none"
+        return 0
+    fi
+    if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+        missing "gpu_check needs a CUDA build of torch that sees the GPU: torch.cuda.is_available() is False"
+        return 0
+    fi
+    [ ${#MISSING[@]} -eq 0 ] || return 0  # a compile cannot work without the pieces above
+    said=$(timeout 120 "$PYTHON" -c "
+import torch
+f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
+x = torch.randn(64, device='cuda')
+assert torch.allclose(f(x), torch.nn.functional.gelu(x) * 2 + 1, atol=1e-5)
+" 2>&1) || missing "gpu_check needs torch.compile to work on the GPU: a tiny compiled kernel failed ($(printf '%s' "$said" | grep -v '^ ' | tail -1))"
+}
+preflight
+if [ ${#MISSING[@]} -gt 0 ]; then
+    for line in "${MISSING[@]}"; do echo "error: $line" >&2; done
+    exit 2
+fi
 
 ROOT=${1:-$(mktemp -d /tmp/dtk-gpu-check.XXXXXX)}
 MICRO=${MICRO:-4}
@@ -54,6 +101,7 @@ block_throughput() {
         model.dim=2048 model.num_layers=18 model.num_heads=16 model.vocab_size=32000 model.seq_len=2048
         train.global_batch=$((MICRO * ACCUM)) train.micro_batch="$MICRO" train.steps="$STEPS" train.log_every=10
         optim.warmup_steps=5 checkpoint.every=0 data.num_samples=1024 run.root="$ROOT" run.name=throughput
+        fault.max_restarts=0
         ${PEAK_TFLOPS:+cluster.peak_tflops=$PEAK_TFLOPS})
     "$PYTHON" -m dtk.plan --json "${job[@]}" > "$ROOT/throughput-plan.json" 2>/dev/null || rm -f "$ROOT/throughput-plan.json"
     local t0; t0=$(date +%s)
@@ -73,7 +121,8 @@ small_run() {  # NAME WORKERS OVERRIDES...: a 12-step fp32 run of a small model 
     timeout "$(( $(left) > 30 ? $(left) : 30 ))" "$PYTHON" -m dtk.submit tasks_per_node="$workers" dist.device=cuda \
         scheme.param_dtype=float32 scheme.matmul_precision=highest model.dim=256 model.num_layers=4 model.num_heads=8 model.vocab_size=4096 \
         model.seq_len=256 train.global_batch=16 train.micro_batch=2 train.steps=12 train.log_every=4 \
-        optim.warmup_steps=2 checkpoint.every=0 data.num_samples=512 "$@" run.root="$ROOT" run.name="$name" \
+        optim.warmup_steps=2 checkpoint.every=0 data.num_samples=512 fault.max_restarts=0 "$@" run.root="$ROOT" \
+        run.name="$name" \
         > "$ROOT/$name.log" 2>&1 || fail "the $name run failed; see $ROOT/$name.log"
 }
 

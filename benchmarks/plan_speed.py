@@ -1,6 +1,7 @@
 """How long `python -m dtk.plan` takes on the login node for the built-in model, and that it
 imports no torch: the whole command (interpreter start, compose, plan, the memory budget of
-every scheme and the search for the smallest node count that fits), run as a user runs it.
+every scheme, the search for the smallest node count that fits and the searched
+recommendation with its step times), run as a user runs it.
 
 For each job: the median over --repeats runs of the wall time and of the CPU time the
 command used (user + system, from the children's rusage), and whether torch was imported
@@ -28,6 +29,8 @@ JOBS = {
     "fsdp, 8 nodes x 8 GPUs, h100-80gb": ["cluster=slurm", "nodes=8", "cluster.accelerator=h100-80gb", "+scheme=fsdp"],
     "ZeRO paper what-if, 64 devices": ["cluster=slurm", "nodes=8", "cluster.accelerator=a100-80gb", "plan.params=7.5e9",
                                        "plan.param_bytes=2", "plan.grad_bytes=2", "plan.optimizer_bytes=12"],
+    "70B what-if, 2 nodes x 8 h100-80gb": ["cluster=slurm", "nodes=2", "cluster.accelerator=h100-80gb", "plan.params=70e9",
+                                           "plan.layers=80", "plan.hidden=8192", "plan.heads=64", "plan.seq_len=4096"],
 }
 
 

@@ -28,7 +28,7 @@ from dtk import audit
 from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import slurmctl
-from dtk.rundir import PLAN_JSON, RunDir
+from dtk.rundir import RunDir
 
 DRILLS = ("preempt", "timelimit", "node-fail", "crash", "hang", "storage")
 
@@ -152,7 +152,9 @@ def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) 
             raise UserError(f"job {job} runs on one node ({nodes[0]}), its batch host; node-fail needs a second node")
         victim = nodes[-1]  # not the first: that is the batch host, whose loss ends the job itself
         _scontrol("update", f"NodeName={victim}", "State=DOWN", "Reason=dtk-drill")
-        return f"node {victim} set DOWN (bring it back: scontrol update nodename={victim} state=resume)"
+        return (f"node {victim} set DOWN; the lab may return it by itself (ReturnToService=2). To give it back by hand"
+                f" if it is still down: if sinfo -h -N -n {victim} -t down,drain -o %N | grep -q .; then scontrol update"
+                f" nodename={victim} state=resume; fi (docs/recovery.md, A node failed)")
     if kind == "crash":
         return _signal_worker(run, start, rank, signal.SIGKILL)
     if kind == "hang":
@@ -169,9 +171,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hold", type=int, default=30,
                         help="seconds the preempting job holds the nodes, or the storage stays read-only")
     args = parser.parse_args(argv)
-    if not (args.run_dir / PLAN_JSON).is_file():
-        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
+    run.read_plan()  # a folder that is not a run directory stops here
     check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
     audit.check_writable(audit.run_root_of(run.path))
     if args.kind == "storage":

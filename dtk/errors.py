@@ -5,12 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 
 class UserError(ValueError):
     """A mistake in what the user asked for. The message is one line that names the key,
     the value, and what would work."""
+
+
+class Unanswered(RuntimeError):
+    """A service a command needs did not answer in time (slurmctld): not the user's mistake,
+    but nothing a traceback would explain. A command ends with one `error:` line and exit 2,
+    having changed nothing; a driver retries or decides on its own."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -50,6 +57,32 @@ def override(text: str) -> str:
     return text
 
 
+def check_out(path: Path, *, folder: bool, flag: str = "--out") -> Path:
+    """Where a command is told to write (`folder`: a folder it writes into, else one file):
+    refused before anything is read or written when it names the other kind, or sits where
+    nothing can be created (a file on the way, a folder this user cannot write). Tried for
+    real, with a folder made and removed where the first existing part of the path is:
+    permissions alone do not tell (root, ACLs, a read-only mount)."""
+    import os
+    import tempfile
+
+    path = Path(path).expanduser()
+    if path.exists() and path.is_dir() != folder:
+        want = "a folder" if folder else "a file (or a new name)"
+        raise UserError(f"{flag} {path}: is {'a folder' if path.is_dir() else 'a file'}; name {want}")
+    existing = path if path.is_dir() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, so nothing can be created under it; name another place")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dtk-probe-", dir=existing))
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write in {existing} ({exc.strerror or exc}); name a folder you can"
+                        " write") from None
+    return path
+
+
 def fail(message: str) -> NoReturn:
     first = " ".join(str(message).split())  # one line, whatever the source wrapped
     print(f"error: {first}", file=sys.stderr)
@@ -65,6 +98,8 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = No
         code = main(sys.argv[1:] if argv is None else argv)
     except UserError as exc:
         fail(str(exc))
+    except Unanswered as exc:
+        fail(f"{exc}. Is slurmctld up (scontrol ping)? Try again once it answers")
     except PermissionError as exc:
         # A file this user may not read or write: under an access policy that is the
         # policy speaking (docs/access.md), not a bug; say which file and who asked.

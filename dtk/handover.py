@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtk import audit
-from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import CONFIG_YAML, EVAL_LOG, EVENTS, METRICS, PLAN_JSON, PLAN_MD, SUMMARY, SYSTEM_LOG
+from dtk.errors import ArgumentParser, UserError, check_out, run_cli
+from dtk.rundir import CONFIG_YAML, EVAL_LOG, EVENTS, METRICS, PLAN_JSON, PLAN_MD, SUMMARY, SYSTEM_LOG, RunDir
 
 DOCS = {"recovery.md": "recovery.md", "operations.md": "operations.md", "acceptance.md": "acceptance.md",
         "reference.md": "reference.md", "access-guide.md": "access.md"}
@@ -61,16 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
 def handover(run_dir: Path, out: Path) -> list[Artifact]:
     from dtk.plan.plan import Plan
 
-    if not (run_dir / PLAN_JSON).is_file():
+    run = RunDir(run_dir)
+    if not run.plan_json.is_file():
         raise UserError(f"RUN_DIR={run_dir}: not a dtk run directory (no plan.json)")
+    check_out(out, folder=True)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise UserError(f"--out {out}: exists and is not an empty folder; name a new one")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: no folder {out.parent} to write it in; create it first or name another")
-    try:
-        plan = Plan.from_json((run_dir / PLAN_JSON).read_text())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"RUN_DIR={run_dir}: plan.json is not a dtk plan ({' '.join(str(exc).split())[:120]})") from None
+    plan = Plan.read(run)
     # A folder of its own, inside an existing empty --out or beside a new one: nothing of
     # anybody else's is touched.
     where = out if out.is_dir() else out.parent

@@ -24,7 +24,7 @@ import re
 import sys
 from pathlib import Path
 
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, check_out, run_cli
 from dtk.resources import conf_dir, project_template_dir
 
 PLACEHOLDER = "__MODULE__"
@@ -89,7 +89,7 @@ def render(module: str, title: str) -> dict[Path, str]:
 
 def init(folder: Path, *, name: str | None = None) -> list[Path]:
     """Write the starter project into `folder` (new, or empty). All files or none."""
-    folder = folder.expanduser().resolve()
+    folder = check_out(folder.expanduser().resolve(), folder=True, flag="DIR")
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise UserError(f"DIR {folder}: exists and is not an empty folder; choose a new folder")
     module = module_name(folder, name)

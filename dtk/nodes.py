@@ -80,6 +80,10 @@ def readmit_node(run: RunDir, node: str, slurm=None) -> str:
     """Give `node` back to the run; the one line that says what was done."""
     from dtk.launch.slurmctl import SlurmUnavailable
 
+    excluded = read_exclusions(run)
+    if node not in excluded:  # before readmit takes the run's exclusion lock (a file)
+        raise UserError(f"--readmit {node}: the run does not exclude {node}"
+                        f" (excluded now: {', '.join(sorted(excluded)) or 'none'})")
     user = audit.current_user()["name"]
     readmit(run, node, by=user, reason="dtk.nodes --readmit")
     run.event("node_readmitted", nodes=[node], by=user, reason="dtk.nodes --readmit")

@@ -62,6 +62,7 @@ PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint", "str
 """The phases of metrics.jsonl, in step order."""
 IDLE_PHASES = ("data", "comm", "checkpoint", "straggler")
 """Phases in which the accelerator waits: idle_share = their sum / step time."""
+PLAN_KEYS = ("steps",)  # in every plan.json dtk wrote; status and report read no other key for sure
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -109,6 +110,25 @@ class RunDir:
     @property
     def plan_json(self) -> Path:
         return self.path / PLAN_JSON
+
+    def read_plan(self, *, key: str = "RUN_DIR") -> dict[str, Any]:
+        """plan.json as a dict, refused unless it is dtk's (of any version: the keys every
+        plan has): a folder that is not a run directory is the user's mistake."""
+        from dtk.errors import UserError
+
+        where = f"{key}={self.path}"
+        if not self.plan_json.is_file():
+            raise UserError(f"{where}: not a dtk run directory (no plan.json); run directories live under run.root")
+        try:
+            plan = json.loads(self.plan_json.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{where}: its plan.json does not parse ({exc}); not a dtk run directory, or a damaged one"
+                            ) from None
+        missing = [k for k in PLAN_KEYS if not isinstance(plan, dict) or k not in plan]
+        if missing:
+            raise UserError(f"{where}: its plan.json is not a dtk plan (no {', '.join(missing)});"
+                            " run directories live under run.root")
+        return plan
 
     @property
     def metrics(self) -> Path:

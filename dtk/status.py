@@ -39,9 +39,7 @@ def _slurm_state(job_id: str, slurm) -> tuple[str | None, str | None]:
 
 
 def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
-    if not run.plan_json.is_file():
-        raise UserError(f"{run.path}: not a dtk run directory (no plan.json); run directories live under run.root")
-    plan = json.loads(run.plan_json.read_text())
+    plan = run.read_plan()
     events = run.events_list()
     summary = run.read_summary()
     starts = [e for e in events if e.get("event") == "started"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from dtk import audit
 from dtk.access.check import check_action
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import PLAN_JSON, RunDir, driver_alive, write_json_atomic
+from dtk.rundir import RunDir, driver_alive, write_json_atomic
 
 POLL_S = 0.5
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED")
@@ -114,9 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if not (args.run_dir / PLAN_JSON).is_file():
-        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
     run = RunDir(args.run_dir)
+    run.read_plan()  # a folder that is not a run directory stops here
     check_action(run.path, "submitter", doing="stop a run")
     audit.check_writable(audit.run_root_of(run.path))
     said = stop(run, now=args.now, timeout_s=args.timeout)

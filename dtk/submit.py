@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtk.config.compose import add_config_dir, compose, expand_sweep, search_path
@@ -58,6 +59,18 @@ class Point:
         return {PLAN_MD: plan_markdown(self.plan, self.budget, self.note)}
 
 
+def refuse_whatif(cfg) -> None:
+    """plan.* model keys describe a model python -m dtk.plan plans without it being written;
+    a submitted job trains its `model` group, whose shape is not the what-if's."""
+    from dtk.plan.whatif import whatif_keys
+
+    keys = whatif_keys(cfg)
+    if keys:
+        given = " ".join(f"plan.{k}={v:g}" if isinstance(v, float) else f"plan.{k}={v}" for k, v in keys.items())
+        raise UserError(f"{given}: what-if keys plan a model that is not written yet; dtk.submit trains the model"
+                        " group (model=..., model.dim=...), so drop the plan.* keys (python -m dtk.plan takes them)")
+
+
 def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[Point]:
     """Compose, plan and check every point first, so one bad point stops the sweep before any
     launch. A point whose memory does not fit is refused (one error line, exit 2); in a
@@ -70,6 +83,8 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     points = expand_sweep(overrides) if multirun else [overrides]
     gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))  # the local cluster's default workers
     composed = [(point, compose(point, search=search)) for point in points]
+    for _, cfg in composed:
+        refuse_whatif(cfg)
     planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in composed]
     for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the
@@ -97,7 +112,12 @@ def main(argv: list[str]) -> int:
     multirun = args.multirun
     points = plan_points(args.overrides, multirun, args.config_dirs)
 
+    from dtk.launch.launch import check_run_root
     from dtk.start import Launched, describe_launch, launch
+
+    for p in points:
+        if p.plan.config.submit.dry_run:  # a dry run says now what the real one would refuse
+            check_run_root(Path(p.plan.run_dir).parent)
 
     results = []
     for p in points:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,6 +41,70 @@ def dtk(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | N
         text=True,
         timeout=timeout,
     )
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a command run in this process left: the fields of subprocess.CompletedProcess
+    that tests read, so a test can switch between `run_main` and `dtk` freely."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _command_main(module: str):
+    """The main(argv) that `python -m MODULE` runs: a package's is in its __main__.py
+    (dtk.worker's __main__ runs at import, so its main is taken from dtk.worker.main)."""
+    if module == "dtk.worker":
+        return importlib.import_module("dtk.worker.main").main
+    found = importlib.import_module(module)
+    if hasattr(found, "__path__"):
+        found = importlib.import_module(f"{module}.__main__")
+    return found.main
+
+
+def run_main(module: str, *args: str, cwd: Path | None = None, env: dict | None = None) -> Ran:
+    """Run `python -m MODULE ARGS` inside this process: the command's `main(argv)` through
+    dtk.errors.run_cli (so a UserError is one `error:` line and exit 2, as from a shell),
+    with stdout and stderr captured and the exit code taken from its SystemExit.
+
+    The fast way to test a command's output, exit code and what it writes: no interpreter
+    start, no second import of hydra. It runs in `cwd` (default: the repository) with `env`
+    added to os.environ, and puts back the working folder, os.environ, sys.path and the
+    modules a project folder brought in. Use `dtk(...)` instead where the process itself is
+    what is tested: what a command imports (no torch on the login node), signals, a real
+    entry point (`python -m ...`), or a command that starts workers.
+    An exception other than a UserError propagates, so the test shows its traceback."""
+    from dtk.errors import run_cli
+
+    main = _command_main(module)
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_path, saved_modules = dict(os.environ), list(sys.path), set(sys.modules)
+    old_cwd = os.getcwd()
+    try:
+        os.chdir(cwd or REPO)
+        os.environ.update(env or {})
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                run_cli(main, list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if isinstance(exc.code, str):  # sys.exit("message"), as the interpreter prints it
+                    print(exc.code, file=sys.stderr)
+            else:  # run_cli always exits; reaching here would be a change of its contract
+                raise AssertionError("dtk.errors.run_cli returned instead of exiting")
+    finally:
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        # A project folder's own modules (conf of another test may name the same module).
+        for name in set(sys.modules) - saved_modules:
+            path = getattr(sys.modules[name], "__file__", None) or ""
+            if path and not path.startswith((str(REPO / "dtk"), sys.prefix, sys.base_prefix)):
+                del sys.modules[name]
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -28,7 +28,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def ensure_lab(nodes: int = 3) -> lab.LabStatus:
+def ensure_lab(nodes: int = 3, *, gpus_per_node: int = 0) -> lab.LabStatus:
     """The lab up with `nodes` idle nodes: a no-op when it already is, a restart when it
     runs another node count. Never installs packages from a test. A restart ends any job
     left on the lab (forced): tests use the lab only while they hold its lock
@@ -38,7 +38,7 @@ def ensure_lab(nodes: int = 3) -> lab.LabStatus:
 
     reason = unavailable_reason()
     require(reason is None, f"the Slurm lab cannot run here: {reason}")
-    return lab.up(nodes, install=False, force=True, log=lambda _line: None)
+    return lab.up(nodes, install=False, force=True, gpus_per_node=gpus_per_node, log=lambda _line: None)
 
 
 def lab_down() -> None:

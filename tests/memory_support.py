@@ -53,7 +53,7 @@ def measure_case(plan: Plan, device: torch.device) -> dict[str, int]:
     model = parallelize(
         build_model(cfg.model, device="meta", seed=0), mesh=mesh, scheme=scheme,
         spec=ParallelSpec.from_config(cfg.model), device=device,
-        materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=0),
+        materialize=lambda parts, on: materialize(parts, model_cfg=cfg.model, device=on, seed=0),
         loss_fn=cross_entropy, num_microbatches=plan.grad_accum, sharded_logits=False,
     )
     shard_group = mesh.dp_group if scheme.shard_optimizer else None

@@ -9,6 +9,8 @@ from a seeded CPU build.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,3 +66,23 @@ class OutOfMemoryLM(MlpLM):
 def build_out_of_memory(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
     del seq_len
     return OutOfMemoryLM(vocab_size, width, depth, expansion)
+
+
+class SlowLM(MlpLM):
+    """A model whose every forward takes `sleep_s` seconds of honest work (a large model's
+    micro-batch): a step of many micro-batches lasts several times fault.hang_timeout_s."""
+
+    def __init__(self, vocab_size: int, width: int, depth: int, expansion: int, sleep_s: float) -> None:
+        super().__init__(vocab_size, width, depth, expansion)
+        self.sleep_s = sleep_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":  # not while dtk counts the model's FLOPs on meta
+            time.sleep(self.sleep_s)
+        return super().forward(x)
+
+
+def build_slow(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64,
+               sleep_s: float = 1.0) -> MlpLM:
+    del seq_len
+    return SlowLM(vocab_size, width, depth, expansion, sleep_s)

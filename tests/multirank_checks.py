@@ -23,6 +23,7 @@ from dtk.parallel.pipeline import autocast_stage, build_pipeline, split_model
 from dtk.parallel.tp import apply_tp
 from dtk.parallel.zero import ZeroOptimizer
 from dtk.train.loss import TokenCrossEntropy, local_value, sharded_context
+from dtk.train.trainer import tick_after_actions
 from dtk.worker.signals import StopFlag, vote_group
 
 VOCAB, DIM, HIDDEN, SEQ, BATCH = 16, 8, 16, 4, 3
@@ -150,6 +151,9 @@ def check_pp_autocast(rank: int, world: int) -> dict[str, Any]:
         p.register_hook(lambda g: in_backward.append(torch.is_autocast_enabled("cpu")) or g)
     pipe = build_pipeline(parts, ids, num_stages=world, schedule=PipelineSchedule("gpipe"), num_microbatches=2,
                           loss_fn=loss_fn, device=torch.device("cpu"), group=dist.group.WORLD)
+    ticks: list = []  # the trainer's heartbeat ticks, one per pipeline action
+    for stage in pipe.stages:
+        tick_after_actions(stage, lambda: ticks.append(1))
     losses: list = []
     if pipe.has_first_stage:
         pipe.schedule.step(tokens)
@@ -160,6 +164,7 @@ def check_pp_autocast(rank: int, world: int) -> dict[str, Any]:
         "autocast_in_backward": sorted(set(in_backward)),
         "loss": torch.stack(losses).mean().item() if losses else None,
         "reference": reference,
+        "ticks": len(ticks),
     }
 
 
@@ -266,7 +271,31 @@ def check_comm(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "pp_autocast": check_pp_autocast, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm}
+def check_group_timeouts(rank: int, world: int) -> dict[str, Any]:
+    """A world made with dist.timeout_s = 77 s: every group the mesh builds (each axis, the
+    flattened data-parallel one), the checkpoint's and the stop vote's run under 77 s, not
+    torch's defaults for new groups (30 minutes for gloo)."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from dtk.dist.groups import timeout_of
+    from dtk.dist.mesh import build_mesh
+    from dtk.plan.degrees import Degrees
+
+    before = timeout_of()
+    c10d._set_pg_timeout(datetime.timedelta(seconds=77))  # as init_process_group(timeout=77 s) leaves it
+    plain = dist.new_group(backend="gloo")  # what torch gives a new group by itself
+    mesh = build_mesh(Degrees(dp_replicate=1, pp=1, dp_shard=world, tp=1), "cpu")
+    groups = [mesh.world.get_group(name) for name in mesh.world.mesh_dim_names] + [mesh.dp_group]
+    found = [timeout_of(g).total_seconds() for g in groups]
+    found += [timeout_of(Comm.create().group).total_seconds(), timeout_of(vote_group()).total_seconds()]
+    c10d._set_pg_timeout(before)
+    return {"timeouts": found, "plain": timeout_of(plain).total_seconds(), "num_groups": len(groups)}
+
+
+CHECKS = {"tp": check_tp, "loss_parallel": check_loss_parallel, "pp_autocast": check_pp_autocast, "zero": check_zero, "clip": check_clip, "stop_flag": check_stop_flag, "comm": check_comm,
+          "group_timeouts": check_group_timeouts}
 
 
 def all_checks(rank: int, world: int) -> dict[str, Any]:

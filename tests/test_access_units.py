@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from access_support import remove_team
-from conftest import dtk, require
+from conftest import require, run_main
 from dtk.access import acl, check, layout, policy
 from dtk.config.access import AccessConfig, RoleConfig, SubmitterConfig
 from dtk.errors import UserError
@@ -43,12 +43,12 @@ def test_a_bad_policy_is_one_error_line(tmp_path, text, needle):
     bad.write_text(text)
     with pytest.raises(UserError, match=needle):
         policy.load_policy(str(bad))
-    proc = dtk("dtk.access", "show", str(bad))
+    proc = run_main("dtk.access", "show", str(bad))
     assert proc.returncode == 2 and proc.stderr.startswith("error: access policy") and needle in proc.stderr
 
 
 def test_unknown_policy_names_the_ones_there_are():
-    proc = dtk("dtk.access", "show", "nope")
+    proc = run_main("dtk.access", "show", "nope")
     assert proc.returncode == 2
     assert "error: access policy nope: no such file" in proc.stderr and "open, team" in proc.stderr
 

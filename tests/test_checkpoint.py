@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import dtk
+from conftest import dtk, run_main
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import doomed
@@ -290,17 +290,17 @@ def test_list_command_imports_no_torch_and_reports_verification(saved):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    proc = dtk("dtk.checkpoint", "list", str(tmp_path / "nope"))
+    proc = run_main("dtk.checkpoint", "list", str(tmp_path / "nope"))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and len(proc.stderr.splitlines()) == 1
-    proc = dtk("dtk.checkpoint", "export", str(tmp_path))
+    proc = run_main("dtk.checkpoint", "export", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "--out" in proc.stderr
-    assert dtk("dtk.checkpoint", "--help").returncode == 0
+    assert run_main("dtk.checkpoint", "--help").returncode == 0
 
 
 def test_export_writes_a_plain_state_dict(saved, tmp_path):
     run, held = saved
     shutil.rmtree(run.checkpoint_dir(3))
-    proc = dtk("dtk.checkpoint", "export", str(run.path), "--out", str(tmp_path / "m.pt"))
+    proc = run_main("dtk.checkpoint", "export", str(run.path), "--out", str(tmp_path / "m.pt"))
     assert proc.returncode == 0, proc.stderr
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     model, _, _ = make_parts(seed=5)

@@ -6,6 +6,7 @@ points while it still runs."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.rundir import RunDir
+from dtk.train.policies import Heartbeat
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 COPY_DELAY_S = 0.3
@@ -85,3 +87,31 @@ def test_a_forward_that_updates_saved_buffers_waits_for_the_copy_too(tmp_path, s
     ckpt.close()
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, at_save[k]), k
+
+
+def test_the_optimizer_steps_wait_for_the_copy_is_heartbeat_busy_time(tmp_path, slow_copy):
+    """The wait of the next optimizer step for an async save's copy (the first one also
+    pins its host buffers: tens of seconds for tens of GB) runs inside the heartbeat's busy
+    window, so the heartbeat thread beats through it: a real Heartbeat, whose busy count is
+    read from inside the copy's wait."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = make_parts()
+    heartbeat = Heartbeat(None)
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=True)
+    seen: list[int] = []
+
+    @contextlib.contextmanager
+    def busy():
+        with heartbeat.busy():
+            seen.append(heartbeat._busy)
+            yield
+    ckpt.busy = busy
+    train_step(model, optimizer, scheduler)
+    ckpt.save(1)
+    seen.clear()  # the save's own blocking part is busy too; what follows is the step's wait
+    waiting = ckpt._saver._staging
+    train_step(model, optimizer, scheduler)  # the optimizer step waits for the copy
+    assert waiting is not None and waiting.done()
+    assert seen == [1]  # the wait ran inside exactly one busy window
+    ckpt.close()

@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from conftest import REPO, dtk
+from conftest import REPO, run_main
 from dtk.errors import ArgumentParser, UserError
 
 # command (and subcommand) -> its options and positionals (METAVAR, "..." for several,
@@ -41,7 +41,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.lab down": ["--force"],
     "dtk.lab slow": ["NODE", "RATE"],
     "dtk.lab status": [],
-    "dtk.lab up": ["--access", "--force", "--netns", "--no-install", "--nodes", "--timeout"],
+    "dtk.lab up": ["--access", "--force", "--gpus-per-node", "--netns", "--no-install", "--nodes", "--timeout"],
     "dtk.nodes": ["--json", "--readmit", "RUN_DIR"],
     "dtk.parallel.count": ["(no arguments)"],
     "dtk.plan": ["--config-dir", "--json", "KEY=VALUE ..."],
@@ -145,7 +145,7 @@ def test_overrides_are_checked_for_their_shape_before_hydra_sees_them():
     ],
 )
 def test_usage_mistakes_are_one_error_line_with_exit_2(args, needle, tmp_path):
-    proc = dtk(*args, cwd=tmp_path)
+    proc = run_main(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
     assert list(tmp_path.iterdir()) == []
@@ -162,9 +162,9 @@ def test_overrides_and_flags_mix_in_any_order():
 
 
 def test_help_is_exit_0_and_lists_the_surface(tmp_path):
-    proc = dtk("dtk.submit", "--help", cwd=tmp_path)
+    proc = run_main("dtk.submit", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and "-m, --multirun" in proc.stdout and "KEY=VALUE" in proc.stdout
-    proc = dtk("dtk.plan", "--help", cwd=tmp_path)
+    proc = run_main("dtk.plan", "--help", cwd=tmp_path)
     assert proc.returncode == 0 and "train.global_batch" in proc.stdout and "--json" in proc.stdout
 
 
@@ -176,7 +176,7 @@ def test_no_abbreviated_flags():
 
 
 def test_a_sweep_still_expands_with_m_anywhere_on_the_line(tmp_path):
-    proc = dtk("dtk.submit", "optim.lr=1e-3,3e-4", "submit.dry_run=true", "-m", "train.steps=5", cwd=tmp_path)
+    proc = run_main("dtk.submit", "optim.lr=1e-3,3e-4", "submit.dry_run=true", "-m", "train.steps=5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     points = [ln for ln in proc.stdout.splitlines() if ln.startswith("=== ")]
     assert len(points) == 2 and all("submit.dry_run=true" in p and "train.steps=5" in p for p in points), points

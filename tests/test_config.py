@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import dtk, run_main
 from dtk.config import schema
 from dtk.config.compose import compose, expand_sweep
 from dtk.config.docs import field_docs, key_table
@@ -181,6 +181,15 @@ def test_composed_config_is_typed_to_the_last_field():
     assert compose([]).scheme == schema.SchemeConfig()  # no +scheme: the schema's (DDP)
 
 
+def test_explicit_ddp_on_two_workers_plans_the_default_run():
+    """`+scheme=ddp tasks_per_node=2` is the default job spelled out: the same scheme, world
+    and run directory, so the default job's real run (tests/test_spine.py) runs it too."""
+    explicit = make_plan(compose(["+scheme=ddp", "tasks_per_node=2", "train.steps=5"]), local_gpus=0)
+    default = make_plan(compose(["train.steps=5"]), local_gpus=0)
+    assert explicit.scheme == default.scheme == "ddp" and explicit.world_size == default.world_size == 2
+    assert explicit.config_hash == default.config_hash and explicit.run_dir == default.run_dir
+
+
 def test_plan_json_holds_the_config_as_the_user_spells_it():
     import json
 
@@ -192,7 +201,7 @@ def test_plan_json_holds_the_config_as_the_user_spells_it():
 
 @pytest.mark.parametrize("overrides, needle", BAD_INPUT, ids=[" ".join(o) for o, _ in BAD_INPUT])
 def test_bad_input_is_one_error_line_exit_2_and_nothing_written(tmp_path, overrides, needle):
-    proc = dtk("dtk.submit", *overrides, f"run.root={tmp_path}/runs", cwd=tmp_path)
+    proc = run_main("dtk.submit", *overrides, f"run.root={tmp_path}/runs", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -201,8 +210,19 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(tmp_path, overri
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_submit_entry_point_prints_one_error_line_and_exits_2(tmp_path):
+    """The real `python -m dtk.submit` process, once: what the in-process cases above check
+    holds for the interpreter's exit code and stderr too."""
+    proc = dtk("dtk.submit", "train.stepz=3", f"run.root={tmp_path}/runs", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "unknown key 'train.stepz'" in line, proc.stderr
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def test_dry_run_prints_the_launch_and_creates_nothing(tmp_path):
-    proc = dtk("dtk.submit", "+scheme=ddp", "tasks_per_node=2", "submit.dry_run=true", f"run.root={tmp_path}/runs", cwd=tmp_path)
+    proc = run_main("dtk.submit", "+scheme=ddp", "tasks_per_node=2", "submit.dry_run=true", f"run.root={tmp_path}/runs",
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "would start 2 worker process(es)" in proc.stdout
     assert "DTK_RANK=1" in proc.stdout
@@ -218,13 +238,13 @@ def test_submit_does_not_import_torch(tmp_path):
 
 
 def test_plan_help_lists_keys_with_docs():
-    proc = dtk("dtk.plan", "--help")
+    proc = run_main("dtk.plan", "--help")
     assert proc.returncode == 0
     assert "train.global_batch" in proc.stdout and "Samples per optimizer step" in proc.stdout
 
 
 def test_an_unwritable_run_root_is_one_error_line_and_nothing_written(tmp_path):
-    proc = dtk("dtk.submit", "run.root=/proc/sys/dtk-nope", cwd=tmp_path)
+    proc = run_main("dtk.submit", "run.root=/proc/sys/dtk-nope", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: run.root=/proc/sys/dtk-nope: cannot create a run directory there (")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.schema import Hdf5DataConfig, ModelConfig
 from dtk.data.hdf5 import Hdf5Tokens, split
 from dtk.data.loader import StepBatches, build_splits
@@ -118,6 +118,23 @@ def test_prepare_text_twice_gives_the_same_version_and_bytes(text_file, tmp_path
     assert other["version"] != a["version"]
 
 
+def test_an_npy_dataset_is_what_submit_accepts_with_its_version(tmp_path):
+    """An .npy input ends as the same HDF5 dataset as a text one: submit checks it against the
+    model and plans it (the text dataset's real training run is tests/test_data_train.py)."""
+    tokens = np.random.default_rng(0).integers(0, 200, size=33 * 400).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    made = run_main("dtk.data", "prepare", "--input", str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "data"),
+                    "--seq-len", "32")
+    assert made.returncode == 0, made.stderr
+    data = Hdf5Tokens(tmp_path / "data", verify=True)
+    assert made.stdout.strip() == data.version and np.array_equal(data.get(np.array([1])), tokens[33:66][None])
+    proc = run_main("dtk.submit", "train.global_batch=32", "train.micro_batch=8", "model.seq_len=32", "data=hdf5",
+                    f"data.path={tmp_path / 'data'}", "train.steps=4", "submit.dry_run=true",
+                    f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_prepare_npy_streams_and_rows(tmp_path):
     stream = np.random.default_rng(0).integers(0, 1000, size=5000)
     np.save(tmp_path / "stream.npy", stream)
@@ -130,23 +147,23 @@ def test_prepare_npy_streams_and_rows(tmp_path):
 
 
 def test_prepare_cli_prints_the_version_and_errors_are_one_line(text_file, tmp_path):
-    proc = dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
+    proc = run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
     assert proc.returncode == 0, proc.stderr
     version = proc.stdout.strip()
     assert version == json.loads((tmp_path / "d" / "manifest.json").read_text())["version"]
-    again = dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
+    again = run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32")
     assert again.returncode == 2 and again.stderr.startswith("error: --out") and "--force" in again.stderr
-    forced = dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32",
+    forced = run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(tmp_path / "d"), "--seq-len", "32",
                  "--force")
     assert forced.returncode == 0 and forced.stdout.strip() == version
     np.save(tmp_path / "f.npy", np.ones(100, dtype=np.float32))
     for args in (["--input", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")],
                  ["--input", str(tmp_path / "f.npy"), "--out", str(tmp_path / "x")],
                  ["--out", str(tmp_path / "x")]):
-        proc = dtk("dtk.data", "prepare", *args)
+        proc = run_main("dtk.data", "prepare", *args)
         assert proc.returncode == 2, args
         assert proc.stderr.startswith("error:") and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert dtk("dtk.data", "verify", str(tmp_path / "d")).returncode == 0
+    assert run_main("dtk.data", "verify", str(tmp_path / "d")).returncode == 0
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -155,7 +172,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def prepare_cli(text_file: Path, out: Path, *extra: str):
-    return dtk("dtk.data", "prepare", "--input", str(text_file), "--out", str(out), "--seq-len", "32", *extra)
+    return run_main("dtk.data", "prepare", "--input", str(text_file), "--out", str(out), "--seq-len", "32", *extra)
 
 
 def test_force_never_replaces_a_folder_of_the_users_files(text_file, tmp_path):

@@ -72,13 +72,3 @@ def test_text_dataset_trains_evaluates_and_pins_its_version(tmp_path):
     assert all(np.isfinite(e["val_loss"]) and e["val_samples"] >= 32 for e in evals)
     recs = run.latest_metrics()
     assert sorted(recs) == list(range(1, 13)) and recs[12]["loss"] < recs[1]["loss"]
-
-
-def test_npy_dataset_trains(tmp_path):
-    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 200, size=33 * 400).astype(np.int32))
-    version = prepare(tmp_path / "tokens.npy", tmp_path / "data")
-    proc = dtk("dtk.submit", *JOB, "data=hdf5", f"data.path={tmp_path / 'data'}", "train.steps=4",
-               f"run.root={tmp_path}", cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["data_version"] == version

@@ -11,7 +11,7 @@ import pytest
 from conftest import dtk
 from dtk.config.compose import compose
 from dtk.doctor.__main__ import request, sbatch_script
-from dtk.doctor.report import analyze, exclude_text, render
+from dtk.doctor.report import analyze, exclude_text, render, slow_links
 from dtk.launch.launch import read_exclude_file
 
 
@@ -29,11 +29,42 @@ def test_a_node_with_a_slow_link_either_way_is_flagged_and_the_others_are_not():
     out = {"a->b": 1.0, "a->c": 1.1, "b->a": 1.0, "b->c": 0.9, "c->a": 0.2, "c->b": 0.25}
     flagged = analyze(results(out, flops), slow_factor=1.5)
     assert [f["node"] for f in flagged] == ["c"]
-    assert flagged[0]["why"].startswith("p2p 0.575 GB/s is 1.7x below the median 0.95 (doctor.slow_factor=1.5)")
+    assert flagged[0]["why"] == "sending 0.25 GB/s is 4.0x below the median 1 (doctor.slow_factor=1.5)"
     into = {"a->b": 1.0, "a->c": 0.2, "b->a": 1.0, "b->c": 0.2, "c->a": 1.0, "c->b": 1.0}
     assert [f["node"] for f in analyze(results(into, flops), slow_factor=1.5)] == ["c"]
     # within the factor: nobody
     assert analyze(results({**out, "c->a": 0.8, "c->b": 0.8}, flops), slow_factor=1.5) == []
+
+
+def test_a_node_limited_in_what_it_sends_is_flagged_on_three_nodes_at_the_docs_factor():
+    """The figures of a 3-node lab with node2 limited to 20 mbit on its way out (tc on its
+    egress): its sends are ~450x slower than the others', what it receives is not. Pooled
+    with its receiving, that was "1.8x below the median" and nothing at slow_factor=4;
+    judged per direction it is the sending figure, and only node2 is flagged."""
+    flops = {"node1": [0.1], "node2": [0.1], "node3": [0.1]}
+    p2p = {"node1->node2": 1.12, "node1->node3": 1.08, "node2->node1": 0.00239, "node2->node3": 0.00251,
+           "node3->node1": 1.15, "node3->node2": 1.1}
+    flagged = analyze(results(p2p, flops), slow_factor=4)
+    assert [f["node"] for f in flagged] == ["node2"]
+    assert flagged[0]["why"] == "sending 0.00251 GB/s is 446.2x below the median 1.12 (doctor.slow_factor=4)"
+    assert slow_links(results(p2p, flops), slow_factor=4, flagged=flagged) == []  # explained by node2's egress
+
+
+def test_four_nodes_a_slow_receiver_is_flagged_and_a_slow_link_is_listed_not_blamed():
+    flops = {n: [0.1] for n in "abcd"}
+    fast = {f"{x}->{y}": 1.0 for x in "abcd" for y in "abcd" if x != y}
+    into_d = {**fast, "a->d": 0.1, "b->d": 0.12, "c->d": 0.09}  # d's ingress is slow
+    flagged = analyze(results(into_d, flops), slow_factor=4)
+    assert [(f["node"], f["why"].split()[0]) for f in flagged] == [("d", "receiving")]
+    assert slow_links(results(into_d, flops), slow_factor=4, flagged=flagged) == []
+    one_link = {**fast, "b->c": 0.05}  # one bad link: neither b's sending nor c's receiving is slow
+    flagged = analyze(results(one_link, flops), slow_factor=4)
+    assert flagged == []
+    assert slow_links(results(one_link, flops), slow_factor=4, flagged=flagged) == [
+        "b->c 0.05 GB/s is 20.0x below the median link 1 (doctor.slow_factor=4)"]
+    report = render(results(one_link, flops) | {"flagged": [], "slow_links": ["b->c 0.05 GB/s is 20.0x"]},
+                    out=Path("/nonexistent"))
+    assert "## Slow links (neither end slow in that direction)\n\n- b->c 0.05 GB/s is 20.0x" in report
 
 
 def test_two_nodes_a_far_slower_one_is_flagged_and_a_slow_device_too():
@@ -92,6 +123,10 @@ def test_doctor_on_this_machine_writes_its_report(tmp_path):
     assert "## All-reduce per process group" in (out / "report.md").read_text()
     assert read_exclude_file(str(out / "exclude.txt")) == ()
     assert Path(out / "topology" / "node_00.json").is_file()
+    # the planner's step time reads the links it measured (plan.doctor=FOLDER)
+    from dtk.plan.steptime import doctor_links
+
+    assert doctor_links(str(out)) == (rows[-1]["busbw_gbs"], None)
 
 
 @pytest.mark.slow

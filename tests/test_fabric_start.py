@@ -56,10 +56,13 @@ def test_each_rank_sets_its_nodes_ports_and_the_nccl_report_file(tmp_path):
 def test_cluster_env_and_a_hand_set_debug_file_win(tmp_path):
     fabric = decide(ib_nodes(), node_rank=0, rank=0, backend="nccl", degrees=DEGREES, tasks_per_node=8,
                     cluster_env={"NCCL_SOCKET_IFNAME": "=eth0", "NCCL_IB_HCA": "=mlx5_1"},
-                    environ={"NCCL_DEBUG": "WARN"}, report_dir=tmp_path)
+                    environ={"NCCL_DEBUG": "INFO"}, report_dir=tmp_path)
     assert fabric.env["NCCL_SOCKET_IFNAME"] == "=eth0" and fabric.env["NCCL_IB_HCA"] == "=mlx5_1"
     assert fabric.choice.setting("NCCL_IB_HCA", "gpu-a01").source == "cluster.env"
-    assert fabric.nccl_log is None and "NCCL_DEBUG_FILE" not in fabric.env  # the user's NCCL_DEBUG stands
+    assert fabric.nccl_log is None and "NCCL_DEBUG_FILE" not in fabric.env  # the user's NCCL_DEBUG=INFO stands
+    own_file = decide(ib_nodes(), node_rank=0, rank=0, backend="nccl", degrees=DEGREES, tasks_per_node=8,
+                      cluster_env={"NCCL_DEBUG_FILE": "/tmp/nccl.%h.%p"}, environ={}, report_dir=tmp_path)
+    assert own_file.nccl_log is None and "NCCL_DEBUG" not in own_file.env
     gloo = decide(ib_nodes(), node_rank=0, rank=0, backend="gloo", degrees=DEGREES, tasks_per_node=1,
                   cluster_env={}, environ={}, report_dir=tmp_path)
     assert "NCCL_IB_HCA" not in gloo.env and gloo.nccl_log is None and gloo.env["GLOO_SOCKET_IFNAME"] == "ib0"

@@ -1,5 +1,5 @@
 """What a GPU node needs from the start of a run, checked without one: one worker per GPU
-(refused at plan time and at start otherwise), the local cluster's default of one worker
+(refused at plan time; at start, tests/test_placement.py), the local cluster's default of one worker
 per visible GPU, and the process-group backend string for a CUDA device."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.choices import Backend
 from dtk.config.compose import compose
-from dtk.dist.init import backend_string, shared_gpu_error
+from dtk.dist.init import backend_string
 from dtk.errors import UserError
 from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import make_plan
@@ -30,14 +30,6 @@ from dtk.plan.plan import make_plan
 def test_the_backend_string_adds_gloo_beside_nccl_when_something_reduces_on_the_cpu(backend, device, cpu_collectives,
                                                                                      want):
     assert backend_string(backend, device, cpu_collectives=cpu_collectives) == want
-
-
-def test_more_workers_than_visible_gpus_is_refused_at_start():
-    assert shared_gpu_error(8, 8) is None
-    assert shared_gpu_error(8, 1) is None  # srun --gpu-bind: each task sees its own GPU
-    message = shared_gpu_error(16, 8)
-    assert message is not None and message.isascii()
-    assert "16 workers" in message and "8 GPUs" in message and "tasks_per_node=8" in message
 
 
 def test_visible_gpus_reads_the_driver_and_cuda_visible_devices(tmp_path):
@@ -75,8 +67,48 @@ def test_the_local_cluster_starts_one_worker_per_visible_gpu():
 
 
 def test_the_refusal_is_one_error_line(tmp_path: Path):
-    proc = dtk("dtk.plan", "cluster.kind=slurm", "cluster.gpus_per_node=4", "tasks_per_node=8", cwd=tmp_path)
+    proc = run_main("dtk.plan", "cluster.kind=slurm", "cluster.gpus_per_node=4", "tasks_per_node=8", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: tasks_per_node=8 is more workers than GPUs"), proc.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+NVIDIA_SMI = Path(__file__).parent / "fixtures" / "gpu_box" / (
+    "nvidia-smi_--query-gpu=index,memory.total_--format=csv,noheader,nounits.txt")
+
+
+def test_the_reported_gpu_memory_is_the_smallest_visible_gpus():
+    from dtk.plan.inputs import NVIDIA_SMI_MEMORY, reported_gpu_memory
+
+    def recorded(argv):
+        assert argv == NVIDIA_SMI_MEMORY
+        return NVIDIA_SMI.read_text().replace("7, 81559", "7, 40960")  # one smaller GPU
+
+    assert reported_gpu_memory(None, run=recorded) == 40960 * 2**20
+    assert reported_gpu_memory("0,3", run=recorded) == 81559 * 2**20
+    assert reported_gpu_memory(None, run=lambda argv: None) is None  # no nvidia-smi
+
+
+def test_a_local_gpu_box_is_budgeted_with_its_gpus_memory(tmp_path, monkeypatch):
+    """8 x 80 GB GPUs on the local cluster: the budget the submit gate and dtk.plan use is
+    CUDA with each GPU's memory, as the workers' own prediction is, not host RAM / workers."""
+    from dtk.plan import inputs
+    from dtk.plan.report import memory_plan
+
+    driver = tmp_path / "gpus"
+    for k in range(8):
+        (driver / f"0000:{k + 0x10:02x}:00.0").mkdir(parents=True)
+    monkeypatch.setattr(inputs, "NVIDIA_GPUS", driver)
+    monkeypatch.setattr(inputs, "_run", lambda argv: NVIDIA_SMI.read_text() if argv == inputs.NVIDIA_SMI_MEMORY else None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = compose(["train.global_batch=32"])
+    planned = make_plan(cfg, local_gpus=8)
+    ctx = inputs.context(cfg, planned)
+    assert (ctx.device, ctx.capacity) == ("cuda", 81559 * 2**20)
+    assert "nvidia-smi" in ctx.capacity_source
+    budget = memory_plan(ctx, planned).to_json()
+    assert budget["device"]["kind"] == "cuda" and budget["device"]["memory_bytes"] == 81559 * 2**20
+    # The same box asked for the CPU is budgeted as before: host memory over its workers.
+    cpu = compose(["train.global_batch=32", "dist.device=cpu"])
+    assert inputs.context(cpu, make_plan(cpu, local_gpus=8)).device == "cpu"

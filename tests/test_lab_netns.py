@@ -10,6 +10,7 @@ One 2-node netns lab serves the whole module; the lab as the rest of the suite u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -66,14 +67,14 @@ def test_rates_are_tc_rates():
 # -- on the real lab ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def netns_lab():
-    """A 2-node lab with network namespaces for this module; the lab as it was is put back
-    after (and, whatever a test did, no namespace, veth or bridge is left)."""
+@contextlib.contextmanager
+def _netns_lab(num_nodes: int):
+    """A lab of `num_nodes` with network namespaces; the lab as it was is put back after
+    (and, whatever a test did, no namespace, veth or bridge is left)."""
     reason = unavailable_reason()
     before = lab.status() if reason is None else None
     try:
-        yield lab.up(2, install=False, force=True, netns=True, log=lambda _line: None)
+        yield lab.up(num_nodes, install=False, force=True, netns=True, log=lambda _line: None)
     finally:
         for attempt in range(3):  # a quick test's stand-in `slurmd` makes `up` refuse for a moment
             try:
@@ -88,6 +89,13 @@ def netns_lab():
                 time.sleep(2)
         if reason is None:
             assert netns.existing() == ([], []), "the lab left network namespaces or links behind"
+
+
+@pytest.fixture(scope="module")
+def netns_lab():
+    """A 2-node lab with network namespaces for this module."""
+    with _netns_lab(2) as up:
+        yield up
 
 
 def srun(*argv: str) -> str:
@@ -175,3 +183,26 @@ def test_down_removes_the_network_also_after_a_crash(netns_lab):
     assert any("removed the network namespaces and bridge" in line for line in lines), lines
     lab.down(force=True, log=lines.append)  # again: nothing to do, no error
     assert lines[-1].startswith("lab is not up")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_doctor_flags_a_node_slowed_on_its_way_out_among_three(tmp_path):
+    """Three nodes, node2 limited to 20 mbit on what it sends: its sending figure is flagged
+    at doctor.slow_factor=4 (pooled with what it receives, it was not), nobody else is, and
+    no link is called slow on its own account."""
+    with _netns_lab(3):
+        lab.slow("node2", "20mbit", log=lambda _line: None)
+        try:
+            proc = dtk("dtk.doctor", "cluster=lab", "nodes=3", "tasks_per_node=1", "doctor.max_mb_cpu=1",
+                       "doctor.repeats=3", "doctor.matmul_n=256", "doctor.slow_factor=4", f"run.root={tmp_path}",
+                       cwd=tmp_path)
+        finally:
+            lab.slow("node2", None, log=lambda _line: None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (out,) = tmp_path.glob("doctor-*")
+    found = json.loads((out / "doctor.json").read_text())
+    assert [f["node"] for f in found["flagged"]] == ["node2"], found["flagged"]
+    assert found["flagged"][0]["why"].startswith("sending "), found["flagged"]
+    assert found["slow_links"] == []
+    assert read_exclude_file(str(out / "exclude.txt")) == ("node2",)

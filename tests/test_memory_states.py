@@ -28,7 +28,7 @@ TP_SIZES = ["model.vocab_size=256", "model.seq_len=64"]  # tensor parallelism sp
 CASES = {
     "ddp": ["+scheme=ddp", *UNEVEN],
     "zero": ["+scheme=zero", *UNEVEN],
-    "zero2": ["+scheme=fsdp", "scheme.reshard_after_forward=false", *UNEVEN],
+    "zero2": ["+scheme=zero2", *UNEVEN],
     "fsdp": ["+scheme=fsdp", *UNEVEN],
     "hsdp": ["+scheme=hsdp", "scheme.dp_replicate=2", *UNEVEN],
     "tp": ["+scheme=tp", *TP_SIZES],

@@ -50,6 +50,8 @@ def test_a_bf16_pipeline_sends_bf16_and_runs_its_backward_outside_autocast(resul
     assert set(first["sent"]) == {"torch.bfloat16"} and len(first["sent"]) >= 2  # shape inference, 2 micro-batches
     assert first["autocast_in_backward"] == [False]
     assert last["loss"] == pytest.approx(last["reference"], rel=2e-2)  # bf16 rounding at the boundary
+    # Each stage's forward and backward of each of the 2 micro-batches is a heartbeat tick.
+    assert first["ticks"] == last["ticks"] == 4
 
 
 def test_zero_optimizer_matches_one_optimizer_over_all_parameters(results):
@@ -86,3 +88,10 @@ def test_checkpoint_comm_matches_the_one_process_comm(results):
         assert r["all_gather"] == [0, 10]
         assert r["any"] == (True, False)
         assert r["alone"] == ({"from": rank}, [rank * 10], True, False)
+
+
+def test_every_group_dtk_makes_has_the_worlds_timeout(results):
+    for r in per_rank(results, "group_timeouts"):
+        assert r["plain"] != 77.0  # torch's own default for a new group: the fix is needed
+        assert r["num_groups"] == 5  # four axes and the flattened data-parallel group
+        assert r["timeouts"] == [77.0] * 7

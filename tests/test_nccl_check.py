@@ -80,3 +80,54 @@ def test_require_ib_without_ib_or_without_nccl_or_without_a_report():
     # auto: an unread report is recorded as unverified, not an error
     result = check(nodes, {}, choice=choose(nodes, backend="nccl"), require="auto", backend="nccl")
     assert result.problems == () and not result.verified
+
+
+def setup_file_environment() -> dict[str, str]:
+    """The variables the batch script's setup lines from slurm_templates/setup/nccl.sh (the
+    default cluster=slurm setup) leave for the workers, as bash sets them."""
+    import subprocess
+
+    from dtk.launch.sbatch import setup_lines
+
+    script = "\n".join(setup_lines(["nccl"])) + "\nenv -0"
+    out = subprocess.run(["env", "-i", "bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+
+
+def test_the_default_setup_file_leaves_the_report_on_and_sockets_beside_infiniband_are_stopped(tmp_path):
+    from dtk.topology.start import decide
+
+    environ = setup_file_environment()
+    assert environ["NCCL_DEBUG"] == "WARN"  # what the setup file asks for
+    nodes = ib_nodes()
+    fabric = decide(nodes, node_rank=1, rank=5, backend="nccl", degrees={"dp_replicate": 2, "pp": 1, "dp_shard": 4, "tp": 1}, tasks_per_node=4,
+                    cluster_env={}, environ=environ, report_dir=tmp_path)
+    assert fabric.nccl_log == tmp_path / "gpu-a02.rank5.log"
+    assert fabric.env["NCCL_DEBUG"] == "INFO" and fabric.env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
+    # NCCL writes its report where it was told; this is the one captured on gpu-a02.
+    fabric.nccl_log.write_text((FIXTURES / "nccl" / "socket_gpu-a02.log").read_text())
+    found = reports(**{"gpu-a01": "ib_gpu-a01.log"}) | {"gpu-a02": parse_log(fabric.nccl_log.read_text())}
+    result = check(nodes, found, choice=fabric.choice, require="auto", backend="nccl")
+    assert result.verified
+    (problem,) = result.problems
+    assert problem.startswith("node gpu-a02 has InfiniBand") and "NCCL chose TCP sockets (NET/Socket)" in problem
+
+
+def test_one_node_needs_no_network():
+    (a01,) = ib_nodes()[:1]
+    eth = discover(RecordedSource(FIXTURES / "topology" / "ethernet" / "gpu-b01"))  # no RDMA port at all
+    for node, log in ((a01, "ib_gpu-a01.log"), (eth, None)):
+        found = reports(**{node.node: log}) if log else {}
+        for require in ("ib", "auto"):
+            result = check([node], found, choice=choose([node], backend="nccl"), require=require, backend="nccl")
+            assert result.problems == () and result.verified, (node.node, require)
+            assert result.note.startswith("one node")
+
+
+def test_nccl_warnings_are_repeated_from_the_report():
+    from dtk.topology.nccl import warn_lines
+
+    text = ("\ngpu-a02:18211:18270 [0] transport/net_ib.cc:312 NCCL WARN NET/IB : Got async event : port error\n"
+            "gpu-a02:18211:18270 [0] NCCL INFO Using network Socket\n")
+    assert warn_lines(text) == ["gpu-a02:18211:18270 [0] transport/net_ib.cc:312 NCCL WARN NET/IB : Got async event"
+                                " : port error"]

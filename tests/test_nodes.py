@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import run_main
 from dtk.driver.exclusions import add_exclusions, read_entries, read_exclusions, readmit
 from dtk.errors import UserError
 from dtk.launch.slurmctl import Slurm
@@ -29,12 +29,12 @@ def run_dir(tmp_path: Path) -> RunDir:
 def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path):
     run = run_dir(tmp_path)
     add_exclusions(run, ["node2"], job_id="7", reason="node(s) node2 left the job")
-    shown = dtk("dtk.nodes", str(run.path))
+    shown = run_main("dtk.nodes", str(run.path))
     assert shown.returncode == 0, shown.stderr
     line = shown.stdout.splitlines()[1]
     assert "node2" in line and "job 7" in line and "reason: node(s) node2 left the job" in line and "since 20" in line
 
-    done = dtk("dtk.nodes", str(run.path), "--readmit", "node2")
+    done = run_main("dtk.nodes", str(run.path), "--readmit", "node2")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("node2 re-admitted to tiny-abc")
     assert read_exclusions(run) == []
@@ -45,7 +45,7 @@ def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path):
 
     audit = read_audit(tmp_path / "runs")
     assert audit[-1]["action"] == "readmit" and audit[-1]["node"] == "node2"
-    listed = json.loads(dtk("dtk.nodes", str(run.path), "--json").stdout)
+    listed = json.loads(run_main("dtk.nodes", str(run.path), "--json").stdout)
     assert [(e["node"], "readmitted" in e) for e in listed] == [("node2", True)]
 
     # Excluded again later: a new entry; the old one stays as history.
@@ -56,7 +56,7 @@ def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path):
 def test_readmitting_a_node_the_run_does_not_exclude_is_one_error_line(tmp_path):
     run = run_dir(tmp_path)
     add_exclusions(run, ["node5"], job_id="7", reason="left")
-    proc = dtk("dtk.nodes", str(run.path), "--readmit", "node2")
+    proc = run_main("dtk.nodes", str(run.path), "--readmit", "node2")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: --readmit node2: the run does not exclude node2 (excluded now: node5)"
     assert read_exclusions(run) == ["node5"] and not (run.path / "events.jsonl").exists()

@@ -66,19 +66,18 @@ def test_rank_coordinates_and_groups_are_one_grid():
 
 
 def test_the_newest_committed_checkpoint_is_one_rule(tmp_path):
-    from dtk.driver.record import latest_checkpoint_step as recorded
-    from dtk.driver.supervisor import latest_checkpoint_step as supervised
+    from dtk.driver.record import latest_checkpoint_step as recorded  # both drivers' (dtk.driver.core)
 
     run = RunDir(tmp_path)
-    assert run.latest_committed_step() is None and recorded(run) is None and supervised(run) == 0
+    assert run.latest_committed_step() is None and recorded(run) is None
     for step, committed in [(2, True), (4, True), (6, False)]:
         folder = run.checkpoint_dir(step)
         folder.mkdir(parents=True)
         if committed:
             (folder / MANIFEST).write_text("{}")
     assert run.committed_steps() == [2, 4]
-    # The driver's two copies (until the driver takes RunDir's): the same answer.
-    assert run.latest_committed_step() == recorded(run) == supervised(run) == 4
+    # The driver core resumes from RunDir's rule.
+    assert run.latest_committed_step() == recorded(run) == 4
 
 
 def test_the_budget_reads_the_typed_scheme():

@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from conftest import REPO, dtk
+from conftest import REPO, run_main
 
 # 218M parameters on CPU workers with 2 GiB each (cluster.mem_gb=4 over 2 workers): FSDP
 # over one node does not fit, over a few it does.
@@ -22,7 +22,7 @@ JOB = ["cluster=lab", "tasks_per_node=2", "cluster.mem_gb=4", "+scheme=fsdp", "m
 
 def test_submit_refuses_a_job_that_cannot_fit_and_names_the_node_count_that_does(tmp_path):
     root = f"run.root={tmp_path / 'runs'}"
-    proc = dtk("dtk.submit", *JOB, "nodes=1", root, cwd=tmp_path)
+    proc = run_main("dtk.submit", *JOB, "nodes=1", root, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = proc.stderr.strip()
     assert line.startswith("error: the job does not fit: ") and "\n" not in line and "Traceback" not in line
@@ -31,21 +31,21 @@ def test_submit_refuses_a_job_that_cannot_fit_and_names_the_node_count_that_does
     assert nodes > 1
     assert not (tmp_path / "runs").exists()
 
-    proc = dtk("dtk.submit", *JOB, f"nodes={nodes}", root, cwd=tmp_path)
+    proc = run_main("dtk.submit", *JOB, f"nodes={nodes}", root, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"slurm: {nodes} node(s) x 2 worker(s)" in proc.stdout
     # the count named is the smallest: every smaller count that can run this job is refused
     for smaller in (n for n in range(2, nodes) if 64 % (2 * n) == 0):
-        proc = dtk("dtk.submit", *JOB, f"nodes={smaller}", root, cwd=tmp_path)
+        proc = run_main("dtk.submit", *JOB, f"nodes={smaller}", root, cwd=tmp_path)
         assert proc.returncode == 2 and "does not fit" in proc.stderr, smaller
 
-    forced = dtk("dtk.submit", *JOB, "nodes=1", "submit.force=true", root, cwd=tmp_path)
+    forced = run_main("dtk.submit", *JOB, "nodes=1", "submit.force=true", root, cwd=tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert "note: submit.force=true: submitting although the job does not fit" in forced.stderr
 
 
 def test_sweep_skips_the_points_that_cannot_fit(tmp_path):
-    proc = dtk("dtk.submit", "-m", *JOB, "nodes=1,2,4", f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    proc = run_main("dtk.submit", "-m", *JOB, "nodes=1,2,4", f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     skipped = [ln for ln in proc.stdout.splitlines() if ln.startswith("skipped: ")]
     assert [re.search(r" nodes=(\d+)", ln.split(": the job")[0]).group(1) for ln in skipped] == ["1", "2"]
@@ -61,7 +61,7 @@ ZERO_PAPER_GB = {"ddp": 120.0, "zero": 31.4, "zero2": 16.6, "fsdp": 1.9}
 def test_zero_paper_command_in_docs(tmp_path):
     lines = [ln.strip() for ln in (REPO / "docs" / "planning.md").read_text().splitlines()]
     command = next(ln for ln in lines if ln.startswith("python -m dtk.plan") and "plan.params=7.5e9" in ln)
-    proc = dtk(*shlex.split(command)[2:], cwd=tmp_path)
+    proc = run_main(*shlex.split(command)[2:], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     schemes = json.loads(proc.stdout)["schemes"]
     for key, paper in ZERO_PAPER_GB.items():
@@ -87,8 +87,8 @@ def test_a_user_model_is_counted_on_the_meta_device_in_a_subprocess_with_a_time_
 
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "mlp_lm.yaml").write_text(USER_MODEL_YAML)
-    proc = dtk("dtk.plan", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mlp_lm", "+scheme=fsdp",
-               "tasks_per_node=2", "--json", cwd=tmp_path)
+    proc = run_main("dtk.plan", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mlp_lm", "+scheme=fsdp",
+                    "tasks_per_node=2", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     real = build(vocab_size=256, seq_len=32, width=32, depth=4, expansion=2)

@@ -1,5 +1,5 @@
 """The memory budget's arithmetic, without torch: the ZeRO paper's model states, torch.chunk
-rounding, the ZeRO-1 partition, placement and traffic per axis, the recommendation order."""
+rounding, the ZeRO-1 partition, placement and traffic per axis, the recommendation on CPU workers."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from dtk.config.compose import compose
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import in_flight
-from dtk.plan.budget import ORDER, all_rows, recommend
+from dtk.plan.budget import all_rows
 from dtk.plan.comm import axis_groups, crosses_nodes, placement
 from dtk.plan.degrees import Degrees
 from dtk.plan.inputs import context
 from dtk.plan.layout import chunk, zero1_owner
 from dtk.plan.memory import Job, device_bytes, precision_for, scheme_config
 from dtk.plan.plan import make_plan
+from dtk.plan.search import Search, searched
 from dtk.plan.shape import builtin_shape, whatif_shape
 
 BASE = dataclasses.asdict(SchemeConfig())
@@ -95,26 +96,26 @@ def budget(*overrides: str):
     return ctx, all_rows(ctx)
 
 
-def test_recommendation_follows_the_order_of_the_issue():
-    # A tiny model fits anywhere: data parallel.
+def test_recommendation_without_a_time_model_is_the_simplest_that_fits():
+    # On CPU workers (no step-time model) the search ranks fits -> nodes -> simplest.
     ctx, rows = budget("cluster.mem_gb=16", "nodes=2", "tasks_per_node=2")
-    assert recommend(ctx, rows).scheme == "ddp"
+    ranked, _ = searched(ctx, None, max_nodes=None)
+    assert ranked[0].overrides == ["+scheme=ddp", "nodes=2"]  # a tiny model fits anywhere: data parallel
     # 1.5B parameters x 16 bytes = 25 GB per replica on 8.6 GB devices: states must be sharded.
     big = ["model.dim=2048", "model.num_layers=28", "model.num_heads=16", "model.vocab_size=32000",
            "model.seq_len=256", "train.global_batch=64", "train.micro_batch=1", "cluster.mem_gb=16",
            "tasks_per_node=2"]
     ctx, rows = budget(*big, "nodes=4")
-    rec = recommend(ctx, rows)
-    assert rows["ddp"].estimate.fits is False
-    assert rec.scheme in ORDER[1:] and rows[rec.scheme].estimate.fits
-    assert all(not rows[k].estimate.fits for k in ORDER[: ORDER.index(rec.scheme)] if rows[k].estimate)
-    assert rec.reason.startswith("ddp ")  # the numbers of the schemes that do not fit come first
-    # On one node nothing fits, whatever the knobs: the scheme that fits on the fewest nodes.
+    ranked, why = searched(ctx, None, max_nodes=None)
+    assert rows["ddp"].estimate.fits is False and why.startswith("fits on the 4 node(s) asked")
+    assert ranked[0].key != "ddp" and all(c.fits for c in ranked)
+    assert [c.complexity for c in ranked] == sorted(c.complexity for c in ranked)
+    # On one node nothing fits, whatever the knobs: the fewest nodes at which something does.
     ctx, rows = budget(*big, "nodes=1")
-    rec = recommend(ctx, rows)
-    fewest = min(r.min_nodes for r in rows.values() if r.min_nodes)
-    assert f"nodes={fewest}" in rec.overrides and fewest > 1
-    assert rows[rec.scheme].min_nodes == fewest
+    ranked, why = searched(ctx, None, max_nodes=None)
+    nodes = ranked[0].variant.nodes
+    assert nodes > 1 and f"nodes={nodes}" in ranked[0].overrides and f"{nodes} is the fewest that fit" in why
+    assert all(Search(ctx, None).at(n) == [] for n in range(1, nodes))  # fewer nodes: nothing fits
 
 
 def test_plan_command_prints_the_budget_as_json_without_torch(tmp_path):

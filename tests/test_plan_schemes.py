@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dtk
+from conftest import REPO, run_main
 from dtk.config.compose import compose
 from dtk.errors import UserError
 from dtk.plan.plan import make_plan
@@ -109,7 +109,7 @@ def test_invalid_combination_is_a_user_error_with_the_arithmetic(case):
 @pytest.mark.parametrize("case", ["mesh product", "tp vs heads", "pp vs layers", "batch vs micro-batches x dp"])
 def test_invalid_combination_exits_2_before_launch(case, tmp_path: Path):
     overrides, words = INVALID[case]
-    proc = dtk("dtk.submit", *overrides, f"run.root={tmp_path}", cwd=tmp_path, timeout=120)
+    proc = run_main("dtk.submit", *overrides, f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr

@@ -171,8 +171,9 @@ def test_once_the_heartbeat_thread_runs_a_step_touches_no_file(tmp_path):
     path = tmp_path / "heartbeat"
     heartbeat = Heartbeat(path, interval_s=3600.0)  # the thread never gets to beat here
     heartbeat.after_step(0)  # before the thread: this beat creates the file
+    heartbeat.start()  # beats once at once: the driver sees the start is alive
+    assert os.stat(path).st_mtime_ns != 1
     os.utime(path, ns=(1, 1))
-    heartbeat.start()
     try:
         for step in range(1, 6):
             heartbeat.after_step(step)
@@ -213,3 +214,45 @@ def test_the_heartbeat_thread_beats_while_the_training_thread_progresses_or_is_b
     finally:
         heartbeat.close()
     assert heartbeat._thread is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_heartbeat_beats_past_the_timeout_only_as_long_as_the_measured_gaps_ask():
+    """Ticks slower than fault.hang_timeout_s (a micro-batch of 10 s against 3 s) raise the
+    limit to twice the longest gap: the thread beats until 2 x 10 - 3 = 17 s after the
+    last tick, and the driver's 3 s come on top. Ticks faster than the timeout raise
+    nothing, and a declared operation or the start's own warm-up is no gap."""
+    clock = _Clock()
+    heartbeat = Heartbeat(None, hang_timeout_s=3.0, clock=clock)
+    heartbeat.start()
+    clock.now += 500.0  # a checkpoint load and compilation, before the first tick
+    heartbeat.tick()
+    assert heartbeat.longest_gap_s == 0.0
+    for _ in range(5):  # fast micro-batches
+        clock.now += 1.0
+        heartbeat.tick()
+    heartbeat.after_step(1)
+    seen = heartbeat.progress
+    assert heartbeat.allowance_s() == 0.0
+    clock.now += 0.5
+    assert not heartbeat.due(seen)  # silence: the driver's hang_timeout_s counts from here
+    with heartbeat.busy():
+        clock.now += 600.0  # a synchronous save
+        assert heartbeat.due(seen)
+    heartbeat.tick()
+    assert heartbeat.longest_gap_s == 1.0  # the save was no gap
+    clock.now += 10.0  # a slow micro-batch
+    heartbeat.tick()
+    seen = heartbeat.progress
+    assert heartbeat.allowance_s() == 17.0
+    clock.now += 16.9
+    assert heartbeat.due(seen)
+    clock.now += 0.2
+    assert not heartbeat.due(seen)

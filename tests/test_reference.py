@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from conftest import REPO, dtk
+from conftest import REPO, run_main
 from dtk.config import docs
 from dtk.config.reference import COMMAND, REFERENCE, render
 
@@ -62,7 +62,7 @@ def test_every_option_of_a_group_gets_its_own_section():
 
 
 def test_plan_help_lists_the_keys_of_every_data_option():
-    proc = dtk("dtk.plan", "--help")
+    proc = run_main("dtk.plan", "--help")
     assert proc.returncode == 0, proc.stderr
     for key, _, _doc in docs.key_table():
         assert key in proc.stdout
@@ -71,7 +71,7 @@ def test_plan_help_lists_the_keys_of_every_data_option():
 
 
 def test_check_flag_agrees_with_the_file():
-    proc = dtk("dtk.config.reference", "--check")
+    proc = run_main("dtk.config.reference", "--check")
     assert proc.returncode == 0, proc.stderr
 
 

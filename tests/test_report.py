@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import dtk, run_main
 from dtk.report.compare import against_baseline, repeatability
 from dtk.report.goodput import account
 from dtk.report.numbers import run_numbers
@@ -129,7 +129,7 @@ def test_per_rank_phases_name_where_the_slowest_rank_spends_its_time(tmp_path):
     ranks = run_numbers(load_run(run))["ranks"]
     assert ranks["forward_s"] == [0.03, 0.03, 0.07]
     assert ranks["slowest"] == {"rank": 2, "phase": "forward", "seconds": 0.07, "median_s": 0.03}
-    text = dtk("dtk.report", str(run), "--no-plots").stdout
+    text = run_main("dtk.report", str(run), "--no-plots").stdout
     assert "slowest rank 2: most of its extra time in forward, 70.0 ms per step against 30.0 ms" in text
 
 
@@ -144,7 +144,7 @@ def _png(path: Path):
 def test_report_command_two_runs_text_json_and_pngs(tmp_path):
     a = write_run(tmp_path / "a", {1: 5.0, 2: 4.0, 3: 3.5})
     b = write_run(tmp_path / "b", {1: 5.0, 2: 4.2, 3: 3.9}, ranks=True)
-    proc = dtk("dtk.report", str(a), str(b))
+    proc = run_main("dtk.report", str(a), str(b))
     assert proc.returncode == 0, proc.stderr
     assert "repeatability of b against a: diverged from step 2" in proc.stdout
     assert "idle share   20.0% of step time" in proc.stdout
@@ -156,7 +156,7 @@ def test_report_command_two_runs_text_json_and_pngs(tmp_path):
     assert not (a / "report" / "ranks.png").exists()
 
     out = tmp_path / "plots"
-    proc = dtk("dtk.report", str(a), str(a), "--json", "--out", str(out), "--baseline", str(b))
+    proc = run_main("dtk.report", str(a), str(a), "--json", "--out", str(out), "--baseline", str(b))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["repeatability"][0]["verdict"] == "identical"
@@ -179,7 +179,7 @@ def test_report_imports_no_torch(tmp_path):
     (lambda p: p, "not a dtk run directory"),
 ])
 def test_report_mistakes_are_one_error_line(tmp_path, make, says):
-    proc = dtk("dtk.report", str(make(tmp_path)))
+    proc = run_main("dtk.report", str(make(tmp_path)))
     assert proc.returncode == 2
     assert proc.stderr.startswith("error:") and says in proc.stderr and len(proc.stderr.splitlines()) == 1
 
@@ -187,7 +187,7 @@ def test_report_mistakes_are_one_error_line(tmp_path, make, says):
 def test_two_runs_without_a_common_step_is_an_error(tmp_path):
     a = write_run(tmp_path / "a", {1: 5.0})
     b = write_run(tmp_path / "b", {2: 5.0})
-    proc = dtk("dtk.report", str(a), str(b), "--no-plots")
+    proc = run_main("dtk.report", str(a), str(b), "--no-plots")
     assert proc.returncode == 2 and "no logged step in common" in proc.stderr
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.compose import compose
 from dtk.driver.supervisor import srun_command
 from dtk.errors import UserError
@@ -46,6 +46,10 @@ def check_golden(name: str, text: str) -> None:
 CASES = {
     "fsdp_16_nodes.sbatch": ["+scheme=fsdp", "nodes=16", "cluster=slurm"],
     "lab_2_nodes.sbatch": ["cluster=lab", "nodes=2", "tasks_per_node=1"],
+    # 2 nodes x 8 GPUs with the generic cluster=slurm defaults: one GPU per task.
+    "gpu_2x8.sbatch": ["cluster=slurm", "nodes=2"],
+    # The GPU-shaped lab (python -m dtk.lab up --gpus-per-node 8), workers on the CPU.
+    "gpu_lab_2x8.sbatch": ["cluster=lab", "nodes=2", "tasks_per_node=8", "cluster.gpus_per_node=8", "dist.device=cpu"],
     # A job that waits for two others to complete successfully (submit.after -> --dependency=afterok).
     "after_jobs.sbatch": ["cluster=lab", "nodes=1", "tasks_per_node=1", "submit.after=4711:4712"],
     "site_options.sbatch": [
@@ -68,16 +72,28 @@ def test_sbatch_matches_golden(name):
     check_golden(name, normalize(sbatch_text(golden_plan(name))))
 
 
-@pytest.mark.parametrize("name", ["fsdp_16_nodes.srun", "lab_2_nodes.srun", "weird_path.srun"])
+@pytest.mark.parametrize("name", ["fsdp_16_nodes.srun", "lab_2_nodes.srun", "weird_path.srun", "gpu_2x8.srun",
+                                  "gpu_lab_2x8.srun"])
 def test_worker_step_srun_command_matches_golden(name):
-    """--cpus-per-task always (srun >= 22.05 does not inherit it); --gpu-bind from
-    cluster.gpu_bind (closest in conf/cluster/slurm.yaml, off on the lab)."""
+    """--cpus-per-task always (srun >= 22.05 does not inherit it); one GPU per task
+    (--gpus-per-task=1) wherever each task has a GPU, unless cluster.gpu_bind names a binding."""
     plan = golden_plan(name)
     nodes = [f"node{i}" for i in range(1, plan.nodes + 1)]
     cmd = srun_command(plan, logs=Path(plan.run_dir) / "logs" / "start_00", nodes=nodes)
     check_golden(name, normalize(shlex.join(cmd)) + "\n")
     assert f"--cpus-per-task={plan.config.cluster.cpus_per_task}" in cmd
-    assert ("--gpu-bind=closest" in cmd) == (plan.config.cluster.gpus_per_node > 0)
+    assert ("--gpus-per-task=1" in cmd) == (plan.config.cluster.gpus_per_node > 0)
+    assert not any(flag.startswith("--gpu-bind") for flag in cmd)
+
+
+def test_a_site_binding_replaces_one_gpu_per_task():
+    plan = make_plan(compose(["cluster=slurm", "nodes=2", "cluster.gpu_bind=closest", f"run.root={ROOT}",
+                              "run.name=golden"]))
+    cmd = srun_command(plan, logs=Path(plan.run_dir) / "logs", nodes=["a", "b"])
+    assert "--gpu-bind=closest" in cmd and "--gpus-per-task=1" not in cmd
+    cpu = make_plan(compose(["cluster=slurm", "nodes=1", "tasks_per_node=16", "dist.device=cpu", f"run.root={ROOT}",
+                             "run.name=golden"]))
+    assert not any("gpu" in flag for flag in srun_command(cpu, logs=Path("l"), nodes=["a"]))  # more tasks than GPUs
 
 
 def bash(script: str) -> str:
@@ -106,7 +122,7 @@ def test_a_newline_in_the_run_directory_is_refused_before_anything_is_written():
 
 
 def test_dry_run_prints_the_fsdp_16_node_script_and_submits_nothing(tmp_path):
-    proc = dtk("dtk.submit", "+scheme=fsdp", "nodes=16", "cluster=slurm", "submit.dry_run=true",
+    proc = run_main("dtk.submit", "+scheme=fsdp", "nodes=16", "cluster=slurm", "submit.dry_run=true",
                f"run.root={ROOT}", "run.name=golden", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     script = proc.stdout.split("would submit this sbatch script:\n\n", 1)[1]
@@ -148,7 +164,7 @@ def test_executor_submits_the_script_the_dry_run_shows(tmp_path, monkeypatch):
     (["submit.after=4711"], "submit.after=4711: only a Slurm job can wait for another (cluster.kind=local)"),
 ])
 def test_a_bad_dependency_is_refused_before_anything_is_written(tmp_path, overrides, needle):
-    proc = dtk("dtk.submit", *overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    proc = run_main("dtk.submit", *overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {needle}")
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
@@ -189,11 +205,11 @@ def test_partition_checks_before_submission():
 def test_exclude_from_file_leaves_its_nodes_out_of_the_sbatch(tmp_path):
     listed = tmp_path / "slow_nodes.txt"
     listed.write_text("# written by python -m dtk.doctor\nnode3  # p2p 4.1x the median\n\nnode1\n")
-    proc = dtk("dtk.submit", "cluster=lab", "nodes=1", f"cluster.exclude_from={listed}", "submit.dry_run=true",
+    proc = run_main("dtk.submit", "cluster=lab", "nodes=1", f"cluster.exclude_from={listed}", "submit.dry_run=true",
                f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --exclude=node1,node3" in proc.stdout
-    missing = dtk("dtk.submit", "cluster=lab", f"cluster.exclude_from={tmp_path / 'nope.txt'}",
+    missing = run_main("dtk.submit", "cluster=lab", f"cluster.exclude_from={tmp_path / 'nope.txt'}",
                   f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.startswith("error: cluster.exclude_from=")
     assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

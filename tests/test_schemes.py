@@ -48,6 +48,7 @@ CASES = {
     "ddp": (["+scheme=ddp", "scheme.bucket_cap_mb=1"], EXACT_ATOL),
     "zero": (["+scheme=zero"], EXACT_ATOL),
     "fsdp": (["+scheme=fsdp"], EXACT_ATOL),
+    "zero2": (["+scheme=zero2"], EXACT_ATOL),
     "hsdp": (["+scheme=hsdp", "scheme.dp_replicate=2"], EXACT_ATOL),
     # DTensor ops are slow on 2 shared cores: fewer, larger micro-batches (same gradient).
     "tp": (["+scheme=tp", "train.micro_batch=8"], TP_ATOL),

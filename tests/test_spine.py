@@ -111,14 +111,6 @@ def test_sigkill_of_the_workers_then_the_same_command_resumes(reference, tmp_pat
     assert json.loads((run / "summary.json").read_text())["final_loss"] == losses(reference)[60]
 
 
-def test_scheme_ddp_with_explicit_workers(tmp_path):
-    proc = dtk("dtk.submit", "+scheme=ddp", "tasks_per_node=2", "train.steps=5", f"run.root={tmp_path}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    run = only_run_dir(tmp_path)
-    assert sorted(losses(run)) == [1, 2, 3, 4, 5]
-    assert json.loads((run / "plan.json").read_text())["scheme"] == "ddp"
-
-
 def _events(run: Path, name: str) -> list[dict]:
     return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == name]
 
@@ -137,6 +129,14 @@ def _wait(what: str, check, driver: subprocess.Popen, timeout: float = 120):
 def _rank_pid(run: Path, start: int, rank: int, driver: subprocess.Popen) -> int:
     pid_file = run / "logs" / f"start_{start:02d}" / f"rank_{rank}.pid"
     return int(_wait(f"rank {rank}'s pid file", lambda: pid_file.exists() and pid_file.read_text().split(), driver)[1])
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits undelivered for the process (it is stopped): /proc's ShdPnd mask."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    return False
 
 
 def _pids(run: Path, start: int) -> list[int]:
@@ -162,7 +162,9 @@ def test_a_killed_and_a_hung_rank_are_relaunched_dtk_stop_saves_and_the_losses_m
     stopper = subprocess.Popen([sys.executable, "-m", "dtk.stop", str(run)], env=dict(os.environ, PYTHONPATH=str(REPO)),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait("the stop request", lambda: (run / "stop_request.json").exists(), driver)
-    time.sleep(1)  # the driver polls every 0.2 s and signals the workers
+    # The driver saw the request and signalled the held workers: SIGTERM waits, pending.
+    _wait("the driver's SIGTERM to every worker", lambda: all(_pending(pid, signal.SIGTERM) for pid in _pids(run, 2)),
+          driver)
     for pid in _pids(run, 2):
         os.kill(pid, signal.SIGCONT)
     said, err = stopper.communicate(timeout=120)

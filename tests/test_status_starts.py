@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import dtk
+from conftest import dtk, run_main
 from dtk.report.starts import history
 
 
@@ -85,13 +85,13 @@ def test_status_prints_and_returns_the_history(tmp_path):
     (run / "plan.json").write_text(json.dumps({"steps": 50, "run_name": "run", "config": {"fault": {"max_restarts": 3}}}))
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in METRICS))
-    proc = dtk("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"})
+    proc = run_main("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"})
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert [s["resumed_from"] for s in info["starts"]] == [0, 10, 20, 30, 45]
     assert info["restarts_by_cause"] == {"node failed": 1, "crashed": 1, "hung": 1, "preempted": 1}
     assert info["relaunches_left"] == 3
-    text = dtk("dtk.status", str(run), env={"PATH": "/nonexistent"}).stdout
+    text = run_main("dtk.status", str(run), env={"PATH": "/nonexistent"}).stdout
     assert "cause: hung: no heartbeat" in text and "from step 30, 3 steps redone, down 11.0 s" in text
     assert info["fabric"] == {"restart": 4, "transport": "socket", "interface": "lab0", "master_addr": "10.77.0.2"}
     assert "fabric       socket across nodes over lab0, master 10.77.0.2 (start 4; why: topology.json)" in text

@@ -170,16 +170,16 @@ def test_axis_groups_match_the_device_mesh_grid():
 
 
 def test_command_line_show_record_choose(tmp_path):
-    from conftest import dtk
+    from conftest import run_main
 
-    shown = dtk("dtk.topology", "show")
+    shown = run_main("dtk.topology", "show")
     assert shown.returncode == 0 and "interface   lo" in shown.stdout and "MASTER_ADDR=" in shown.stdout
-    assert dtk("dtk.topology", "record", str(tmp_path / "me")).returncode == 0
+    assert run_main("dtk.topology", "record", str(tmp_path / "me")).returncode == 0
     assert (tmp_path / "me" / "fs" / "sys" / "class" / "net").is_dir()
-    chosen = dtk("dtk.topology", "choose", *(str(FIXTURES / "ib" / n) for n in ("gpu-a01", "gpu-a02")))
+    chosen = run_main("dtk.topology", "choose", *(str(FIXTURES / "ib" / n) for n in ("gpu-a01", "gpu-a02")))
     assert chosen.returncode == 0, chosen.stderr
     assert "gpu-a02: NCCL_IB_HCA==mlx5_0:1,mlx5_2:1,mlx5_3:1" in chosen.stdout
-    missing = dtk("dtk.topology", "choose", str(tmp_path / "nothing"))
+    missing = run_main("dtk.topology", "choose", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: no recorded machine at")
 
 

@@ -18,11 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, losses, only_run_dir
+from conftest import REPO, losses, only_run_dir, require
 
 pytestmark = pytest.mark.slow
 
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".pytest_cache")
+DISTRIBUTION = "dtk-train"  # pyproject.toml's [project] name; "dtk" on the index is another project
+WHEEL_PREFIX = DISTRIBUTION.replace("-", "_")
 JOB = ["train.steps=20", "train.global_batch=32", "train.log_every=10", "optim.warmup_steps=2"]
 
 
@@ -46,7 +48,7 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     # A copy, so that the build's own folders (build/, *.egg-info) never mix with the checkout.
     shutil.copytree(REPO, src, symlinks=True, ignore=COPY_IGNORE)
     ok(run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", work / "dist", src, cwd=work))
-    (wheel,) = (work / "dist").glob("dtk-*.whl")
+    (wheel,) = (work / "dist").glob(f"{WHEEL_PREFIX}-*.whl")
     venv = work / "venv"
     ok(run(sys.executable, "-m", "venv", venv, cwd=work))
     python = venv / "bin" / "python"
@@ -54,13 +56,27 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     pin = f"torch=={torch.__version__.split('+')[0]}"
     if run(*pip, "--no-index", pin, cwd=work).returncode != 0:
         ok(run(*pip, pin, cwd=work))  # what scripts/setup.sh does where no local wheel is configured
-    ok(run(*pip, wheel, cwd=work))
+    # By its distribution name, as the README says: the built wheel, not an index's project.
+    ok(run(*pip, "--find-links", wheel.parent, f"{DISTRIBUTION}=={wheel.name.split('-')[1]}", cwd=work))
     ok(run(python, "-m", "dtk.init", "proj", cwd=work))
     return python, work / "proj"
 
 
+def test_the_distribution_name_is_dtks_and_free_on_the_index(tmp_path):
+    import tomllib
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["name"] == DISTRIBUTION
+    # The index answers for a name it holds ("dtk": the unrelated project) and has none of ours.
+    taken = run(sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp_path, "dtk==0.2", cwd=tmp_path)
+    require(taken.returncode == 0, f"the package index does not answer here: {taken.stderr.strip()[-300:]}")
+    free = run(sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp_path, DISTRIBUTION, cwd=tmp_path)
+    assert free.returncode != 0 and "No matching distribution" in free.stderr, free.stdout + free.stderr
+
+
 def test_the_wheel_installs_as_files_outside_the_repository(installed):
     python, project = installed
+    meta = ok(run(python, "-m", "pip", "show", DISTRIBUTION, cwd=project)).stdout
+    assert f"Name: {DISTRIBUTION}" in meta and "site-packages" in meta
     where = ok(run(python, "-c", "import dtk.resources as r, dtk; print(dtk.__file__); print(r.conf_dir())", cwd=project))
     module, conf = where.stdout.split()
     assert "site-packages" in module and not module.startswith(str(REPO))

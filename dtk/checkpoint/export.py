@@ -28,7 +28,7 @@ from dtk.checkpoint.formats import FORMATS, size_of, write_file, write_hf
 from dtk.checkpoint.manifest import Rejected, verify
 from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
 from dtk.config.convert import model_to_dict
-from dtk.errors import UserError
+from dtk.errors import UserError, check_out
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
 
@@ -82,9 +82,10 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt
     run = RunDir(Path(run_dir))
     if not run.path.is_dir():
         raise UserError(f"RUN_DIR {run.path}: no such run directory")
+    check_out(Path(out), folder=fmt == "hf")  # before the checkpoint is read
     model_cfg = None
     if run.plan_json.is_file():
-        model_cfg = model_to_dict(Plan.from_json(run.plan_json.read_text()).config.model)
+        model_cfg = model_to_dict(Plan.read(run).config.model)
     step, path, manifest = choose(run, step)
     try:
         tensors = load_model_state(path, manifest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import sys
 import time
@@ -18,6 +19,10 @@ from dtk.config.schema import CheckpointConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
 from dtk.rundir import RunDir
+
+LOAD_DELAY_ENV = "DTK_TEST_LOAD_DELAY_S"
+"""Seconds each rank waits before loading a checkpoint at a start: for tests of a load that
+outlasts fault.startup_timeout_s (tests/test_liveness.py). Unset in real runs."""
 
 
 class CheckpointManager:
@@ -72,10 +77,17 @@ class CheckpointManager:
         change only in the optimizer step; buffers that are saved (a BatchNorm's running
         statistics) may change in any forward, so a model that has them waits before it."""
         for module, optimizer in parts:
-            optimizer.register_step_pre_hook(lambda *_: self._saver.staged())
+            optimizer.register_step_pre_hook(lambda *_: self._staged())
             if any(name not in m._non_persistent_buffers_set
                    for m in module.modules() for name, b in m._buffers.items() if b is not None):
-                module.register_forward_pre_hook(lambda *_: self._saver.staged())
+                module.register_forward_pre_hook(lambda *_: self._staged())
+
+    def _staged(self) -> None:
+        # The wait for the copy is part of the save (the first one pins its host buffers:
+        # tens of GB take tens of seconds): busy time, not a hang.
+        if self._saver.staging:
+            with self.busy():
+                self._saver.staged()
 
     # --- resume -------------------------------------------------------------------------
 
@@ -96,6 +108,8 @@ class CheckpointManager:
         reasons = []
         for step, path, committed in reversed(found):
             t0 = time.perf_counter()
+            if os.environ.get(LOAD_DELAY_ENV):  # a test hook: a checkpoint that takes long to load
+                time.sleep(float(os.environ[LOAD_DELAY_ENV]))
             try:
                 if not committed:
                     raise Rejected("no manifest.json: the save did not finish, or the manifest was deleted")

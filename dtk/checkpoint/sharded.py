@@ -62,6 +62,7 @@ from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import writer_process
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
+from dtk.dist.groups import new_group
 from dtk.rundir import TRAINER_STATE, write_json_atomic
 
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
@@ -105,7 +106,7 @@ class Comm:
         if not dist.is_initialized():
             return Comm(None)
         # Collective: every rank creates it at the same point (the CheckpointManager's __init__).
-        return Comm(dist.new_group(backend="gloo"))
+        return Comm(new_group(backend="gloo"))  # the world's timeout: a peer hung in a save is seen then
 
     def barrier(self) -> None:
         if self.group is not None:
@@ -190,6 +191,11 @@ class Saver:
             self._times["wait_from"] = time.perf_counter()
             with contextlib.suppress(Exception):
                 staging.result()
+
+    @property
+    def staging(self) -> bool:
+        """Whether a copy of the state is in flight (`staged` would wait for it)."""
+        return self._staging is not None
 
     def _writer(self, path: Path) -> Any:
         if self.process:  # not checksummed as written: rank 0 reads the files back

@@ -155,6 +155,8 @@ def compose(overrides: list[str], *, search: SearchPath | None = None) -> Config
         raise UserError(explain(exc)) from None
     except ValueError as exc:  # Hydra's own check of a group's value, e.g. `cluster=1`
         raise UserError(_bad_group_value(overrides, search or search_path(), exc)) from None
+    except AssertionError:  # Hydra's, on a key under a group that was not chosen (`scheme.tp=2` alone)
+        raise UserError(_unchosen_group(overrides, search or search_path())) from None
     assert isinstance(typed, Config)
     return finish(typed)
 
@@ -168,6 +170,22 @@ def _bad_group_value(overrides: list[str], search: SearchPath, exc: ValueError) 
         if options and value not in options:
             return f"{key}={value}: {key} is a config group; choose one of: {', '.join(options)}"
     return " ".join(str(exc).split())
+
+
+def _unchosen_group(overrides: list[str], search: SearchPath) -> str:
+    """`scheme.tp=2: scheme.* keys need a scheme; add +scheme=NAME (one of: ddp, fsdp, ...)`."""
+    folders = (config_dir(), *search.config)
+    # scheme is the group the defaults leave out (+scheme=NAME adds it): its keys first
+    for text in sorted(overrides, key=lambda o: not o.lstrip("+~").startswith("scheme.")):
+        key = text.lstrip("+~").partition("=")[0]
+        group = key.partition(".")[0]
+        options = sorted({p.stem for f in folders for p in (f / group).glob("*.yaml")})
+        if "." in key and options:
+            named = key.partition(".")[2]  # scheme.tp -> the tp scheme, when there is one
+            example = named if named in options else options[0]
+            return (f"{text}: {group}.* keys need a {group} chosen first; add +{group}=NAME before them"
+                    f" (one of: {', '.join(options)}), e.g. +{group}={example} {text.lstrip('+')}")
+    return f"overrides {' '.join(overrides)} do not compose (a key under a config group that was not chosen?)"
 
 
 def _reject_unknown_keys(node: Any, path: str = "") -> None:

@@ -62,3 +62,7 @@ class PlanConfig:
     """Bytes per gradient element (the ZeRO paper: 2). None: dtk's fp32 (4)."""
     optimizer_bytes: float | None = None
     """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
+    max_nodes: int | None = None
+    """Most nodes the planner's search may recommend. None: up to 4096."""
+    doctor: str | None = None
+    """A `python -m dtk.doctor` folder (or its doctor.json): its measured bus bandwidths inside a node and across nodes are the links of the planner's step time. None: cluster.intra_node_gbps / inter_node_gbps, else the accelerator's figures."""

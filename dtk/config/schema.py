@@ -49,7 +49,7 @@ class ClusterConfig:
     cpus_per_task: int = 1
     """CPU cores per worker process (sbatch and srun --cpus-per-task)."""
     gpu_bind: str | None = None
-    """srun --gpu-bind of the worker step, e.g. `closest` (each task gets the GPU nearest its CPUs). None: no binding (CPU clusters, sites that refuse it)."""
+    """srun --gpu-bind of the worker step where a site needs its own, e.g. `closest` (each task sees its socket's GPUs; each worker takes the one at its position among them). None: srun --gpus-per-task=1 when every task has a GPU (each sees only its own), else no binding."""
     mem_gb: int | None = None
     """Memory per node in GiB (sbatch --mem). None: the partition's default."""
     time_min: int = 60
@@ -72,6 +72,10 @@ class ClusterConfig:
     """Memory per device in decimal GB; overrides the accelerator's figure (a MIG slice, a new part). None: from cluster.accelerator, or on the CPU the node's memory over its workers."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device in the dtype the matmuls run in, the denominator of MFU. None: the accelerator table's (dtk/plan/accelerators.py) for cluster.accelerator, else for the GPU's name; no MFU on the CPU."""
+    intra_node_gbps: float | None = None
+    """Bus bandwidth between the GPUs of a node in GB/s per device (NVLink / NVSwitch; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (dtk/plan/steptime.py)."""
+    inter_node_gbps: float | None = None
+    """Bus bandwidth across nodes in GB/s per device (InfiniBand / Ethernet; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (one 400 Gb/s NIC per H100)."""
 
 
 @dataclass
@@ -279,9 +283,9 @@ class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
     hang_timeout_s: int = 60
-    """A start whose training thread shows no progress for this long is torn down and relaunched: no step and no validation batch completed, outside a checkpoint save and the first step (docs/recovery.md, what the heartbeat measures)."""
+    """A start whose training thread shows no progress for this long is torn down and relaunched: no micro-batch, pipeline action, step or validation batch completed, outside a checkpoint save or load and the first step. Never shorter than twice the longest gap measured between two such ticks (docs/recovery.md, Liveness)."""
     startup_timeout_s: int = 300
-    """Time a start may take to its first heartbeat (imports, process group, checkpoint load)."""
+    """Time a start may take to its first heartbeat (imports, process group, building the model); the checkpoint load after it is busy time, beaten through."""
     survive_node_loss: bool = True
     """Submit with --no-kill so that a failed node ends the worker step, not the job: the driver relaunches on the nodes left. False: Slurm requeues the whole job."""
     shrink: bool = True
@@ -361,6 +365,8 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    if "access" in cs.repo:  # stored by an earlier call (the last group below): storing again costs
+        return                # a third of a compose, and every compose() calls this
     cs.store(name="dtk_schema", node=Config)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="model", name="transformer_schema", node=TransformerConfig)

@@ -17,7 +17,7 @@ import torch
 
 from dtk.config.choices import DataKind
 from dtk.config.schema import ModelConfig
-from dtk.data.batch import as_torch, micro_batches, to_device
+from dtk.data.batch import as_torch, micro_batches, tensors, to_device, transfer_for
 from dtk.data.order import GlobalOrder, rank_share
 
 
@@ -92,15 +92,25 @@ class StepBatches:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = device
+        self.transfer = transfer_for(device.type)
+        # The loader thread's copies run on this stream (CUDA): the step's compute waits for
+        # them by an event, so neither the host nor the compute stream blocks on a copy.
+        self._stream = torch.cuda.Stream(device) if self.transfer.side_stream else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-data")
         self._lock = threading.Lock()  # GlobalOrder caches permutations; one thread at a time
         self._ahead: dict[int, Future] = {}
 
-    def _load(self, step: int) -> list[Any]:
+    def _load(self, step: int) -> tuple[list[Any], Any]:
         with self._lock:
             ids = rank_share(self.order.global_batch(step, self.global_batch), self.dp_rank, self.dp_size)
         batch = as_torch(self.dataset.get(ids))
-        return [to_device(m, self.device) for m in micro_batches(batch, self.micro_batch)]
+        if self._stream is None:
+            return [to_device(m, self.device, self.transfer) for m in micro_batches(batch, self.micro_batch)], None
+        with torch.cuda.stream(self._stream):
+            moved = [to_device(m, self.device, self.transfer) for m in micro_batches(batch, self.micro_batch)]
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return moved, copied
 
     def global_hash(self, step: int) -> str:
         """Fingerprint of the global batch of `step`: equal across world sizes iff the order is."""
@@ -110,7 +120,12 @@ class StepBatches:
 
     def get(self, step: int) -> list[Any]:
         pending = self._ahead.pop(step, None)
-        batches = pending.result() if pending is not None else self._load(step)
+        batches, copied = pending.result() if pending is not None else self._load(step)
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)  # queued: the host does not wait
+            for t in tensors(batches):
+                t.record_stream(compute)  # made on the side stream, used on this one
         for stale in [s for s in self._ahead if s < step]:
             self._ahead.pop(stale).cancel()
         for nxt in range(step + 1, step + 1 + self.ahead):

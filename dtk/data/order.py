@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtk.errors import UserError
+
 
 class GlobalOrder:
     def __init__(self, num_samples: int, seed: int) -> None:
         if num_samples < 1:
-            raise ValueError(f"dataset has {num_samples} samples; expected at least 1")
+            raise UserError(f"dataset has {num_samples} samples; expected at least 1")
         self.num_samples = num_samples
         self.seed = seed
         self._perms: dict[int, np.ndarray] = {}
@@ -47,6 +49,6 @@ class GlobalOrder:
 def rank_share(batch_ids: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:
     """The contiguous part of a global batch that one data-parallel rank trains on."""
     if len(batch_ids) % dp_size:
-        raise ValueError(f"global batch {len(batch_ids)} does not split over {dp_size} data-parallel ranks")
+        raise UserError(f"global batch {len(batch_ids)} does not split over {dp_size} data-parallel ranks")
     per = len(batch_ids) // dp_size
     return batch_ids[dp_rank * per : (dp_rank + 1) * per]

@@ -43,7 +43,7 @@ def read_tokens(files: list[Path], seq_len: int | None) -> tuple[np.ndarray, str
     """(rows of seq_len + 1 tokens, tokenizer name, vocabulary size)."""
     if files[0].suffix != ".npy":
         stream = np.concatenate([np.frombuffer(p.read_bytes(), dtype=np.uint8) for p in files])
-        return _rows(stream, seq_len or 64, files[0].parent), "bytes", 256
+        return _rows(stream, 64 if seq_len is None else seq_len, files[0].parent), "bytes", 256
     parts = []
     for p in files:
         try:
@@ -55,7 +55,7 @@ def read_tokens(files: list[Path], seq_len: int | None) -> tuple[np.ndarray, str
         if arr.size and int(arr.min()) < 0:
             raise UserError(f"--input {p}: holds negative token ids")
         if arr.ndim == 1:
-            parts.append(_rows(np.asarray(arr), seq_len or 64, p))
+            parts.append(_rows(np.asarray(arr), 64 if seq_len is None else seq_len, p))
         elif arr.ndim == 2:
             if seq_len is not None and arr.shape[1] != seq_len + 1:
                 raise UserError(

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtk.errors import UserError
+
 VALIDATION_SAMPLES = 512
 
 
 class SyntheticTokens:
     def __init__(self, *, num_samples: int, seq_len: int, vocab_size: int, seed: int, branching: int) -> None:
         if branching < 1:
-            raise ValueError(f"data.branching={branching}: expected a positive integer")
+            raise UserError(f"data.branching={branching}: expected a positive integer")
         rng = np.random.default_rng(seed)
         self.successors = rng.integers(0, vocab_size, size=(vocab_size, branching))
         self.probs = rng.dirichlet(np.ones(branching), size=vocab_size).cumsum(axis=1)

@@ -31,28 +31,15 @@ class WorkerRanks(Protocol):
     def master_port(self) -> int: ...
 
 
-def shared_gpu_error(local_world_size: int, device_count: int) -> str | None:
-    """Why workers of this node would share a GPU, or None. Each worker takes GPU
-    `local_rank % device_count`; with more workers than visible GPUs two take the same one,
-    and NCCL then fails with a duplicate-GPU error far from the cause. One visible GPU per
-    worker is a per-task binding (srun --gpu-bind), which is fine; a plan with more workers
-    than cluster.gpus_per_node is refused before it gets here (dtk.plan.plan)."""
-    if device_count <= 1 or local_world_size <= device_count:
-        return None
-    return (
-        f"{local_world_size} workers on this node but {device_count} GPUs visible: two workers would share a GPU"
-        f" (NCCL refuses); start at most {device_count} per node (tasks_per_node={device_count})"
-    )
-
-
-def pick_device(want: DeviceKind, env: WorkerRanks) -> torch.device:
+def pick_device(want: DeviceKind, env: WorkerRanks, *, index: int | None = None) -> torch.device:
+    """The worker's device. `index`: its CUDA device within the visible set, which its
+    placement chose (dtk.worker.placement: its position among the local ranks given the
+    same GPUs); None: local rank modulo the visible GPUs (callers without a placement)."""
     if want == DeviceKind.cuda or (want == DeviceKind.auto and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("dist.device=cuda but no GPU is visible to this process")
-        error = shared_gpu_error(env.local_world_size, torch.cuda.device_count())
-        if error:
-            raise UserError(error)
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+            raise UserError("dist.device=cuda but this worker sees no GPU (CUDA_VISIBLE_DEVICES, the node's driver);"
+                            " request GPUs with cluster.gpus_per_node, or use dist.device=cpu")
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count() if index is None else index)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtk.dist.groups import give_world_timeout
 from dtk.plan.degrees import DATA_AXES, DP, Axis, Degrees
 
 
@@ -112,4 +113,6 @@ def build_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     names = tuple(axis.value for axis in Axis)
     world = init_device_mesh(device_type, shape, mesh_dim_names=names)
     dp = world[tuple(a.value for a in DATA_AXES)]._flatten(DP)
+    # The axes' groups come from new_group/split_group: without this, torch's default timeouts.
+    give_world_timeout([world.get_group(name) for name in names] + [dp.get_group()])
     return ParallelMesh(degrees=degrees, world=world, dp=dp)

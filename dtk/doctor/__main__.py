@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from dtk.config.compose import compose
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.launch.launch import read_exclude_file
+from dtk.launch.launch import check_run_root, read_exclude_file
 from dtk.plan.plan import DEFAULT_CPU_TASKS
 
 # Slurm job states before the end (squeue's long names).
@@ -46,6 +47,8 @@ def request(cfg, *, gpus: bool) -> dict:
     if doc.min_mb <= 0 or doc.min_mb > cap:
         raise UserError(f"doctor.min_mb={doc.min_mb:g}: must be > 0 and <= the largest size {cap:g} MB"
                         f" (doctor.max_mb{'' if gpus else ' / doctor.max_mb_cpu'})")
+    if not doc.p2p_mb > 0:
+        raise UserError(f"doctor.p2p_mb={doc.p2p_mb:g}: expected a positive message size in MB")
     if doc.repeats < 1 or doc.slow_factor <= 1 or doc.matmul_n < 1:
         raise UserError(f"doctor.repeats={doc.repeats}, doctor.slow_factor={doc.slow_factor:g},"
                         f" doctor.matmul_n={doc.matmul_n}: need repeats >= 1, slow_factor > 1, matmul_n >= 1")
@@ -108,28 +111,49 @@ def _run_local(out: Path, world: int) -> int:
     return max(p.wait() for p in procs)
 
 
+def _new_folder(root: Path, name: str) -> Path:
+    """root/name, or root/name-2, ... when another doctor started in the same second."""
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        out = root / (name if n == 1 else f"{name}-{n}")
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            continue
+    raise UserError(f"run.root={root}: {name} and 999 more doctor folders of this second exist; remove some")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_intermixed_args(argv)
     cfg = compose(args.overrides)
     slurm = cfg.cluster.kind.value == "slurm"
     if not slurm and cfg.nodes != 1:
         raise UserError(f"nodes={cfg.nodes}: the local cluster is this one machine; use cluster=lab or cluster=slurm")
-    tasks = cfg.tasks_per_node or cfg.cluster.gpus_per_node or DEFAULT_CPU_TASKS
+    tasks = cfg.tasks_per_node if cfg.tasks_per_node is not None else (cfg.cluster.gpus_per_node or DEFAULT_CPU_TASKS)
+    if cfg.nodes < 1 or tasks < 1:
+        raise UserError(f"nodes={cfg.nodes} tasks_per_node={tasks}: expected positive counts")
     req = request(cfg, gpus=bool(cfg.cluster.gpus_per_node))
     exclude = read_exclude_file(cfg.cluster.exclude_from) if slurm else ()
-    out = Path(cfg.run.root).absolute() / f"doctor-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True)
+    root = Path(cfg.run.root).absolute()
+    check_run_root(root)
+    outermost = next((p for p in (root, *root.parents) if p.parent.exists()), root)
+    made = outermost if not outermost.exists() else None  # what a refusal removes
+    out = _new_folder(root, f"doctor-{time.strftime('%Y%m%d-%H%M%S')}")
     (out / "request.json").write_text(json.dumps(req, indent=1) + "\n")
-    print(f"doctor: {cfg.nodes} node(s) x {tasks} rank(s), all-reduce {req['sizes_mb'][0]:g}-{req['sizes_mb'][-1]:g} MB;"
-          f" output in {out}", flush=True)
+    said = (f"doctor: {cfg.nodes} node(s) x {tasks} rank(s), all-reduce {req['sizes_mb'][0]:g}-{req['sizes_mb'][-1]:g}"
+            f" MB; output in {out}")
     if slurm:
         script = out / "doctor.sbatch"
         script.write_text(sbatch_script(cfg, out=out, nodes=cfg.nodes, tasks=tasks, exclude=exclude))
         proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
         if proc.returncode:
+            shutil.rmtree(made or out, ignore_errors=True)  # a refused job leaves no folder behind
             raise UserError(f"sbatch refused the doctor's job: {' '.join(proc.stderr.split())}")
+        print(said, flush=True)
         code = _wait_for_job(proc.stdout.strip().split(";")[0])
     else:
+        print(said, flush=True)
         code = _run_local(out, tasks)
     if code or not (out / "doctor.json").exists():
         logs = sorted(out.glob("rank_*.log"))

@@ -1,17 +1,21 @@
 """What the doctor concludes from its figures, and how it writes them down. No torch.
 
-A node is slow when one of its figures is worse than the median of all nodes by more than
-doctor.slow_factor:
+A node is slow when one of its figures is worse than the median of all nodes' by more
+than doctor.slow_factor. Each direction is judged on its own, never pooled:
 
-    p2p         the median bandwidth of the point-to-point transfers to and from it: a
-                slow link, in either direction, slows every transfer of its node and only
-                one of each other node's
-    sending     with two nodes, where every transfer involves both: the bandwidth of what
-                it sends (a link slowed on its way out, as `tc` on the node's egress does)
+    sending     what it sends to the other nodes (a link slowed on its way out, as `tc`
+                on the node's egress does): the upper median of its transfers out, so one
+                slow link of another node's does not drag it down, while a slow egress,
+                which slows every transfer out, does
+    receiving   what it receives from the others, the same way (3 nodes or more: with two,
+                what one receives is what the other sends, and the sender is the one
+                judged)
     matmul      the median matrix-multiply throughput of its devices
 
-With two nodes the median is their mean, so a node must be far off (slow_factor x below
-the mean) to be flagged; the more nodes, the sharper the test.
+And each link: one slower than the median of all links by slow_factor that neither end's
+direction explains (a bad cable or port between two nodes) is listed as a slow link, not
+blamed on either node. With two nodes the median is their mean, so a node must be far off
+(slow_factor x below the mean) to be flagged; the more nodes, the sharper the test.
 """
 
 from __future__ import annotations
@@ -24,24 +28,39 @@ REPORT = "report.md"
 EXCLUDE = "exclude.txt"
 
 
+def _links(results: dict) -> dict[tuple[str, str], float]:
+    return {tuple(pair.split("->")): bw for pair, bw in results.get("p2p_gbs", {}).items()}
+
+
 def per_node_figures(results: dict) -> dict[str, dict[str, float]]:
     names = [n["node"] for n in results["nodes"]]
     figures: dict[str, dict[str, float]] = {n: {} for n in names}
-    p2p = results.get("p2p_gbs", {})
+    links = _links(results)
     for name in names:
-        ends = [pair.split("->") for pair in p2p]
-        if len(names) == 2:
-            mine = [bw for (src, _), bw in zip(ends, p2p.values(), strict=True) if src == name]
-            kind = "sending GB/s"
-        else:
-            mine = [bw for (src, dst), bw in zip(ends, p2p.values(), strict=True) if name in (src, dst)]
-            kind = "p2p GB/s"
-        if mine:
-            figures[name][kind] = statistics.median(mine)
+        sent = [bw for (src, _), bw in links.items() if src == name]
+        received = [bw for (_, dst), bw in links.items() if dst == name]
+        if sent:
+            figures[name]["sending GB/s"] = statistics.median_high(sent)
+        if received and len(names) > 2:
+            figures[name]["receiving GB/s"] = statistics.median_high(received)
         flops = results.get("matmul_tflops", {}).get(name)
         if flops:
             figures[name]["matmul TFLOP/s"] = statistics.median(flops)
     return figures
+
+
+def slow_links(results: dict, *, slow_factor: float, flagged: list[dict]) -> list[str]:
+    """Links slower than the median link by more than slow_factor whose sender was not
+    flagged for sending nor its receiver for receiving: the link itself is slow."""
+    links = _links(results)
+    if len(links) < 3:  # two nodes: each link is one node's sending, judged there
+        return []
+    median = statistics.median(links.values())
+    why = {f["node"]: f["why"] for f in flagged}
+    return [f"{src}->{dst} {bw:.3g} GB/s is {median / bw:.1f}x below the median link {median:.3g}"
+            f" (doctor.slow_factor={slow_factor:g})"
+            for (src, dst), bw in links.items()
+            if bw * slow_factor < median and "sending" not in why.get(src, "") and "receiving" not in why.get(dst, "")]
 
 
 def analyze(results: dict, *, slow_factor: float) -> list[dict]:
@@ -85,6 +104,9 @@ def render(results: dict, *, out: Path) -> str:
         lines += ["", f"Left out of the next job by `python -m dtk.submit cluster.exclude_from={out / EXCLUDE}`.", ""]
     else:
         lines += ["No node is slower than the median by more than doctor.slow_factor.", ""]
+    if results.get("slow_links"):
+        lines += ["## Slow links (neither end slow in that direction)", ""]
+        lines += [f"- {link}" for link in results["slow_links"]] + [""]
     lines += ["## Nodes", ""]
     for n in results["nodes"]:
         ifaces = ", ".join(f"{i['name']} {i['speed_mbps'] or '?'} Mb/s {' '.join(i['ipv4']) or '-'}"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from dtk.config.choices import Backend, DeviceKind
 from dtk.dist.init import init_process_group, pick_device
 from dtk.doctor import measure
-from dtk.doctor.report import REPORT, RESULTS, analyze, exclude_text, render
+from dtk.doctor.report import REPORT, RESULTS, analyze, exclude_text, render, slow_links
 from dtk.errors import ArgumentParser
 from dtk.plan.degrees import Axis
 from dtk.topology.discover import discover
@@ -86,6 +86,7 @@ def run(out: Path) -> None:
                               for r in everyone for k, v in r["p2p"].items()}
         results["matmul_tflops"] = {n: [r["matmul_tflops"] for r in everyone if r["node"] == n] for n in names}
         results["flagged"] = analyze(results, slow_factor=req["slow_factor"])
+        results["slow_links"] = slow_links(results, slow_factor=req["slow_factor"], flagged=results["flagged"])
         (out / RESULTS).write_text(json.dumps(results, indent=1) + "\n")
         (out / REPORT).write_text(render(results, out=out))
         (out / "exclude.txt").write_text(exclude_text(results["flagged"]))

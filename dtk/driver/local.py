@@ -1,7 +1,8 @@
 """The driver on the local cluster: start the workers on this machine, watch them, and
 relaunch them after a crash or a hang, as the Slurm driver does in an allocation.
 
-The same decision table as on Slurm (dtk/driver/decide.py) with the same limits
+The local backend of the driver core both drivers share (dtk/driver/core.py): the same
+decision table as on Slurm (dtk/driver/decide.py) with the same limits
 (`fault.max_restarts` relaunches after crashes and hangs, `fault.hang_timeout_s` without a
 heartbeat, `fault.startup_timeout_s` before the first) and the same events (`started`,
 `hang_detected`, `relaunched`, `resumed`, `failed`, `stopped`). There is no requeue here:
@@ -20,14 +21,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
-from dtk.driver.decide import Action, Kind, Outcome, decide
+from dtk.driver.core import DriverCore
+from dtk.driver.decide import Decision, Kind, Outcome
 from dtk.driver.logs import error_line, last_line
-from dtk.driver.record import last_completed_step, latest_checkpoint_step, record_failure, record_stopped
+from dtk.driver.record import record_failure, record_stopped
+from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
-from dtk.rundir import HEARTBEAT, RunDir, process_identity
+from dtk.rundir import RunDir, process_identity
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import driver_env, rank_env
 
@@ -87,16 +90,27 @@ def _raise_terminated(signum, _frame) -> None:
     raise _Terminated(signal.Signals(signum).name)
 
 
-class LocalDriver:
-    def __init__(self, plan: Plan, run: RunDir, *, progress=None, lock_fd: int | None = None) -> None:
-        self.plan = plan
+def spawn_worker(argv: list[str], *, env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()
+                 ) -> subprocess.Popen:
+    """One worker process, its output appended to `log`, in a session of its own; `pass_fds`
+    are inherited (the run lock's descriptor)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent, pass_fds=pass_fds)
+
+
+class LocalDriver(DriverCore):
+    """The local backend of DriverCore. `clock` and `spawn` (how one worker process starts,
+    `spawn_worker`'s signature) are what tests replace to play its decisions in fake time."""
+
+    def __init__(self, plan: Plan, run: RunDir, *, progress=None, clock: Clock | None = None,
+                 spawn: Callable[..., subprocess.Popen] = spawn_worker, lock_fd: int | None = None) -> None:
+        super().__init__(run, plan, f"local-{os.getpid()}", clock=clock or Clock())
+        self.progress = progress
         # The run lock's descriptor, inherited by every worker: the flock lives until the last
         # holder exits, so a killed dtk.submit does not free the run while its workers save.
         self.lock_fds = () if lock_fd is None else (lock_fd,)
-        self.run = run
-        self.progress = progress
-        self.fault = plan.config.fault
-        self.job_id = f"local-{os.getpid()}"
+        self.spawn = spawn
         self.procs: list[subprocess.Popen] = []
         self.stop_signalled = False
         self.failure: dict = {}  # the failed rank of the latest start: rank, host, exit code, log, last line
@@ -115,22 +129,13 @@ class LocalDriver:
             world_size=world,
             **process_identity(),  # pid, start time and name: a reused pid is not this driver
         )
-        self.procs = []
-        for rank in range(world):
-            log = open(logs / f"rank_{rank}.log", "ab")
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "dtk.worker", str(self.run.path)],
-                    env=worker_env(rank=rank, world=world, local_world=world, port=port, restart=restart,
-                                   plan=self.run.plan_json, recovery_from=recovery_from),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                    pass_fds=self.lock_fds,
-                )
-            )
-            log.close()
+        self.procs = [
+            self.spawn([sys.executable, "-m", "dtk.worker", str(self.run.path)],
+                       env=worker_env(rank=rank, world=world, local_world=world, port=port, restart=restart,
+                                      plan=self.run.plan_json, recovery_from=recovery_from),
+                       log=logs / f"rank_{rank}.log", **({"pass_fds": self.lock_fds} if self.lock_fds else {}))
+            for rank in range(world)
+        ]
         pids = [p.pid for p in self.procs]
         (logs / "pids").write_text("\n".join(map(str, pids)) + "\n")
         return logs
@@ -141,18 +146,21 @@ class LocalDriver:
         alive = [p for p in self.procs if p.poll() is None]
         for p in alive:
             p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = self.clock.monotonic() + STOP_GRACE_S
         for p in alive:
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                p.wait(timeout=max(0.1, deadline - self.clock.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
 
+    def start_workers(self, recovery_from: float) -> Outcome:
+        self.failure = {}
+        return self.watch(self.start(recovery_from))
+
     def watch(self, logs: Path) -> Outcome:
         """Wait for the workers of one start: how it ended (the Slurm driver's Kinds)."""
-        started = time.time()
-        heartbeat = self.run.path / HEARTBEAT
+        started = self.clock.time()
         while True:
             codes = [p.poll() for p in self.procs]
             if self.progress is not None:
@@ -161,7 +169,7 @@ class LocalDriver:
             if request is not None and not self.stop_signalled:
                 self.stop_signalled = True
                 self.stop(kill=bool(request.get("now")))
-                return Outcome(Kind.STOP_ASKED, cause=stop_request_text(request), detected_at=time.time())
+                return Outcome(Kind.STOP_ASKED, cause=stop_request_text(request), detected_at=self.clock.time())
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_STOPPED)]
             if failed:
                 # A configuration error explains the others' fate (their peer left); else the
@@ -173,90 +181,65 @@ class LocalDriver:
                 if self.progress is not None:
                     self.progress.poll(final=True)
                 if EXIT_STOPPED in codes:
-                    return Outcome(Kind.STOP_ASKED, cause="a signal to the workers", detected_at=time.time())
+                    return Outcome(Kind.STOP_ASKED, cause="a signal to the workers", detected_at=self.clock.time())
                 return Outcome(Kind.FINISHED, code=0)
-            try:
-                beat = heartbeat.stat().st_mtime
-            except FileNotFoundError:
-                beat = 0.0
-            now = time.time()
-            if beat < started:
-                silent, limit = now - started, self.fault.startup_timeout_s
-            else:
-                silent, limit = now - beat, self.fault.hang_timeout_s
-            if silent > limit:
-                self.run.event("hang_detected", job_id=self.job_id, nodes=[socket.gethostname()],
-                               step=self._last_step(), silent_s=round(silent, 1), limit_s=limit)
+            found = self.silence(started)
+            if found.hung:
+                outcome = self.hang_detected(found, [socket.gethostname()])
                 self.stop(kill=True)
-                return Outcome(Kind.HUNG, cause=f"no heartbeat for {silent:.0f} s (limit {limit} s)", detected_at=now)
-            time.sleep(POLL_S)
+                return outcome
+            self.clock.sleep(POLL_S)
 
     def _crashed(self, rank: int, code: int, logs: Path) -> Outcome:
         log = logs / f"rank_{rank}.log"
         self.failure = {"rank": rank, "host": socket.gethostname(), "exit_code": code, "log": str(log),
                         "last_line": last_line(log)}
-        said = error_line(log) if code == EXIT_CONFIG else None
-        if said:  # the worker's own error line says it all; starting again cannot fix it
-            return Outcome(Kind.CONFIG_ERROR, code=code, cause=f"rank {rank}: {said}", detected_at=time.time())
+        if code == EXIT_CONFIG:  # a configuration error: starting again cannot fix it
+            said = error_line(log) or f"error: a worker exited with code {EXIT_CONFIG} (a configuration error); see {log}"
+            return Outcome(Kind.CONFIG_ERROR, code=code, cause=f"rank {rank}: {said}", detected_at=self.clock.time())
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return Outcome(Kind.CRASHED, code=code, cause=f"worker rank {rank} on {socket.gethostname()} {how}",
-                       detected_at=time.time())
-
-    def _last_step(self) -> int:
-        return last_completed_step(self.run)
-
-    def _restarts(self) -> int:
-        return max(0, self.run.starts() - 1)
+                       detected_at=self.clock.time())
 
     def run_to_end(self) -> int:
         previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
-            return self._loop()
+            return self.drive()
         except (KeyboardInterrupt, _Terminated) as exc:
             why = str(exc) or "SIGINT"
             print(f"\n{why}: the workers save at the end of this step and stop", file=sys.stderr)
             self.stop()
-            checkpoint = record_stopped(self.run, by=why, restarts=self._restarts(), job_id=self.job_id)
+            checkpoint = record_stopped(self.run, by=why, restarts=self.restarts(), job_id=self.job_id)
             print(f"stopped; {_resume_text(checkpoint)}", file=sys.stderr)
             return 130
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _loop(self) -> int:
-        relaunches, recovery_from = 0, None
-        while True:
-            self.failure = {}
-            step_at_start = latest_checkpoint_step(self.run) or 0
-            outcome = self.watch(self.start(recovery_from))
-            step = latest_checkpoint_step(self.run) or 0
-            decision = decide(outcome, job_id=self.job_id, relaunches=relaunches,
-                              max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step)
-            if decision.action is Action.FINISH:
-                self.run.stop_request.unlink(missing_ok=True)  # the run ended before a stop took effect
-                return 0
-            if decision.action is Action.STOP:
-                checkpoint = record_stopped(self.run, by=outcome.cause, restarts=self._restarts(), job_id=self.job_id)
-                print(stopped_line(outcome.cause, checkpoint))
-                return EXIT_STOPPED
-            if decision.action is Action.FAIL:
-                return self._fail(outcome, decision.error)
-            assert decision.action is Action.RELAUNCH, decision
-            relaunches += 1
-            recovery_from = outcome.detected_at
-            self.run.event("relaunched", job_id=self.job_id, cause=outcome.kind.value, detail=outcome.cause,
-                           step=self._last_step(), resume_from=step, attempt=relaunches, **self.failure)
-            print(f"relaunching ({outcome.kind.value}: {outcome.cause}); from checkpoint step {step},"
-                  f" {self.fault.max_restarts - relaunches} relaunch(es) left", file=sys.stderr)
+    # --- the actions of dtk/driver/decide.py this backend reaches ---------------------------
+    def relaunch_details(self) -> dict:
+        return self.failure
 
-    def _fail(self, outcome: Outcome, error: str) -> int:
+    def on_relaunch(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
+        super().on_relaunch(decision, outcome, step)
+        print(f"relaunching ({outcome.kind.value}: {outcome.cause}); from checkpoint step {step},"
+              f" {self.fault.max_restarts - self.relaunches} relaunch(es) left", file=sys.stderr)
+        return None
+
+    def on_stop(self, decision: Decision, outcome: Outcome, step: int) -> int:
+        checkpoint = record_stopped(self.run, by=outcome.cause, restarts=self.restarts(), job_id=self.job_id)
+        print(stopped_line(outcome.cause, checkpoint))
+        return EXIT_STOPPED
+
+    def on_fail(self, decision: Decision, outcome: Outcome, step: int) -> int:
+        error = decision.error
         log = self.failure.get("log")
         if outcome.kind is Kind.CONFIG_ERROR:  # the worker's own line, as it would say it
             error = outcome.cause.split(": ", 1)[1].removeprefix("error: ")
-            record_failure(self.run, error=error, restarts=self._restarts(), **self.failure)
+            record_failure(self.run, error=error, restarts=self.restarts(), **self.failure)
             print(f"error: {error} (worker rank {self.failure['rank']}; log {log})", file=sys.stderr)
             return EXIT_CONFIG
-        record_failure(self.run, error=error, restarts=self._restarts(), **self.failure)
+        record_failure(self.run, error=error, restarts=self.restarts(), **self.failure)
         excerpt = tail(Path(log)) if log else ""
         if excerpt:
             print(f"--- last lines of {log}\n{excerpt}\n---", file=sys.stderr)

@@ -67,9 +67,9 @@ def record_failure(run: RunDir, *, error: str, restarts: int, **details: Any) ->
 
 
 def latest_checkpoint_step(run: RunDir) -> int | None:
-    """The newest checkpoint whose manifest is committed (what a resume starts from)."""
-    complete = [step for step, _, ok in run.checkpoint_steps() if ok]
-    return complete[-1] if complete else None
+    """The newest checkpoint whose manifest is committed (what a resume starts from): the
+    run directory's one rule (RunDir.latest_committed_step)."""
+    return run.latest_committed_step()
 
 
 def record_stopped(run: RunDir, *, by: str, restarts: int, **details: Any) -> int | None:

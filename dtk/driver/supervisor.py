@@ -3,8 +3,9 @@
 submitit runs `drive(run_dir)` once, in the batch script (`use_srun=False`). The driver
 starts the worker step with srun, watches it (exit code, and the heartbeat rank 0 beats)
 and owns every recovery decision; workers never requeue themselves. What it does after
-each start is the table in dtk/driver/decide.py; this module gathers the facts and carries
-the decision out.
+each start is the table in dtk/driver/decide.py, applied by the loop of the driver core
+both drivers share (dtk/driver/core.py); this module gathers the facts of a start on Slurm
+and carries the decisions out.
 
 Every Slurm command goes through a `dtk.launch.slurmctl.Slurm` and every wait through its
 clock, so tests run the whole loop against a fake Slurm in fake time.
@@ -19,17 +20,20 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NoReturn
 
-from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
+from dtk.driver.core import DriverCore
+from dtk.driver.decide import Decision, Facts, Outcome, classify
 from dtk.driver.exclusions import add_exclusions, read_exclusions
 from dtk.driver.local import free_port, stop_request_text
 from dtk.driver.logs import SRUN_LOG, config_error_line, failure_cause
-from dtk.driver.record import last_completed_step, record_failure, record_stopped
+from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.timeleft import TimeLeft
+from dtk.launch.sbatch import gpu_step_flags
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
 from dtk.plan.plan import Plan
-from dtk.rundir import HEARTBEAT, RunDir
+from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import ENV_TABLES, driver_env
 
@@ -57,8 +61,7 @@ def srun_command(plan: Plan, *, logs: Path, nodes: list[str]) -> list[str]:
         f"--cpus-per-task={cluster.cpus_per_task}",
         f"--nodelist={','.join(nodes)}",
     ]
-    if cluster.gpu_bind:  # each task's GPU nearest its CPUs, where the site's GRES config allows
-        cmd.append(f"--gpu-bind={cluster.gpu_bind}")
+    cmd += gpu_step_flags(plan)  # one GPU per task, or the site's cluster.gpu_bind
     return cmd + [
         "--kill-on-bad-exit=1",  # one dead rank ends the step instead of leaving the rest hung
         "--unbuffered",
@@ -70,22 +73,15 @@ def srun_command(plan: Plan, *, logs: Path, nodes: list[str]) -> list[str]:
     ]
 
 
-def latest_checkpoint_step(run: RunDir) -> int:
-    complete = [step for step, _, ok in run.checkpoint_steps() if ok]
-    return complete[-1] if complete else 0
+class Supervisor(DriverCore):
+    """The Slurm backend of DriverCore (dtk/driver/core.py); its clock is its Slurm's."""
 
-
-class Supervisor:
     def __init__(self, run: RunDir, plan: Plan, job_id: str, *, slurm: Slurm | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
-        self.run = run
-        self.plan = plan
-        self.job_id = job_id
-        self.slurm = slurm or Slurm()
-        self.clock = self.slurm.clock
+        slurm = slurm or Slurm()
+        super().__init__(run, plan, job_id, clock=slurm.clock)
+        self.slurm = slurm
         self.environ = dict(os.environ if environ is None else environ)
-        self.fault = plan.config.fault
-        self.relaunches = 0  # after crashes and hangs, in this allocation
         self.signalled = 0  # SIGTERM (preemption, scancel) or USR2 seen by the driver itself
         self.restart_count = int(self.environ.get("SLURM_RESTART_COUNT", "0") or 0)
         self.stop_signalled = False  # the workers were told to stop for a dtk.stop request
@@ -93,6 +89,7 @@ class Supervisor:
         self.grow: GrowWatch | None = None  # while running on fewer nodes than the plan
         self.stop_reason = ""  # set once the driver stopped the workers itself (to grow back, before the limit)
         self.time_left = TimeLeft(run=run, slurm=self.slurm, job_id=job_id, plan=plan)
+        self.next_start: tuple[Plan, list[str]] | None = None  # the plan and nodes before_start chose
 
     def note_signal(self, signum: int, _frame=None) -> None:
         """Replaces submitit's handlers in this process: USR2 there would end the driver,
@@ -173,28 +170,18 @@ class Supervisor:
     def _watch(self, proc, started: float, nodes: list[str]) -> Outcome | None:
         """Wait for the step to end; tear it down when its heartbeat stops. Returns the
         HUNG outcome, or None once the step exited by itself."""
-        heartbeat = self.run.path / HEARTBEAT
         while proc.poll() is None:
             self.clock.sleep(POLL_S)
             if not self.stop_signalled and self.run.read_stop_request() is not None:
                 self._tell_workers_to_stop()
-            try:
-                beat = heartbeat.stat().st_mtime
-            except FileNotFoundError:
-                beat = 0.0
-            now = self.clock.time()
-            if beat < started:
-                silent, limit = now - started, self.fault.startup_timeout_s
-            else:
-                silent, limit = now - beat, self.fault.hang_timeout_s
+            found = self.silence(started)
             if self.grow is not None and not self.stop_reason:
                 self._grow_back(nodes)
             self._stop_before_the_limit()
-            if silent > limit and proc.poll() is None:
-                self.run.event("hang_detected", job_id=self.job_id, nodes=nodes, step=self._last_step(),
-                               silent_s=round(silent, 1), limit_s=limit)
+            if found.hung and proc.poll() is None:
+                outcome = self.hang_detected(found, nodes)
                 self._kill_step(proc)
-                return Outcome(Kind.HUNG, cause=f"no heartbeat for {silent:.0f} s (limit {limit} s)", detected_at=now)
+                return outcome
         return None
 
     # --- a stop someone asked for -------------------------------------------------------
@@ -217,54 +204,52 @@ class Supervisor:
         return ""
 
     def _stop(self, by: str) -> int:
-        checkpoint = record_stopped(self.run, by=by, restarts=max(0, self.run.starts() - 1), job_id=self.job_id)
+        checkpoint = record_stopped(self.run, by=by, restarts=self.restarts(), job_id=self.job_id)
         where = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint yet"
         print(f"driver: stopped ({by}); not requeued; {where}", flush=True)
         return 0
 
     # --- the loop ------------------------------------------------------------------------
-    def drive(self) -> int:
-        """Start, watch and decide until the run finishes (0), the job is requeued
-        (EXIT_STOPPED) or it fails (DriverFailed, with the failure recorded in the run)."""
-        recovery_from = self._recovery_from_previous_job()
-        while True:
-            request = self.run.read_stop_request()
-            if request is not None:  # asked before this start: do not start
-                return self._stop(stop_request_text(request))
-            excluded = read_exclusions(self.run)
-            usable = [n for n in self.allocation() if n not in excluded]
-            plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault.shrink)
-            if plan is None:
-                return self._requeue(reason=f"{len(usable)} usable node(s) left, {self.plan.nodes} needed",
-                                     detected_at=recovery_from)
-            step_at_start = latest_checkpoint_step(self.run)
-            self.grow = (GrowWatch(run=self.run, slurm=self.slurm, plan=self.plan, environ=self.environ,
-                                   partition=self.plan.config.cluster.partition)
-                         if plan.nodes < self.plan.nodes else None)
-            outcome = self.start(plan, usable[: plan.nodes], recovery_from)
-            step = latest_checkpoint_step(self.run)
-            decision = decide(outcome, job_id=self.job_id, relaunches=self.relaunches,
-                              max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step)
-            if decision.action is Action.FINISH:
-                self.run.stop_request.unlink(missing_ok=True)  # the run ended before a stop took effect
-                return 0
-            if decision.action is Action.STOP:
-                return self._stop(outcome.cause)
-            if decision.action is Action.FAIL:
-                self._fail(decision.error, step=self._last_step())
-            if decision.action is Action.REQUEUE:
-                return self._requeue(reason=self.stop_reason or "stopped on a signal",
-                                     detected_at=self._last_event_time("preempted"))
-            recovery_from = outcome.detected_at
-            if decision.action is Action.EXCLUDE:
-                add_exclusions(self.run, list(outcome.lost), job_id=self.job_id, reason=outcome.cause)
-                self.run.event("node_failed", job_id=self.job_id, nodes=list(outcome.lost), step=self._last_step(),
-                               resume_from=step)
-                continue
-            assert decision.action is Action.RELAUNCH, decision
-            self.relaunches += 1
-            self.run.event("relaunched", job_id=self.job_id, cause=outcome.kind.value, detail=outcome.cause,
-                           step=self._last_step(), resume_from=step, attempt=self.relaunches)
+    def before_start(self) -> int | None:
+        """A stop asked before this start ends the job; too few usable nodes requeue it.
+        `drive()` (the core's loop) then ends with 0 (finished or stopped), EXIT_STOPPED
+        (requeued), or raises DriverFailed with the failure recorded in the run."""
+        request = self.run.read_stop_request()
+        if request is not None:  # asked before this start: do not start
+            return self._stop(stop_request_text(request))
+        excluded = read_exclusions(self.run)
+        usable = [n for n in self.allocation() if n not in excluded]
+        plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault.shrink)
+        if plan is None:
+            return self._requeue(reason=f"{len(usable)} usable node(s) left, {self.plan.nodes} needed",
+                                 detected_at=self.recovery_from)
+        self.next_start = (plan, usable[: plan.nodes])
+        self.grow = (GrowWatch(run=self.run, slurm=self.slurm, plan=self.plan, environ=self.environ,
+                               partition=self.plan.config.cluster.partition)
+                     if plan.nodes < self.plan.nodes else None)
+        return None
+
+    def start_workers(self, recovery_from: float) -> Outcome:
+        assert self.next_start is not None, "before_start chooses the plan and nodes of each start"
+        plan, nodes = self.next_start
+        return self.start(plan, nodes, recovery_from)
+
+    # --- the actions of dtk/driver/decide.py --------------------------------------------
+    def on_stop(self, decision: Decision, outcome: Outcome, step: int) -> int:
+        return self._stop(outcome.cause)
+
+    def on_fail(self, decision: Decision, outcome: Outcome, step: int) -> NoReturn:
+        self._fail(decision.error, step=self.last_step())
+
+    def on_requeue(self, decision: Decision, outcome: Outcome, step: int) -> int:
+        return self._requeue(reason=self.stop_reason or "stopped on a signal",
+                             detected_at=self._last_event_time("preempted"))
+
+    def on_exclude(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
+        add_exclusions(self.run, list(outcome.lost), job_id=self.job_id, reason=outcome.cause)
+        self.run.event("node_failed", job_id=self.job_id, nodes=list(outcome.lost), step=self.last_step(),
+                       resume_from=step)
+        return None
 
     def _stop_before_the_limit(self) -> None:
         """Stop the workers (they save) once the time left falls to what a stop needs;
@@ -274,7 +259,7 @@ class Supervisor:
         t = self.time_left
         self.time_left = None
         self.stop_reason = f"time limit in {t.left_s:.0f} s, a stop needs {t.need_s:.0f} s"
-        self.run.event("time_limit_near", job_id=self.job_id, step=self._last_step(), left_s=round(t.left_s, 1),
+        self.run.event("time_limit_near", job_id=self.job_id, step=self.last_step(), left_s=round(t.left_s, 1),
                        need_s=round(t.need_s, 1))
         self.slurm.signal_steps(self.job_id, "USR2")
 
@@ -288,22 +273,19 @@ class Supervisor:
         back = self.grow.poll(nodes)
         if back:
             self.stop_reason = f"grow back to {self.plan.nodes} nodes"
-            self.run.event("node_returned", job_id=self.job_id, nodes=back, step=self._last_step(),
+            self.run.event("node_returned", job_id=self.job_id, nodes=back, step=self.last_step(),
                            world_size=len(nodes) * self.plan.tasks_per_node, to_world_size=self.plan.world_size)
             self.slurm.signal_steps(self.job_id, "USR2")
 
-    def _last_step(self) -> int:
-        return last_completed_step(self.run)
-
-    def _fail(self, error: str, **details) -> None:
-        record_failure(self.run, error=error, restarts=max(0, self.run.starts() - 1), job_id=self.job_id, **details)
+    def _fail(self, error: str, **details) -> NoReturn:
+        record_failure(self.run, error=error, restarts=self.restarts(), job_id=self.job_id, **details)
         raise DriverFailed(error)
 
     def _last_event_time(self, name: str) -> float:
         times = [e["time"] for e in self.run.events_list() if e.get("event") == name]
         return times[-1] if times else self.clock.time()
 
-    def _recovery_from_previous_job(self) -> float:
+    def recovery_from_previous_job(self) -> float:
         """A start after a requeue measures its recovery from the detection that caused it."""
         events = self.run.events_list()
         last_start = max((i for i, e in enumerate(events) if e.get("event") == "started"), default=-1)
@@ -324,7 +306,7 @@ class Supervisor:
         except UserError:  # checked at submission; unreadable from here: the run's own list
             listed = ()
         exclude = sorted(set(read_exclusions(self.run)) | set(listed))
-        self.run.event("requeued", job_id=self.job_id, step=latest_checkpoint_step(self.run), reason=reason,
+        self.run.event("requeued", job_id=self.job_id, step=self.checkpoint_step(), reason=reason,
                        exclude=exclude, detected_at=detected_at)
         # The job becomes PENDING again; Slurm sends this batch script SIGTERM (ignored here).
         refused, not_excluded = self.slurm.requeue_excluding(self.job_id, exclude)

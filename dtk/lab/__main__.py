@@ -1,4 +1,4 @@
-"""python -m dtk.lab up [--nodes N] [--netns] [--no-install] [--force] | status | slow NODE RATE | down [--force]"""
+"""python -m dtk.lab up [--nodes N] [--gpus-per-node G] [--netns] [--no-install] [--force] | status | slow NODE RATE | down [--force]"""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--netns", action="store_true",
                        help="each node in a network namespace of its own, with its own address on a veth (lab0)"
                             " joined by a bridge, so jobs see separate network stacks; see docs/lab.md")
+    start.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                       help="GPUs Slurm schedules on each node (GRES gpu:G, device files in the lab folder,"
+                            " half on each of two sockets), for checking GPU binding without GPUs; workers"
+                            " there train on the CPU (dist.device=cpu). Default 0: no GPUs")
     slow = commands.add_parser("slow", help="limit what one node sends (tc tbf on its veth), to make a slow node;"
                                             " needs a lab started with --netns (root)")
     slow.add_argument("node", metavar="NODE", help="the node, e.g. node2")
@@ -55,7 +59,8 @@ def describe(status: cluster.LabStatus) -> str:
     dead = [label for label, alive in status.alive.items() if not alive]
     state = "up" if status.up else "degraded, dead: " + ", ".join(dead)
     record = status.record
-    lines = [f"lab: {state}; {status.num_nodes} nodes; state in {status.layout.root}"]
+    gpus = f", {record.num_gpus} GPUs each" if record.num_gpus else ""
+    lines = [f"lab: {state}; {status.num_nodes} nodes{gpus}; state in {status.layout.root}"]
     if record.started_by:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started_at))
         lines.append(f"started by {record.started_by} on {record.host} at {since}")
@@ -92,7 +97,7 @@ def main(argv: list[str]) -> int:
             before = cluster.status()
             state = lab_access.current(before.layout) if before.record is not None else None
             status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force,
-                                netns=args.netns)
+                                netns=args.netns, gpus_per_node=args.gpus_per_node)
             policy = lab_access.kept(args.access, state=state, log=print)
             lab_access.apply(policy, layout=status.layout, system=files.system_files(),
                              install=not args.no_install, timeout_s=args.timeout, log=print)

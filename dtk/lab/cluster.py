@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtk.lab import daemons, files, netns, ownership
+from dtk.lab import daemons, files, gres, netns, ownership
 from dtk.lab.daemons import Daemon, DaemonError
 from dtk.lab.files import LabLayout, SystemFiles
 from dtk.lab.jobs import LabJob, lab_jobs
@@ -82,11 +82,16 @@ def status(*, root: Path | None = None) -> LabStatus:
 
 
 def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, timeout_s: float = 60.0,
-       force: bool = False, netns: bool = False, log: Log = print) -> LabStatus:
+       force: bool = False, netns: bool = False, gpus_per_node: int = 0, log: Log = print) -> LabStatus:
     """Bring the lab up with `num_nodes` idle nodes, each in a network namespace of its own
-    with `netns` (dtk.lab.netns); see the module doc for what it keeps."""
+    with `netns` (dtk.lab.netns) and with `gpus_per_node` GPUs that Slurm schedules
+    (dtk.lab.gres); see the module doc for what it keeps."""
     if not 1 <= num_nodes <= MAX_NODES:
         raise LabError(f"--nodes={num_nodes} is out of range: the lab runs 1 to {MAX_NODES} nodes")
+    try:
+        gres.node_shape(gpus_per_node, files.CPUS_PER_NODE)
+    except ValueError as exc:
+        raise LabError(f"--gpus-per-node={gpus_per_node}: {exc}") from None
     require_root("up")
     layout, system = LabLayout(root or lab_dir()), files.system_files()
     # Before anything is written, installed or stopped.
@@ -102,14 +107,15 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
                                               + ", ".join(ownership.describe(p) for p in strangers)]))
         if record is not None:
             dead = [d for d in record.daemons if not daemons.is_alive(d)]
-            same = record.num_nodes == num_nodes and record.netns == netns
+            same = (record.num_nodes, record.netns, record.num_gpus) == (num_nodes, netns, gpus_per_node)
             if same and not dead:
-                log(f"lab is already up with {num_nodes} nodes{_NETNS[netns]} ({layout.root})")
+                log(f"lab is already up with {num_nodes} nodes{_NETNS[netns]}{_gpus(gpus_per_node)} ({layout.root})")
                 return status(root=layout.root)
             if same and all(d.program == "slurmd" for d in dead):
                 return _restart_nodes(layout, system, record, dead, timeout_s, log)
             why = (f"from {record.num_nodes} to {num_nodes} nodes" if record.num_nodes != num_nodes
-                   else ("with each node in a network namespace of its own" if netns
+                   else f"from {record.num_gpus} to {gpus_per_node} GPUs per node"
+                   if record.num_gpus != gpus_per_node else ("with each node in a network namespace of its own" if netns
                          else "with every node on this machine's network stack") if record.netns != netns
                    else "because " + ", ".join(d.label for d in dead) + " died")
             _refuse_busy(layout, system, record, force, f"restarting the lab {why}")
@@ -117,7 +123,7 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
         _stop_all(layout, record or LabRecord(0), log)  # with no record: leftovers of a lab that lost it
         started = _install(install, layout, log)
         try:
-            start_all(layout, system, LabRecord.new(num_nodes, netns=netns), started, log)
+            start_all(layout, system, LabRecord.new(num_nodes, netns=netns, num_gpus=gpus_per_node), started, log)
             wait_for_nodes(layout, system, started, num_nodes, timeout_s, ready=lambda state: state == "idle")
         except (LabError, DaemonError, OSError) as exc:
             # Leave nothing half-started: stop exactly what this call started.
@@ -126,9 +132,13 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
             except (LabError, DaemonError) as cleanup:
                 raise LabError(f"{exc}; and while stopping what had started: {cleanup}") from None
             raise LabError(str(exc)) from None
-        log(f"lab is up: {num_nodes} nodes{_NETNS[netns]}, partitions debug (default) and high; "
+        log(f"lab is up: {num_nodes} nodes{_NETNS[netns]}{_gpus(gpus_per_node)}, partitions debug (default) and high; "
             f"config {system.slurm_conf}, state in {layout.root}")
         return status(root=layout.root)
+
+
+def _gpus(gpus_per_node: int) -> str:
+    return f", {gpus_per_node} GPUs each (GRES, on two sockets)" if gpus_per_node else ""
 
 
 def down(*, root: Path | None = None, force: bool = False, log: Log = print) -> None:
@@ -155,6 +165,8 @@ def slow(node: str, rate: str | None, *, root: Path | None = None, log: Log = pr
     (None). Needs a lab with network namespaces: without them the nodes share one stack."""
     require_root("slow")
     layout = LabLayout(root or lab_dir())
+    if read_record(layout) is None:
+        raise LabError(f"no lab is running from {layout.root}; start one with python -m dtk.lab up --netns")
     with _locked(layout):
         record = read_record(layout)
         if record is None or not record.netns:

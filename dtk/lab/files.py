@@ -14,6 +14,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtk.lab.gres import node_shape
 from dtk.resources import templates_dir
 
 TEMPLATE = templates_dir() / "slurm.conf.tmpl"
@@ -39,6 +40,11 @@ class SystemFiles:
     def slurm_conf(self) -> Path:
         """Where every Slurm command looks for its config when SLURM_CONF is unset."""
         return self.etc / "slurm" / "slurm.conf"
+
+    @property
+    def gres_conf(self) -> Path:
+        """Slurm reads gres.conf from the folder of slurm.conf."""
+        return self.etc / "slurm" / "gres.conf"
 
     @property
     def hosts(self) -> Path:
@@ -129,29 +135,38 @@ def node_port(index: int) -> int:
     return FIRST_NODE_PORT + index - 1
 
 
-def node_lines(num_nodes: int, addresses: list[str] | None = None) -> str:
+def node_lines(num_nodes: int, addresses: list[str] | None = None, gpus_per_node: int = 0) -> str:
     """slurm.conf's NodeName lines: one for all nodes on 127.0.0.1, or, given each node's
-    address (the lab with --netns), one per node."""
-    rest = f"CPUs={CPUS_PER_NODE} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
+    address (the lab with --netns), one per node; with GPUs, two sockets and `Gres=gpu:G`
+    (dtk.lab.gres)."""
+    rest = f"{node_shape(gpus_per_node, CPUS_PER_NODE).resources(CPUS_PER_NODE)} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
     if addresses is not None:
         return "\n".join(f"NodeName={node_name(k)} NodeHostname=localhost NodeAddr={addr} Port={node_port(k)} {rest}"
                          for k, addr in enumerate(addresses, start=1))
     # A one-node range ("node[1-1]", "17001-17001") is legal but reads oddly in sinfo.
-    names = "node1" if num_nodes == 1 else f"node[1-{num_nodes}]"
+    names = node_range(num_nodes)
     ports = str(FIRST_NODE_PORT) if num_nodes == 1 else f"{FIRST_NODE_PORT}-{node_port(num_nodes)}"
     return f"NodeName={names} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports} {rest}"
 
 
+def node_range(num_nodes: int) -> str:
+    """`node[1-N]`; a one-node range ("node[1-1]") is legal but reads oddly in sinfo."""
+    return "node1" if num_nodes == 1 else f"node[1-{num_nodes}]"
+
+
 def render_slurm_conf(layout: LabLayout, num_nodes: int, template: str | None = None, *,
-                      controller_addr: str | None = None, addresses: list[str] | None = None) -> str:
+                      controller_addr: str | None = None, addresses: list[str] | None = None,
+                      gpus_per_node: int = 0) -> str:
     """The lab's slurm.conf, header included; `controller_addr` and `addresses` (one per
-    node) for a lab whose nodes have network namespaces of their own."""
+    node) for a lab whose nodes have network namespaces of their own; `gpus_per_node` for
+    nodes with GPUs (GresTypes=gpu, and gres.conf from `dtk.lab.gres`)."""
     if template is None:
         template = TEMPLATE.read_text()
     body = string.Template(template).substitute(
         num_nodes=num_nodes,
         controller=f"localhost({controller_addr})" if controller_addr else "localhost",
-        node_lines=node_lines(num_nodes, addresses),
+        node_lines=node_lines(num_nodes, addresses, gpus_per_node),
+        gres_types="GresTypes=gpu" if gpus_per_node else "# No GPUs (python -m dtk.lab up --gpus-per-node N adds them).",
         cpus=CPUS_PER_NODE,
         grace_time_s=GRACE_TIME_S,
         state_dir=layout.state_dir,

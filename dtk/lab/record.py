@@ -28,11 +28,14 @@ class LabRecord:
     """Each node in a network namespace of its own (`up --netns`, dtk.lab.netns)."""
     slow: tuple[tuple[str, str], ...] = ()
     """(node, rate) of every node whose sending `dtk.lab slow` limits."""
+    num_gpus: int = 0
+    """GPUs Slurm schedules on each node (`up --gpus-per-node`, dtk.lab.gres)."""
 
     def to_json(self) -> str:
         return json.dumps({"num_nodes": self.num_nodes, "daemons": [d.to_json() for d in self.daemons],
                            "started_by": self.started_by, "started_at": self.started_at, "host": self.host,
-                           "netns": self.netns, "slow": dict(self.slow)}, indent=1)
+                           "netns": self.netns, "slow": dict(self.slow),
+                           "num_gpus": self.num_gpus}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> LabRecord:
@@ -40,12 +43,13 @@ class LabRecord:
         return cls(int(data["num_nodes"]), tuple(Daemon.from_json(d) for d in data["daemons"]),
                    started_by=data.get("started_by", ""), started_at=float(data.get("started_at", 0.0)),
                    host=data.get("host", ""), netns=bool(data.get("netns", False)),
-                   slow=tuple(sorted(data.get("slow", {}).items())))
+                   slow=tuple(sorted(data.get("slow", {}).items())),
+                   num_gpus=int(data.get("num_gpus", 0)))
 
     @classmethod
-    def new(cls, num_nodes: int, *, netns: bool = False) -> LabRecord:
+    def new(cls, num_nodes: int, *, netns: bool = False, num_gpus: int = 0) -> LabRecord:
         return cls(num_nodes, (), started_by=invoking_user(), started_at=round(time.time(), 3),
-                   host=socket.gethostname(), netns=netns)
+                   host=socket.gethostname(), netns=netns, num_gpus=num_gpus)
 
 
 def invoking_user() -> str:

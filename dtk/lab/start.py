@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from dtk.lab import daemons, files, netns
+from dtk.lab import daemons, files, gres, netns
 from dtk.lab.daemons import Daemon
 from dtk.lab.files import LabLayout, SystemFiles
 from dtk.lab.programs import LabError, Log, program, slurm
@@ -39,8 +39,10 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
         (layout.spool_dir / name).mkdir()
     addresses = [netns.node_address(k) for k in range(1, num_nodes + 1)] if base.netns else None
     conf = files.render_slurm_conf(layout, num_nodes, addresses=addresses,
-                                   controller_addr=netns.bridge_address() if base.netns else None)
+                                   controller_addr=netns.bridge_address() if base.netns else None,
+                                   gpus_per_node=base.num_gpus)
     layout.conf.write_text(conf)
+    write_gres(layout, system, num_nodes, base.num_gpus)
     files.write_system_conf(conf, system.slurm_conf)
     files.ensure_hosts(num_nodes, system.hosts, addresses, netns.bridge_address() if base.netns else None)
     if base.netns:
@@ -62,6 +64,22 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
                          log=log_file(layout, "slurmctld")))
     for index in range(1, num_nodes + 1):
         record(start_slurmd(layout, system, files.node_name(index), in_netns=base.netns))
+
+
+def write_gres(layout: LabLayout, system: SystemFiles, num_nodes: int, gpus_per_node: int) -> None:
+    """gres.conf beside slurm.conf, and the device files it names. Without GPUs there is
+    none: a gres.conf of an earlier GPU lab goes, a foreign one stays untouched."""
+    if not gpus_per_node:
+        gres.make_devices(layout.root, 0)
+        if system.gres_conf.exists() and files.is_ours(system.gres_conf):
+            system.gres_conf.unlink()
+        return
+    if not files.is_ours(system.gres_conf):
+        raise LabError(f"{system.gres_conf} exists and was not written by dtk.lab; the lab will not overwrite it")
+    gres.make_devices(layout.root, gpus_per_node)
+    shape = gres.node_shape(gpus_per_node, files.CPUS_PER_NODE)
+    files.write_system_conf(gres.render_gres_conf(files.CONF_HEADER, lab_root=layout.root,
+                                                  nodes=files.node_range(num_nodes), shape=shape), system.gres_conf)
 
 
 def start_slurmd(layout: LabLayout, system: SystemFiles, name: str, *, in_netns: bool) -> Daemon:

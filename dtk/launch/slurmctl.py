@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtk.errors import UserError
+from dtk.errors import Unanswered, UserError
 
 COMMAND_TIMEOUT_S = 30.0
 """One Slurm command that has not answered after this long counts as a failed attempt."""
@@ -44,7 +44,7 @@ WAITING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 """States of a job that is back in the queue."""
 
 
-class SlurmUnavailable(RuntimeError):
+class SlurmUnavailable(Unanswered):
     """Slurm did not answer a query within the retry bound."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from dtk.config.schema import ModelConfig
+from dtk.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,28 @@ class ParallelSpec:
 def locate(target: str) -> Callable[..., Any]:
     module_name, _, attr = target.rpartition(".")
     if not module_name:
-        raise ValueError(f"model._target_={target}: expected a dotted path like package.module.factory")
+        raise UserError(f"model._target_={target}: expected a dotted path like package.module.factory")
     try:
         module = importlib.import_module(module_name)
         return getattr(module, attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"model._target_={target}: cannot import it ({exc})") from None
+        raise UserError(f"model._target_={target}: cannot import it ({exc})") from None
+
+
+def check_arguments(target: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """The model section's keys against the factory's signature: a key it does not take, or
+    one it needs that is missing, is the user's mistake (a TypeError from the call itself
+    could come from anywhere inside the factory)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a callable without a signature to read (a C function)
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        takes = [n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise UserError(f"model._target_={target}: its keys do not fit the factory: {exc}; it takes"
+                        f" {', '.join(takes) or 'no keyword arguments'} (the model section's other keys)") from None
 
 
 def build_model(model_cfg: ModelConfig, *, device: str | torch.device, seed: int) -> nn.Module:
@@ -62,11 +80,12 @@ def build_model(model_cfg: ModelConfig, *, device: str | torch.device, seed: int
     gives the parameters storage and values. On a real device the model gets the initial
     values a distributed run starts from (see `materialize`)."""
     factory = locate(model_cfg._target_)
+    check_arguments(model_cfg._target_, factory, model_cfg.kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
         model = factory(**model_cfg.kwargs)
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model._target_={model_cfg._target_} returned {type(model).__name__}, not an nn.Module")
+        raise UserError(f"model._target_={model_cfg._target_} returned {type(model).__name__}, not an nn.Module")
     if torch.device(device).type != "meta" and hasattr(model, "reset_parameter"):
         _init_by_name([model], seed)
     return model
@@ -140,7 +159,7 @@ def materialize(parts: list[nn.Module], *, model_cfg: ModelConfig, device: torch
     values.update(reference.named_buffers())
     for _, name, t in _tensors(parts):
         if name not in values:
-            raise ValueError(
+            raise UserError(
                 f"model._target_={model_cfg._target_}: parameter {name} is not in a fresh build of the model"
             )
         _assign(t, values[name].detach())

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from dtk.config.choices import ActivationCheckpoint
+from dtk.errors import UserError
 from dtk.parallel.units import wrap_units
 
 
@@ -59,7 +60,7 @@ def apply_ac(module: nn.Module, *, mode: ActivationCheckpoint, wrap_classes: tup
         return
     blocks = wrap_units(module, wrap_classes)
     if not blocks:
-        raise ValueError(
+        raise UserError(
             f"activation checkpointing needs the model's blocks, but model.wrap_classes={list(wrap_classes)}"
             " matches no module of this model part"
         )

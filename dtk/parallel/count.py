@@ -13,6 +13,8 @@ from typing import Any
 
 from dtk.config.convert import model_config
 from dtk.config.schema import Config, ModelConfig
+from dtk.errors import UserError
+from dtk.plan.count_model import EXIT_USER_ERROR
 from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, shape_from_counted, tp_dim_for
 
 
@@ -31,14 +33,18 @@ def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
     worker with the model it built on meta (`model`, not yet parallelized)."""
     from torch import nn
 
-    from dtk.models.build import build_model
+    from dtk.models.build import ParallelSpec, build_model
     from dtk.parallel.units import pipeline_units
 
     if model is None:
-        model = build_model(model_cfg, device="meta", seed=0)
+        try:
+            model = build_model(model_cfg, device="meta", seed=0)
+        except TypeError as exc:  # the factory's own keys misused (a key of the wrong type, ...)
+            raise UserError(f"model._target_={model_cfg._target_}: building it failed: TypeError: {exc}") from None
     units = pipeline_units(model)
     blocks = dict(units)
-    tp_plan = dict(model_cfg.tp_plan)
+    spec = ParallelSpec.from_config(model_cfg).with_model_defaults(model)  # what the workers use
+    tp_plan = dict(spec.tp_plan)
     modules = dict(model.named_modules())
     tensors = []
     for name, p in model.named_parameters():
@@ -57,11 +63,20 @@ def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
         "units": [[u, b] for u, b in units],
         "source": f"model {model_cfg._target_} (counted on the meta device)",
         "layers": sum(1 for _, b in units if b) or None,
+        "modules": [[path, type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}"]
+                    for path, m in modules.items()],
+        "wrap_classes": list(spec.wrap_classes),
+        "tp_plan": {k: str(v) for k, v in tp_plan.items()},
     }
 
 
 def main() -> int:
-    print(json.dumps(count(model_config(json.loads(sys.stdin.read())))))
+    try:
+        record = count(model_config(json.loads(sys.stdin.read())))
+    except UserError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(json.dumps(record))
     return 0
 
 

@@ -3,6 +3,8 @@ replicated over dp_replicate (HSDP) when that axis is larger than 1."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,3 +42,17 @@ def apply_fsdp(
         )
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
     return module
+
+
+def materialize_offloaded(parts: list[nn.Module], materialize: Callable[[list[nn.Module], torch.device], None], *,
+                          device: torch.device) -> None:
+    """Storage for parts sharded with CPU offload: the parameter shards in host memory,
+    where FSDP keeps them (it refuses shards made on the device: "FSDP parameters should be
+    materialized on CPU"), and the buffers on `device`, where the forward reads them and
+    FSDP does not move them. torchtitan does the same with its init and buffer devices."""
+    materialize(parts, torch.device("cpu"))
+    for part in parts:
+        for module in part.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)

@@ -16,7 +16,8 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
                             with the dtypes of step 0 as its mixed-precision policy
     6. materialize          storage and initial values, by the caller's `materialize` (after
                             sharding: no rank ever holds the whole model; before DDP, which
-                            broadcasts real weights)
+                            broadcasts real weights); with FSDP's CPU offload the shards on
+                            the host, buffers on the device
     7. DDP                  or wrap each part for replicated data parallelism (dp > 1)
     8. autocast             without FSDP, a low-precision param_dtype runs forward under
                             autocast; a pipeline's stages enter it themselves and send in it
@@ -66,14 +67,14 @@ def parallelize(
     scheme: SchemeConfig,
     spec: ParallelSpec,
     device: torch.device,
-    materialize: Callable[[list[nn.Module]], None],
+    materialize: Callable[[list[nn.Module], torch.device], None],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_microbatches: int,
     sharded_logits: bool,
 ) -> Parallelized:
     """Return this rank's model ready to train under `scheme`, by the steps of the module doc.
-    `model` is on the meta device; `materialize(parts)` gives parts storage and initial
-    values (step 6); `loss_fn` is the run's loss, which a pipeline schedule calls on its last
+    `model` is on the meta device; `materialize(parts, on)` gives parts storage on device `on`
+    and initial values (step 6); `loss_fn` is the run's loss, which a pipeline schedule calls on its last
     stage; `sharded_logits`: the run's task takes logits sharded over the vocabulary (tensor
     parallel without a pipeline then keeps them sharded: `Parallelized.loss_parallel`).
     Raises UserError for param_dtype=bfloat16 on a GPU without it and for a model's tp_plan
@@ -141,8 +142,13 @@ def parallelize(
                 device=device,
             )
 
-    # 6. materialize
-    materialize(parts)
+    # 6. materialize (with CPU offload, FSDP's shards on the host)
+    if use_fsdp and scheme.cpu_offload:
+        from dtk.parallel.fsdp import materialize_offloaded
+
+        materialize_offloaded(parts, materialize, device=device)
+    else:
+        materialize(parts, device)
 
     # 7. DDP (needs real weights: it checks and broadcasts them when it wraps)
     if use_ddp:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from dtk.config.choices import PipelineSchedule
+from dtk.errors import UserError
 from dtk.parallel.units import pipeline_units
 from dtk.plan.layout import local_stage_ids
 from dtk.plan.layout import stage_units as cut_stages
@@ -42,20 +43,20 @@ def stage_units(model: nn.Module, *, split_points: tuple[str, ...], num_stages: 
     names = [name for name, _ in units]
     if split_points:
         if len(split_points) != num_stages - 1:
-            raise ValueError(
+            raise UserError(
                 f"model.split_points has {len(split_points)} entries, which make {len(split_points) + 1} stages,"
                 f" but pp x pp_virtual_stages = {num_stages}; give {num_stages - 1} split points or none (even split)"
             )
         missing = [p for p in split_points if p not in names]
         if missing:
-            raise ValueError(f"model.split_points {missing} are not units of the model; units: {', '.join(names)}")
+            raise UserError(f"model.split_points {missing} are not units of the model; units: {', '.join(names)}")
         starts = [names.index(p) for p in split_points]
         if starts != sorted(set(starts)) or starts[0] == 0:
-            raise ValueError(f"model.split_points {list(split_points)} must be increasing and after the first unit")
+            raise UserError(f"model.split_points {list(split_points)} must be increasing and after the first unit")
     else:
         num_blocks = sum(1 for _, is_block in units if is_block)
         if num_blocks < num_stages:
-            raise ValueError(
+            raise UserError(
                 f"pp x pp_virtual_stages = {num_stages} stages, but the model has {num_blocks} blocks;"
                 " every stage needs at least one"
             )
@@ -116,6 +117,8 @@ class Pipeline:
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     has_first_stage: bool
     has_last_stage: bool
+    stages: list = field(default_factory=list)
+    """This rank's PipelineStage objects, in the schedule's order."""
 
 
 def build_pipeline(
@@ -145,4 +148,5 @@ def build_pipeline(
         schedule=sched,
         has_first_stage=0 in stage_ids,
         has_last_stage=num_stages - 1 in stage_ids,
+        stages=stages,
     )

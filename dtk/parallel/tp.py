@@ -98,7 +98,8 @@ def check_tp_plan(model: nn.Module, tp_plan: Mapping[str, str]) -> None:
     """Fail early, on the whole model, when a pattern names nothing (the styles themselves
     were checked while composing)."""
     if not tp_plan:
-        raise ValueError("scheme.tp > 1 needs model.tp_plan (module path pattern -> style); this model has none")
+        raise UserError("scheme.tp > 1 needs model.tp_plan (module path pattern -> style, docs/schemes.md);"
+                        " this model has none: give one in the model's yaml, or use a scheme without tp")
     for pattern, style in tp_plan.items():
         if style not in TpStyle.values():
             raise UserError(
@@ -106,7 +107,7 @@ def check_tp_plan(model: nn.Module, tp_plan: Mapping[str, str]) -> None:
                 f" which dtk has no equivalent of; give model.tp_plan in the model's yaml (styles: {', '.join(TpStyle.values())})"
             )
         if not pattern_matches(model, pattern):
-            raise ValueError(f"model.tp_plan pattern {pattern!r} matches no module of the model")
+            raise UserError(f"model.tp_plan pattern {pattern!r} matches no module of the model")
 
 
 def apply_tp(

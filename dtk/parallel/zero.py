@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from dtk.errors import UserError
 from dtk.plan.layout import zero1_owner
 
 BUCKET_BYTES = 32 << 20  # per broadcast: large enough to run at bandwidth, small enough to overlap
@@ -65,7 +66,7 @@ class ZeroOptimizer:
         self.group = group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if len(self.params) < size:
-            raise ValueError(
+            raise UserError(
                 f"scheme.shard_optimizer over {size} data-parallel ranks needs at least {size} parameters;"
                 f" the model part has {len(self.params)}"
             )

@@ -16,8 +16,10 @@ DESCRIPTION = """Compose and check the configuration exactly as dtk.submit would
 world size, parallel degrees, batch arithmetic, run directory; and the memory budget:
 bytes per device of parameters, gradients, optimizer state, activations, buffers and
 margin under the job's scheme and every other scheme at the same node count, whether it
-fits, the smallest device and node counts that fit, traffic per mesh axis, and the
-recommended scheme. Nothing is created.
+fits, the smallest device and node counts that fit, traffic per mesh axis, the predicted
+step time (on a GPU of known peak), and the recommended layout: searched over schemes,
+degrees, activation checkpointing, CPU offload, micro-batch and node count, with its
+predicted step, tokens/s and MFU and the next 3 alternatives. Nothing is created.
 
 Groups (choose with GROUP=NAME): cluster, model, data, optim, checkpoint, task; scheme
 is added with +scheme=NAME (without one, a multi-worker job is DDP). A project folder's

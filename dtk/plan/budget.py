@@ -1,16 +1,8 @@
-"""The memory budget of a job: every scheme at the job's size, the smallest size that fits,
-and the scheme to recommend. Reads the composed config once (`Context.from_config`); the
-rest is arithmetic on dtk.plan.memory.
-
-Recommendation, in this order (the cheapest change that fits first):
-
-1. data parallel (ddp), if the whole model with its gradients and optimizer state fits;
-2. shard the optimizer state (zero), then the gradients (zero2), then the parameters
-   (fsdp; hsdp on several nodes, so that the chatty traffic stays inside a node);
-3. tensor parallel when one layer is what does not fit, pipeline when the depth is;
-4. before adding nodes: activation checkpointing, lower precision or CPU offload, when one
-   of them makes a scheme fit on the nodes asked for;
-5. otherwise the scheme that fits on the fewest nodes, with that node count.
+"""The memory budget of a job: every scheme at the job's size and the smallest size at
+which each fits. Reads the composed config once (`Context.from_config`); the rest is
+arithmetic on dtk.plan.memory. What to recommend is dtk.plan.search's: every layout,
+checkpointing, offload and micro-batch, ranked by fit, nodes, predicted step time and
+simplicity.
 """
 
 from __future__ import annotations
@@ -20,16 +12,18 @@ from typing import Any
 
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
+from dtk.plan.degrees import resolve_degrees
 from dtk.plan.memory import Job, RankBytes, device_bytes, precision_for, scheme_config
 from dtk.plan.shape import ModelShape
-from dtk.plan.variants import SCHEME_KEYS, Variant, make_variant, standard_scheme
+from dtk.plan.variants import SCHEME_KEYS, Variant, checked_scheme, make_variant, standard_scheme
+from dtk.plan.whatif import check_whatif
 
 # Node counts tried when looking for the smallest that fits: every count up to 64, then
 # steps of an eighth of a power of two up to 4096.
 NODE_CANDIDATES = tuple(range(1, 65)) + tuple(
     sorted({p + k * p // 8 for p in (64, 128, 256, 512, 1024, 2048) for k in range(1, 9)})
 )
-# Order in which schemes are recommended (hsdp before fsdp on several nodes).
+# Tie-break of schemes that fit on equally few nodes (dtk.plan.gate's error line): simplest first.
 ORDER = ("ddp", "zero", "zero2", "hsdp", "fsdp", "tp", "pp", "hybrid")
 
 
@@ -68,10 +62,15 @@ class Context:
             split_points=self.split_points,
         )
 
-    def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None) -> Variant:
+    def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,
+                micro_batch: int | None = None) -> Variant:
+        """`scheme` at a size, checked as a typed command is; `micro_batch` replaces the job's."""
+        if not self.shape.exact:  # a what-if: its own dimensions, as make_plan checks a typed command
+            check_whatif(resolve_degrees(checked_scheme(scheme), nodes * (tasks_per_node or self.tasks_per_node)),
+                         self.shape, virtual_stages=int(scheme["pp_virtual_stages"]))
         v = make_variant(
             key, scheme, nodes=nodes, tasks_per_node=tasks_per_node or self.tasks_per_node,
-            global_batch=self.global_batch, micro_batch=self.micro_batch, model=self.model_checks,
+            global_batch=self.global_batch, micro_batch=micro_batch or self.micro_batch, model=self.model_checks,
             blocks=sum(1 for _, is_block in self.shape.units if is_block),
         )
         stages = v.degrees.pp * scheme_config(v.scheme).pp_virtual_stages if v.degrees.pp > 1 else 1
@@ -162,119 +161,14 @@ def scheme_row(ctx: Context, key: str) -> SchemeRow:
     return SchemeRow(key, est, error, found.nodes if found else None, smallest_devices(ctx, make_at))
 
 
-KNOBS: tuple[tuple[str, dict[str, Any], str], ...] = (
-    ("scheme.activation_checkpoint=selective", {"activation_checkpoint": "selective"},
-     "selective activation checkpointing (recompute norms and activations, keep matmul outputs)"),
-    ("scheme.activation_checkpoint=full", {"activation_checkpoint": "full"},
-     "full activation checkpointing (keep only each block's input)"),
-    ("scheme.param_dtype=bfloat16", {"param_dtype": "bfloat16"}, "bf16 compute (activations and gathered weights in 2 bytes)"),
-    ("scheme.cpu_offload=true", {"cpu_offload": True}, "FSDP CPU offload (states in host memory)"),
-)
-
-
-def _knob_applies(v: Variant, changes: dict[str, Any], device: str) -> bool:
-    for key, value in changes.items():
-        if v.scheme.get(key) == value:
-            return False
-        if key == "cpu_offload" and (v.scheme["data_parallel"] != "fsdp" or device != "cuda"):
-            return False
-        fp32_compute = v.scheme["param_dtype"] == "float32" or (v.scheme["param_dtype"] == "auto" and device == "cpu")
-        if key == "param_dtype" and not fp32_compute:
-            return False
-        if key == "activation_checkpoint" and v.scheme["activation_checkpoint"] == "full":
-            return False
-    return True
-
-
-def _gb(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e9:.2f} GB"
-
-
-# Why each scheme, given that the ones before it in ORDER do not fit.
-WHY = {
-    "ddp": "the whole model, its gradients and optimizer state fit on every device: data parallel is the simplest and fastest",
-    "zero": "sharding the optimizer state over the data-parallel ranks (ZeRO-1) is enough",
-    "zero2": "with the gradients sharded too (ZeRO-2) it fits",
-    "hsdp": "with the parameters sharded too; HSDP shards inside a node and replicates across nodes, so FSDP's"
-            " all-gathers stay on the node's links",
-    "fsdp": "with the parameters sharded too (FSDP, ZeRO-3) it fits",
-    "tp": "even fully sharded, a layer's gathered weights and activations do not fit; tensor parallelism splits"
-          " each layer (and its activations) inside a node",
-    "pp": "even fully sharded, the activations of the whole depth do not fit; pipeline stages split the layers",
-    "hybrid": "it takes tensor parallelism inside a node with FSDP across the ranks",
-}
-
-
-def reason(key: str, rows: dict[str, SchemeRow], capacity: int, order: list[str]) -> str:
-    """Why `key`, with the numbers of the cheaper schemes that do not fit."""
-    before = [k for k in order[: order.index(key)] if rows[k].estimate is not None]
-    misses = ", ".join(f"{k} {_gb(e.bytes.total)}" for k in before if (e := rows[k].estimate) is not None)
-    fits = rows[key].estimate
-    text = WHY[key]
-    if misses:
-        text = f"{misses} per device > {_gb(capacity)}; " + text
-    if fits is not None:
-        text += f" ({_gb(fits.bytes.total)} per device)"
-    return text
-
-
 @dataclass(frozen=True)
 class Recommendation:
+    """What dtk.plan.search recommends, as the report, the OOM line and plan.md print it."""
+
     scheme: str
     reason: str
     overrides: list[str]
     hints: list[str]
-
-
-def _knob_hints(ctx: Context, keys: list[str], nodes: int) -> list[str]:
-    """Activation checkpointing, lower precision or CPU offload that fit on fewer than `nodes`."""
-    hints = []
-    for key in keys:
-        try:
-            base = ctx.standard(key, nodes)
-        except UserError:
-            continue
-        for override, changes, what in KNOBS:
-            if not _knob_applies(base, changes, ctx.device):
-                continue
-            found = smallest_fit(ctx, lambda n, k=key: ctx.standard(k, n), **changes)
-            if found and found.nodes < nodes:
-                hints.append(f"{' '.join(found.overrides)} nodes={found.nodes} {override}: fits with {what}")
-    return hints
-
-
-def recommend(ctx: Context, rows: dict[str, SchemeRow]) -> Recommendation:
-    order = [k for k in ORDER if not (k == "hsdp" and ctx.nodes == 1)]
-    if ctx.capacity is None:
-        return Recommendation("", f"device memory unknown ({ctx.capacity_source})", [], [])
-    fitting = [(k, e) for k in order if (e := rows[k].estimate) is not None and e.fits]
-    if fitting:
-        key, fit = fitting[0]
-        v = fit.variant
-        return Recommendation(key, reason(key, rows, ctx.capacity, order), v.overrides + [f"nodes={ctx.nodes}"], [])
-    # Nothing fits as asked: a knob before more nodes.
-    for key in order:
-        est = rows[key].estimate
-        if est is None:
-            continue
-        for override, changes, what in KNOBS:
-            if not _knob_applies(est.variant, changes, ctx.device):
-                continue
-            with_knob = estimate(ctx, est.variant, **changes)
-            if with_knob.fits:
-                return Recommendation(
-                    key, f"no scheme fits on {ctx.nodes} node(s) as asked; {key} does with {what}"
-                         f" ({_gb(with_knob.bytes.total)} per device)",
-                    est.variant.overrides + [f"nodes={ctx.nodes}", override], [],
-                )
-    sized = sorted((n, ORDER.index(k), k) for k in order if (n := rows[k].min_nodes))
-    if not sized:
-        return Recommendation("", "no scheme fits on any node count tried (up to 4096 nodes)", [], [])
-    nodes, _, key = sized[0]
-    base = ctx.standard(key, nodes)
-    hints = _knob_hints(ctx, list(dict.fromkeys([key, "fsdp"])), nodes)
-    return Recommendation(key, f"no scheme fits on {ctx.nodes} node(s) as asked; {key} fits on {nodes}"
-                               f" ({WHY[key]})", base.overrides + [f"nodes={nodes}"], hints)
 
 
 def all_rows(ctx: Context) -> dict[str, SchemeRow]:

@@ -20,6 +20,7 @@ from dtk.errors import UserError
 from dtk.plan.shape import ModelShape, shape_from_counted
 
 COUNT_TIMEOUT_S = 60
+EXIT_USER_ERROR = 2  # the subprocess found a mistake in the model's keys; its last stderr line says which
 
 
 class NotCounted(UserError):
@@ -39,7 +40,10 @@ def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> 
             f"model._target_={target}: building it on the meta device to count its parameters took over"
             f" {timeout_s:.0f} s; set plan.params (and plan.layers) to plan without building it"
         ) from None
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if proc.returncode == EXIT_USER_ERROR and last.startswith("error: "):
+        # The keys do not fit the model: the workers would fail the same way, after the queue.
+        raise UserError(last.removeprefix("error: "))
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise NotCounted(f"model._target_={target}: cannot count its parameters on the meta device: {last}")
     return shape_from_counted(json.loads(proc.stdout))

@@ -18,7 +18,8 @@ from dtk.plan.budget import estimate
 from dtk.plan.comm import AXES, axis_groups, bottleneck, crosses_nodes, node_of, traffic
 from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.plan import Plan
-from dtk.plan.report import MemoryPlan, gb
+from dtk.plan.report import NUM_ALTERNATIVES, MemoryPlan, gb
+from dtk.plan.search import why_loses
 from dtk.plan.variants import chosen_at
 
 MAX_GROUPS = 64
@@ -114,6 +115,18 @@ def why_section(mp: MemoryPlan) -> list[str]:
     else:
         lines.append(f"The job runs {mp.key} as asked; the recommendation is {' '.join(r.overrides)}: {r.reason}.")
     lines += [f"- {h}" for h in r.hints]
+    if mp.predicted is not None and mp.hardware is not None:
+        lines += ["", f"Predicted step of the job as asked: {mp.predicted.describe()} ({mp.hardware.source})."]
+    if mp.ranked:
+        best = mp.ranked[0]
+        lines += ["", "| | overrides | degrees (dp_replicate, dp_shard, tp, pp) | GB per device | predicted step |"
+                      " tokens/s | MFU | why not first |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for i, c in enumerate(mp.ranked[:1 + NUM_ALTERNATIVES]):
+            d, t = c.degrees, c.time
+            timing = f"{t.total_s:.3g} s | {t.tokens_per_s:,.0f} | {t.mfu:.0%}" if t else "- | - | -"
+            why = "recommended" if i == 0 else why_loses(c, best)
+            lines.append(f"| {i + 1} | `{' '.join(c.overrides)}` | {d.dp_replicate}, {d.dp_shard}, {d.tp}, {d.pp} |"
+                         f" {gb(c.estimate.bytes.total)} | {timing} | {why} |")
     return lines
 
 

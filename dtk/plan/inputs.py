@@ -5,6 +5,8 @@ config keys.
 Device memory, first that applies:
 - `cluster.device_memory_gb` (decimal GB per device);
 - `cluster.accelerator`, a name in dtk.plan.accelerators;
+- on the local cluster with GPUs (a GPU workstation), the memory its smallest visible GPU
+  reports (`nvidia-smi`, no torch);
 - on the CPU, the node's memory shared by its workers: `cluster.mem_gb` (GiB, the sbatch
   --mem value), else this machine's memory (the local cluster, or a lab whose nodes are
   this machine);
@@ -14,14 +16,19 @@ Device memory, first that applies:
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtk.config.choices import DeviceKind
+from dtk.config.choices import ClusterKind, DeviceKind
 from dtk.config.compose import config_dir
 from dtk.config.schema import Config, ModelConfig
 from dtk.plan.accelerators import lookup
 from dtk.plan.budget import Context
+from dtk.plan.parts import check_parts
 from dtk.plan.plan import Plan
 from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, is_builtin, whatif_shape
 
@@ -53,12 +60,55 @@ def visible_gpus(cuda_visible_devices: str | None, *, driver_folder: Path = NVID
 
 
 def device_kind(cfg: Config) -> str:
-    """`cuda` or `cpu`, without touching torch: what the job asks for, else what the cluster declares."""
+    """`cuda` or `cpu`, without touching torch: what the job asks for, else what the cluster
+    declares, else on the local cluster whether this machine shows a GPU (its workers then
+    pick CUDA, dist.device=auto)."""
     want = cfg.dist.device
     if want in (DeviceKind.cuda, DeviceKind.cpu):
         return str(want)
     cluster = cfg.cluster
-    return "cuda" if (cluster.gpus_per_node or cluster.accelerator) else "cpu"
+    if cluster.gpus_per_node or cluster.accelerator:
+        return "cuda"
+    return "cuda" if local_gpus(cfg) else "cpu"
+
+
+def local_gpus(cfg: Config) -> int:
+    """GPUs the local cluster's workers see here; 0 on any other cluster (the login node's
+    GPUs, if any, are not the compute nodes')."""
+    if cfg.cluster.kind != ClusterKind.local:
+        return 0
+    return visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), driver_folder=NVIDIA_GPUS)
+
+
+NVIDIA_SMI_MEMORY = ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
+
+
+def _run(argv: list[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def reported_gpu_memory(cuda_visible_devices: str | None, *, run: Callable[[list[str]], str | None] = _run) -> int | None:
+    """Bytes of the smallest GPU this machine shows the workers, as nvidia-smi reports it
+    (MiB); None without nvidia-smi. CUDA_VISIBLE_DEVICES narrows it by index."""
+    text = run(NVIDIA_SMI_MEMORY)
+    if not text:
+        return None
+    sizes: dict[str, int] = {}
+    for line in text.splitlines():
+        index, _, mib = (part.strip() for part in line.partition(","))
+        if index and mib.isdigit():
+            sizes[index] = int(mib) * 2**20
+    if cuda_visible_devices is not None:
+        wanted = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+        if all(e.isdigit() for e in wanted):
+            sizes = {k: v for k, v in sizes.items() if k in wanted}
+    return min(sizes.values()) if sizes else None
 
 
 def device_capacity(cfg: Config, device: str, tasks_per_node: int) -> tuple[int | None, str]:
@@ -70,6 +120,10 @@ def device_capacity(cfg: Config, device: str, tasks_per_node: int) -> tuple[int 
     if accelerator:
         acc = lookup(accelerator)
         return round(acc.memory_gb * 1e9), f"cluster.accelerator={acc.name} ({acc.memory_gb:g} GB)"
+    if device == "cuda" and cfg.cluster.kind == ClusterKind.local:
+        reported = reported_gpu_memory(os.environ.get("CUDA_VISIBLE_DEVICES"), run=_run)
+        if reported:
+            return reported, f"this machine's GPU ({reported / 1e9:.1f} GB, nvidia-smi)"
     if device == "cuda":
         return None, "set cluster.accelerator or cluster.device_memory_gb to check that it fits"
     if cluster.mem_gb:
@@ -100,7 +154,15 @@ def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
     from dtk.config.schema import SchemeConfig
 
     assert cfg.scheme is not None, "compose() sets the scheme"
-    shape = shape or model_shape(cfg)
+    if shape is None:  # the login node: the model's keys are held against its modules first
+        shape = model_shape(cfg)
+        check_parts(
+            shape,
+            wrap_classes=shape.wrap_classes if shape.wrap_classes is not None else tuple(cfg.model.wrap_classes),
+            tp_plan=shape.tp_plan if shape.tp_plan is not None else dict(cfg.model.tp_plan),
+            split_points=tuple(cfg.model.split_points), degrees=plan.degrees,
+            pp_virtual_stages=cfg.scheme.pp_virtual_stages, target=f"model._target_={cfg.model._target_}",
+        )
     device = device_kind(cfg)
     capacity, source = device_capacity(cfg, device, plan.tasks_per_node)
     whatif = not shape.exact

@@ -95,7 +95,7 @@ def stage_units(units: tuple[tuple[str, bool], ...], split_points: tuple[str, ..
     (the stage starts at block s x blocks // stages). dtk.parallel.pipeline cuts the model
     with this function, after checking the split points against the model."""
     names = [name for name, _ in units]
-    if split_points:
+    if split_points and num_stages > 1:  # one stage (pp=1) ignores them, as the workers do
         starts = [names.index(p) for p in split_points]
     else:
         blocks = [i for i, (_, is_block) in enumerate(units) if is_block]

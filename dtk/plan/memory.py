@@ -240,7 +240,7 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
 
 
 def _is_block(shape: ModelShape, unit: str) -> bool:
-    return dict(shape.units).get(unit, False)
+    return unit in shape.block_units
 
 
 def representative_ranks(shape: ModelShape, job: Job) -> list[int]:

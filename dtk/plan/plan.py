@@ -19,6 +19,9 @@ from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.parts import check_builtin_arguments
+from dtk.plan.whatif import check_whatif, whatif_of
+from dtk.rundir import RunDir
 
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
 
@@ -65,6 +68,17 @@ class Plan:
         raw["import_path"] = tuple(raw.get("import_path", ()))
         raw["cluster_kind"] = ClusterKind(raw["cluster_kind"])
         return Plan(**raw)
+
+    @staticmethod
+    def read(run: RunDir) -> Plan:
+        """A run directory's plan, refused as the user's mistake unless it is dtk's and of
+        this version's form."""
+        run.read_plan()
+        try:
+            return Plan.from_json(run.plan_json.read_text())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"RUN_DIR={run.path}: its plan.json is not a plan this dtk reads ({type(exc).__name__}:"
+                            f" {exc}); was it written by another version?") from None
 
     def describe(self) -> str:
         d, ckpt = self.degrees, self.config.checkpoint
@@ -185,6 +199,7 @@ def make_plan(
     if optim.warmup_steps < 0:
         raise UserError(f"optim.warmup_steps={optim.warmup_steps}: expected 0 or more")
     _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _check_ranges(cfg)
     _check_model(cfg, import_path)
 
     world = nodes * tpn
@@ -207,7 +222,11 @@ def make_plan(
             f" = {micro} x {degrees.dp} = {per_step}; try train.global_batch={per_step * max(1, round(global_batch / per_step))}"
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
-    check_scheme(scheme, degrees, cfg.model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    whatif = whatif_of(cfg)  # a what-if model is checked by its own dimensions, not the config's model
+    checked_model = ModelConfig(_target_="(what-if: plan.*)") if whatif else cfg.model
+    check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    if whatif:
+        check_whatif(degrees, whatif, virtual_stages=scheme.pp_virtual_stages)
     if degrees.pp > 1 and cfg.model._target_ == HF_TARGET:
         raise UserError(
             f"scheme.pp={degrees.pp} with model=hf: a Hugging Face model's forward does not skip the layers a"
@@ -249,6 +268,37 @@ def make_plan(
         steps=train.steps,
         import_path=tuple(str(p) for p in import_path),
     )
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Values the workers or Slurm would take and fail on (or train nonsense with) after the
+    queue: each one against its range."""
+    optim, cluster, fault = cfg.optim, cfg.cluster, cfg.fault
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise UserError(f"optim.{key}={getattr(optim, key)}: expected a value in [0, 1), like 0.9 or 0.95")
+    if not optim.eps > 0:
+        raise UserError(f"optim.eps={optim.eps}: expected a small positive number, like 1e-8")
+    if optim.weight_decay < 0:
+        raise UserError(f"optim.weight_decay={optim.weight_decay}: expected 0 (none) or more, like 0.1")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise UserError(f"optim.min_lr_ratio={optim.min_lr_ratio}: expected a fraction of optim.lr in [0, 1]")
+    _positive("cluster.time_min", cluster.time_min)
+    _positive("cluster.cpus_per_task", cluster.cpus_per_task)
+    _positive("fault.signal_lead_floor_s", fault.signal_lead_floor_s)
+    if cluster.gpus_per_node < 0:
+        raise UserError(f"cluster.gpus_per_node={cluster.gpus_per_node}: expected 0 (a CPU cluster) or more")
+    if cluster.mem_gb is not None:
+        _positive("cluster.mem_gb", cluster.mem_gb)
+    for key in ("device_memory_gb", "peak_tflops"):
+        value = getattr(cluster, key)
+        if value is not None and not value > 0:
+            raise UserError(f"cluster.{key}={value}: expected a positive number, or leave it unset")
+    if fault.straggler_factor != 0 and not fault.straggler_factor > 1:
+        raise UserError(f"fault.straggler_factor={fault.straggler_factor}: expected 0 (off) or a factor above 1,"
+                        " like 1.5 (at or below 1 every rank would be a straggler)")
+    if cfg.train.eval_every < 0:
+        raise UserError(f"train.eval_every={cfg.train.eval_every}: expected 0 (no evaluation) or a step count")
 
 
 def _positive(key: str, value: Any) -> None:
@@ -295,6 +345,7 @@ def _check_model(cfg: Config, import_path: tuple[str | Path, ...]) -> None:
     factory checks its keys when it is built)."""
     model = cfg.model
     check_target("model._target_", model._target_, import_path)
+    check_builtin_arguments(model)
     if cfg.data.kind == DataKind.user:
         check_target("data._target_", cfg.data._target_, import_path)
     if model._target_ == HF_TARGET:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -12,13 +13,14 @@ from dtk.plan.budget import (
     SchemeRow,
     all_rows,
     estimate,
-    recommend,
     smallest_devices,
     smallest_fit,
 )
 from dtk.plan.comm import AxisTraffic, bottleneck, traffic
 from dtk.plan.memory import FRAGMENTATION, RUNTIME_BYTES
 from dtk.plan.plan import Plan
+from dtk.plan.search import Candidate, searched, why_loses
+from dtk.plan.steptime import Hardware, StepTime, hardware_of, step_time
 from dtk.plan.variants import SCHEME_KEYS, Variant, chosen_at, scheme_key
 
 KINDS = ("params", "grads", "optimizer", "activations", "buffers", "margin", "total")
@@ -38,6 +40,11 @@ class MemoryPlan:
     rows: dict[str, SchemeRow]
     recommended: Recommendation
     traffic: list[AxisTraffic]
+    hardware: Hardware | None = None
+    predicted: StepTime | None = None
+    """The job as given: its predicted step (None without a time model or when it does not fit)."""
+    ranked: tuple[Candidate, ...] = ()
+    """The searched candidates, best first (dtk.plan.search)."""
 
     @property
     def fits(self) -> bool | None:
@@ -71,9 +78,22 @@ class MemoryPlan:
             "min_nodes": self.min_nodes,
             "checkpoint_bytes": self.checkpoint_bytes,
             "comm": [asdict(a) | {"bottleneck": a is neck} for a in self.traffic],
-            "recommended": asdict(self.recommended),
+            "recommended": self._recommended_json(),
+            "alternatives": [c.to_json(why_loses(c, self.ranked[0])) for c in self.ranked[1:1 + NUM_ALTERNATIVES]],
+            "predicted_step_s": None if self.predicted is None else round(self.predicted.total_s, 4),
+            "predicted": None if self.predicted is None else self.predicted.to_json(),
+            "time_model": None if self.hardware is None else self.hardware.source,
+            "activations_estimated": self.ctx.shape.has_activation_shape,
             "schemes": {k: _row_json(r) for k, r in self.rows.items()},
         }
+
+    def _recommended_json(self) -> dict[str, Any]:
+        out = asdict(self.recommended)
+        if self.ranked:
+            out.update(self.ranked[0].to_json(self.recommended.reason))
+        else:
+            out.update(degrees=None, predicted_step_s=None)
+        return out
 
     def table(self) -> str:
         """Per-device GB of the job's scheme and every scheme side by side, same node count."""
@@ -100,7 +120,7 @@ class MemoryPlan:
             f"model       {ctx.shape.params:,} parameters ({ctx.shape.source})",
             f"device      {ctx.device}, memory per device {cap}",
             f"memory      {gb(b.total)} GB per device under {self.key} on {v.nodes} node(s):"
-            f" {_verdict(self.fits)}",
+            f" {_verdict(self.fits)}{_unestimated(ctx.shape)}",
             f"            margin: {FRAGMENTATION:.0%} of the rest for fragmentation + {gb(RUNTIME_BYTES[ctx.device])}"
             " GB runtime per process",
         ]
@@ -108,7 +128,20 @@ class MemoryPlan:
             lines.append("buffers     " + ", ".join(f"{k} {gb(n)} GB" for k, n in b.detail.items()))
         if b.host:
             lines.append(f"host        {gb(b.host)} GB per worker (staged checkpoint copy, offloaded states)")
-        lines.append(f"smallest    {self.min_devices or '-'} device(s), {self.min_nodes or '-'} node(s) that fit under {self.key}")
+        if self.min_nodes or ctx.capacity is None:
+            lines.append(f"smallest    {self.min_devices or '-'} device(s), {self.min_nodes or '-'} node(s) that fit"
+                         f" under {self.key}")
+        else:
+            lines.append(f"smallest    no node count up to {NODE_LIMIT} fits under {self.key}")
+        if self.hardware is None:
+            lines.append("step time   not predicted (a GPU of known peak: cluster.accelerator or cluster.peak_tflops)")
+        elif self.predicted is not None:
+            lines.append(f"step time   {self.predicted.describe()} under {self.key} as given"
+                         f" [{self.hardware.source}]")
+        elif self.fits is False:
+            lines.append("step time   not predicted: the job as given does not fit")
+        else:
+            lines.append("step time   not predicted: no sequence length to count tokens by (plan.seq_len)")
         lines.append(f"checkpoint  {gb(self.checkpoint_bytes)} GB")
         neck = bottleneck(self.traffic)
         for a in self.traffic:
@@ -120,8 +153,31 @@ class MemoryPlan:
             lines.append(f"recommended {' '.join(r.overrides)}: {r.reason}")
         else:
             lines.append(f"recommended -: {r.reason}")
-        lines += [f"            {h}" for h in r.hints]
+        if self.ranked:
+            lines.append(f"            {_degrees(self.ranked[0])}: {self.ranked[0].describe().split(': ', 1)[1]}")
+        for c in self.ranked[1:1 + NUM_ALTERNATIVES]:
+            lines.append(f"instead     {' '.join(c.overrides)}: {why_loses(c, self.ranked[0])}; {_degrees(c)},"
+                         f" {c.describe().split(': ', 1)[1]}")
         return "\n".join(lines) + "\n\n" + self.table()
+
+
+NUM_ALTERNATIVES = 3
+NODE_LIMIT = 4096
+
+
+def _degrees(c: Candidate) -> str:
+    d = c.degrees
+    return f"dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp} pp={d.pp} micro {c.variant.micro_batch}"
+
+
+def _unestimated(shape) -> str:
+    """The memory line's word on activations that were not estimated, and what to give."""
+    if shape.has_activation_shape:
+        return ""
+    if shape.exact:
+        return "; activations not estimated (the model's depth, width and sequence length are unknown)"
+    missing = [f"plan.{k}" for k in ("layers", "hidden", "seq_len") if not getattr(shape, k)]
+    return f"; activations not estimated (0 counted): give {', '.join(missing)} (and plan.heads) to estimate them"
 
 
 def _verdict(fits: bool | None) -> str:
@@ -161,8 +217,40 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
     found = smallest_fit(ctx, lambda n: make_at(n, ctx.tasks_per_node))
     rows = all_rows(ctx)
     assert set(rows) == set(SCHEME_KEYS)
+    hw = hardware_of(plan.config.cluster, device=ctx.device, param_dtype=str(ctx.chosen["param_dtype"]),
+                     doctor=plan.config.plan.doctor)
+    own = estimate(ctx, chosen)
+    predicted = None
+    if hw is not None and own.fits is not False:
+        predicted = step_time(ctx.shape, ctx.job(chosen), global_batch=ctx.global_batch,
+                              tasks_per_node=ctx.tasks_per_node, hw=hw)
+    ranked: list[Candidate] = []
+    if ctx.capacity is None:
+        rec = Recommendation("", f"device memory unknown ({ctx.capacity_source})", [], [])
+    else:
+        mem_gb = plan.config.cluster.mem_gb
+        ranked, where = searched(ctx, hw, max_nodes=plan.config.plan.max_nodes,
+                                 host_node_bytes=mem_gb * 2**30 if mem_gb else None)
+        rec = _recommendation(ranked, where, hw)
+        if ranked and not ctx.shape.has_activation_shape:
+            rec = dataclasses.replace(rec, reason=rec.reason + "; activations not estimated: it fits the states alone")
     return MemoryPlan(
-        ctx=ctx, key=chosen.key, chosen=estimate(ctx, chosen), min_nodes=found.nodes if found else None,
-        min_devices=smallest_devices(ctx, make_at), rows=rows, recommended=recommend(ctx, rows),
-        traffic=traffic(ctx.shape, ctx.job(chosen), ctx.tasks_per_node),
+        ctx=ctx, key=chosen.key, chosen=own, min_nodes=found.nodes if found else None,
+        min_devices=smallest_devices(ctx, make_at), rows=rows, recommended=rec,
+        traffic=traffic(ctx.shape, ctx.job(chosen), ctx.tasks_per_node), hardware=hw, predicted=predicted,
+        ranked=tuple(ranked),
     )
+
+
+def _recommendation(ranked: list[Candidate], where: str, hw: Hardware | None) -> Recommendation:
+    if not ranked:
+        return Recommendation("", where, [], [])
+    best = ranked[0]
+    if hw is None or best.time is None:
+        unknown = "for this device" if hw is None else "without the sequence length (plan.seq_len)"
+        why = f"{where}; the simplest layout that fits (no step-time model {unknown})"
+    elif len(ranked) == 1:
+        why = f"{where}; the only layout that fits"
+    else:
+        why = f"{where}; the shortest predicted step ({best.time.total_s:.3g} s) of {len(ranked)} layouts that fit"
+    return Recommendation(best.key, why, list(best.overrides), [])

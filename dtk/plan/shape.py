@@ -13,6 +13,7 @@ Three sources give the same record:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,10 +67,23 @@ class ModelShape:
     seq_len: int | None = None
     vocab: int | None = None
     ffn_hidden: int | None = None
+    modules: tuple[tuple[str, str, str], ...] = ()
+    """(path, class name, module.qualname) of every module; empty for what-if stand-ins."""
+    wrap_classes: tuple[str, ...] | None = None
+    """The wrap classes the workers use, when counted (the yaml's, else the model's own
+    dtk_wrap_classes); None: the yaml's."""
+    tp_plan: dict[str, str] | None = None
+    """The tensor-parallel plan the workers use, when counted (the yaml's, else the model's
+    own dtk_tp_plan); None: the yaml's."""
 
     @property
     def params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @functools.cached_property
+    def block_units(self) -> frozenset[str]:
+        """Units that are repeated blocks (asked per tensor by the budget: a set, not a scan)."""
+        return frozenset(unit for unit, is_block in self.units if is_block)
 
     @property
     def has_activation_shape(self) -> bool:
@@ -97,6 +111,46 @@ def tp_dim_for(module_path: str, *, embedding: bool, tp_plan: Mapping[str, str])
         if fnmatchcase(module_path, pattern) and style in TP_WEIGHT_DIM:
             return 0 if embedding else TP_WEIGHT_DIM[style]
     return None
+
+
+# The classes of dtk.models.transformer.Transformer's modules, by the last part of their
+# path: (class name, module.qualname), as dtk.parallel.units.class_matches reads them.
+# tests/test_model_parts.py holds this against a model built on the meta device.
+_TORCH = "torch.nn.modules"
+_BUILTIN_CLASSES = {
+    "": ("Transformer", "dtk.models.transformer.Transformer"),
+    "tok_embeddings": ("Embedding", f"{_TORCH}.sparse.Embedding"),
+    "pos_embeddings": ("Embedding", f"{_TORCH}.sparse.Embedding"),
+    "layers": ("ModuleDict", f"{_TORCH}.container.ModuleDict"),
+    "block": ("Block", "dtk.models.transformer.Block"),
+    "attn_norm": ("RMSNorm", "dtk.models.transformer.RMSNorm"),
+    "mlp_norm": ("RMSNorm", "dtk.models.transformer.RMSNorm"),
+    "norm": ("RMSNorm", "dtk.models.transformer.RMSNorm"),
+    "attn": ("Attention", "dtk.models.transformer.Attention"),
+    "mlp": ("FeedForward", "dtk.models.transformer.FeedForward"),
+    "linear": ("Linear", f"{_TORCH}.linear.Linear"),
+    "Dropout": ("Dropout", f"{_TORCH}.dropout.Dropout"),
+    "Identity": ("Identity", f"{_TORCH}.linear.Identity"),
+}
+
+
+def builtin_modules(model: TransformerConfig) -> tuple[tuple[str, str, str], ...]:
+    """(path, class name, module.qualname) of every module of the built-in transformer, in
+    named_modules order."""
+    def row(path: str, kind: str) -> tuple[str, str, str]:
+        return (path, *_BUILTIN_CLASSES[kind])
+
+    rows = [row("", ""), row("tok_embeddings", "tok_embeddings"), row("pos_embeddings", "pos_embeddings"),
+            row("layers", "layers")]
+    for i in range(model.num_layers):
+        unit = f"layers.{i}"
+        rows += [row(unit, "block"), row(f"{unit}.attn_norm", "attn_norm"), row(f"{unit}.attn", "attn")]
+        rows += [row(f"{unit}.attn.{w}", "linear") for w in ("wq", "wk", "wv", "wo")]
+        rows += [row(f"{unit}.mlp_norm", "mlp_norm"), row(f"{unit}.mlp", "mlp")]
+        rows += [row(f"{unit}.mlp.{w}", "linear") for w in ("w1", "w3", "w2")]
+        rows.append(row(f"{unit}.drop", "Dropout" if model.dropout > 0 else "Identity"))
+    rows += [row("norm", "norm"), row("output", "linear")]
+    return tuple(rows)
 
 
 def builtin_shape(model: TransformerConfig) -> ModelShape:
@@ -135,6 +189,7 @@ def builtin_shape(model: TransformerConfig) -> ModelShape:
     return ModelShape(
         tensors=tuple(tensors), units=units, source="model (built-in transformer)", exact=True,
         layers=layers, hidden=dim, heads=heads, seq_len=seq, vocab=vocab, ffn_hidden=hidden,
+        modules=builtin_modules(model),
     )
 
 
@@ -194,4 +249,7 @@ def shape_from_counted(record: dict[str, Any]) -> ModelShape:
         tensors=tensors, units=tuple((u, b) for u, b in record["units"]), source=record["source"], exact=True,
         layers=record.get("layers"), hidden=record.get("hidden"), heads=record.get("heads"),
         seq_len=record.get("seq_len"), vocab=record.get("vocab"), ffn_hidden=record.get("ffn_hidden"),
+        modules=tuple(tuple(m) for m in record.get("modules", ())),
+        wrap_classes=tuple(record["wrap_classes"]) if record.get("wrap_classes") else None,
+        tp_plan=dict(record["tp_plan"]) if record.get("tp_plan") else None,
     )

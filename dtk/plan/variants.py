@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,6 @@ from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 
 SCHEME_KEYS = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
-# zero2 has no file of its own: FSDP that keeps gathered parameters from forward to backward.
-DERIVED = {"zero2": ("fsdp", {"reshard_after_forward": False})}
 CARRIED = ("activation_checkpoint", "param_dtype", "reduce_dtype", "compile")
 """Scheme keys that describe the training job rather than the layout: kept from the job's scheme."""
 INTERPOLATIONS = ("${nodes}", "${tasks_per_node}")
@@ -42,8 +41,7 @@ class Variant:
     @property
     def overrides(self) -> list[str]:
         """What to type to get this scheme (besides the node count)."""
-        base, extra = DERIVED.get(self.key, (self.key, {}))
-        return [f"+scheme={base}", *(f"scheme.{k}={str(v).lower()}" for k, v in extra.items())]
+        return [f"+scheme={self.key}"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,6 +90,11 @@ def resolve_scheme(
 
 
 SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
+FAST_KEYS = ("data_parallel", "shard_optimizer", "reshard_after_forward", "sequence_parallel", "cpu_offload",
+             "activation_checkpoint", "pp_schedule", "pp_virtual_stages", "pp_microbatches")
+"""Keys the planner's search varies: set on a typed copy when their value has the field's
+type (an Enum member's value, a bool, an int), typed by OmegaConf otherwise."""
+_DEFAULT = SchemeConfig()
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,15 +102,27 @@ def _typed_layout(items: tuple[tuple[str, Any], ...]) -> SchemeConfig:
     return typed(SchemeConfig, dict(items), prefix="scheme.")
 
 
+def _fast(key: str, value: Any) -> Any:
+    """`value` as the field's type, or None when it is not plainly one (OmegaConf decides)."""
+    default = getattr(_DEFAULT, key)
+    if isinstance(default, Enum):
+        try:
+            return type(default)(value)
+        except ValueError:
+            return None
+    return value if type(value) is type(default) else None
+
+
 def checked_scheme(scheme: dict[str, Any]) -> SchemeConfig:
-    """`scheme` typed by SchemeConfig. Typing is slow (OmegaConf), and the search for the
-    smallest size that fits tries a scheme at hundreds of sizes, which differ only in their
-    integer degrees: the rest is typed once and the degrees set on a copy."""
-    sizes = {k: scheme[k] for k in SIZE_KEYS if k in scheme}
-    if not all(type(v) is int for v in sizes.values()):
-        return typed(SchemeConfig, scheme, prefix="scheme.")
-    rest = tuple(sorted((k, v) for k, v in scheme.items() if k not in SIZE_KEYS))
-    return dataclasses.replace(_typed_layout(rest), **sizes)
+    """`scheme` typed by SchemeConfig. Typing is slow (OmegaConf), and the planner tries a
+    scheme at hundreds of sizes and layouts, which differ only in integer degrees and a few
+    closed-set or boolean options: the rest is typed once and those set on a copy."""
+    fast = {k: scheme[k] for k in SIZE_KEYS if k in scheme and type(scheme[k]) is int}
+    for k in FAST_KEYS:
+        if k in scheme and (v := _fast(k, scheme[k])) is not None:
+            fast[k] = v
+    rest = tuple(sorted((k, v) for k, v in scheme.items() if k not in fast))
+    return dataclasses.replace(_typed_layout(rest), **fast)
 
 
 def make_variant(
@@ -130,8 +145,7 @@ def make_variant(
     check_scheme(checked, degrees, model, num_microbatches=num_micro, eval_every=0)
     stages = degrees.pp * scheme["pp_virtual_stages"]
     if degrees.pp > 1 and stages > blocks:
-        raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split"
-                        " (a what-if model needs plan.layers)")
+        raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split")
     return Variant(key, scheme, degrees, nodes, tasks_per_node, micro, num_micro)
 
 
@@ -140,9 +154,8 @@ def standard_scheme(
     tasks_per_node: int,
 ) -> dict[str, Any]:
     """One of SCHEME_KEYS, from its file, at a size."""
-    base, extra = DERIVED.get(key, (key, {}))
-    raw = scheme_file(conf_dirs, base)
-    return resolve_scheme(defaults, raw, nodes=nodes, tasks_per_node=tasks_per_node, carried=carried, extra=extra)
+    raw = scheme_file(conf_dirs, key)
+    return resolve_scheme(defaults, raw, nodes=nodes, tasks_per_node=tasks_per_node, carried=carried)
 
 
 def chosen_at(
@@ -160,7 +173,7 @@ def chosen_at(
 
 def scheme_key(scheme: dict[str, Any]) -> str:
     """Which of SCHEME_KEYS a composed scheme is (its name; fsdp that keeps gathered
-    parameters is zero2)."""
+    parameters is zero2, as +scheme=zero2 is)."""
     name = scheme["name"]
     if name == "fsdp" and not scheme["reshard_after_forward"]:
         return "zero2"

@@ -2,8 +2,9 @@
 
 Reads only the run directory (metrics.jsonl, events.jsonl, summary.json, system.jsonl,
 plan.json), so it runs on a login node or a laptop without torch. Plots need matplotlib,
-imported only when plots are drawn. May import no stage: the run directory's names (files,
-phases) are dtk.rundir's.
+imported only when plots are drawn. May import config and plan (both pure, torch-free): the
+plan's step-time model predicts the run's step from its plan.json (planned.py), the one
+source of that prediction; the run directory's names (files, phases) are dtk.rundir's.
 
     runs.py     one run directory read into plain records
     goodput.py  job-lifetime accounting of wall time across restarts (also used by workers)
@@ -11,4 +12,5 @@ phases) are dtk.rundir's.
     compare.py  repeatability verdict between runs, comparison against a baseline
     plots.py    PNG figures
     text.py     the printed report
+    planned.py  the measured step time and memory against the plan's prediction
 """

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 from dtk import audit
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.errors import ArgumentParser, UserError, check_out, run_cli
 from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
 from dtk.report.numbers import run_numbers
+from dtk.report.planned import planned, planned_lines
 from dtk.report.runs import label_by_differences, load_baseline, load_run
 from dtk.report.text import baseline_block, run_block
 
@@ -77,6 +78,7 @@ def report(args: argparse.Namespace) -> dict:
     label_by_differences(runs)
     numbers = [run_numbers(r) for r in runs]
     out: dict = {"runs": numbers}
+    out["planned"] = [planned(r, n) for r, n in zip(runs, numbers, strict=True)]  # measured against the plan
     out["audit"] = [{"run": r.name, "entries": audit.read(audit.run_root_of(r.path), run=r.plan.get("run_name", r.name))}
                     for r in runs]
     if len(runs) > 1:
@@ -96,7 +98,7 @@ def report(args: argparse.Namespace) -> dict:
 
 
 def render(out: dict) -> str:
-    blocks = ["\n".join(run_block(n)) for n in out["runs"]]
+    blocks = ["\n".join(run_block(n) + planned_lines(p)) for n, p in zip(out["runs"], out["planned"], strict=True)]
     for v in out.get("repeatability", []):
         blocks.append(f"repeatability of {v['run']} against {v['reference']}: {describe_verdict(v)}")
     if "baseline" in out:
@@ -113,6 +115,8 @@ def render(out: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.out is not None:
+        check_out(args.out, folder=True)
     out = report(args)
     print(json.dumps(out, indent=2, default=str) if args.json else render(out))
     return 0

@@ -52,12 +52,7 @@ def load_run(path: Path, *, key: str = "RUN_DIR") -> RunData:
     if not (path / PLAN_JSON).is_file() and (path / HANDOVER_RUN / PLAN_JSON).is_file():
         path = path / HANDOVER_RUN
     run = RunDir(path)
-    if not run.plan_json.is_file():
-        raise UserError(f"{key}={path}: not a dtk run directory (no plan.json); run directories live under run.root")
-    try:
-        plan = json.loads(run.plan_json.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{key}={path}: plan.json does not parse ({exc}); is the directory damaged?") from None
+    plan = run.read_plan(key=key)
     data = RunData(
         path=path,
         name=path.parent.name if path.name == HANDOVER_RUN and (path.parent / "README.md").is_file() else path.name,

@@ -105,6 +105,12 @@ def parse_log(text: str) -> list[NcclReport]:
     return reports
 
 
+def warn_lines(text: str) -> list[str]:
+    """NCCL's WARN lines: with dtk's report on they go to the report file with the rest,
+    so the worker repeats them on its own stderr (NCCL keeps one stream for every level)."""
+    return [line.strip() for line in text.splitlines() if " NCCL WARN " in line]
+
+
 @dataclass(frozen=True)
 class TransportCheck:
     require: str
@@ -112,6 +118,8 @@ class TransportCheck:
     """NCCL's report was read for every node that crosses nodes."""
     per_node: dict[str, list[dict]]
     problems: tuple[str, ...] = ()
+    note: str = ""
+    """Why nothing was checked, where nothing needed it (one node)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +130,10 @@ def check(nodes: list[NodeTopology], reports: dict[str, list[NcclReport]], *, ch
     """Compare what NCCL chose on each node with what the node has. A problem is a
     one-line message naming the node and the setting to fix; the caller stops the job."""
     assert require in REQUIRE, require
+    if len(nodes) == 1:  # no communicator crosses nodes: there is no network to use or to miss
+        found = [asdict(c) | {"pid": r.pid} for r in reports.get(nodes[0].node, []) for c in r.communicators]
+        return TransportCheck(require, True, {nodes[0].node: found},
+                              note="one node: NCCL uses no network, fabric.require does not apply")
     problems: list[str] = []
     has_rdma = {n.node: [p for p in n.active_ports()] for n in nodes}
     if require == "ib":

@@ -27,8 +27,18 @@ from dtk.topology.layout import Layout, plan_layout
 from dtk.topology.records import NodeTopology
 
 POLL_S = 0.2
-# NCCL writes its report here when nobody set NCCL_DEBUG / NCCL_DEBUG_FILE by hand.
-NCCL_REPORT_KEYS = ("NCCL_DEBUG", "NCCL_DEBUG_FILE")
+# NCCL writes one stream (stdout, or NCCL_DEBUG_FILE) for every level. dtk's report raises
+# the level to INFO for the INIT and NET subsystems only and sends the stream to a file per
+# rank, WARN lines included: so where NCCL_DEBUG asks for warnings at most (dtk's setup
+# file says WARN) the report is written, and where someone asked for more (INFO, TRACE) or
+# chose a file of their own, their setting stands and the transport is not verified.
+QUIET_LEVELS = ("", "VERSION", "WARN")
+
+
+def writes_nccl_report(backend: str, settings: Mapping[str, str]) -> bool:
+    """Whether dtk sets NCCL_DEBUG / NCCL_DEBUG_SUBSYS / NCCL_DEBUG_FILE for its report."""
+    return (backend == "nccl" and "NCCL_DEBUG_FILE" not in settings
+            and settings.get("NCCL_DEBUG", "").strip().upper() in QUIET_LEVELS)
 
 
 def node_file(folder: Path, node_rank: int) -> Path:
@@ -102,7 +112,7 @@ def decide(nodes: list[NodeTopology], *, node_rank: int, rank: int, backend: str
     node = nodes[node_rank].node
     env = choice.env_for(node)
     nccl_log = None
-    if backend == "nccl" and not any(k in environ or k in cluster_env for k in NCCL_REPORT_KEYS):
+    if writes_nccl_report(backend, {**environ, **cluster_env}):
         nccl_log = report_dir / f"{node}.rank{rank}.log"
         env |= {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(nccl_log)}
     layout = plan_layout(nodes, degrees=degrees, tasks_per_node=tasks_per_node)

@@ -108,11 +108,16 @@ class PhaseTimer:
 
     # --- the gradient-ready mark -------------------------------------------------------
 
-    def watch_gradients(self, params: list[torch.nn.Parameter]) -> None:
+    def watch_gradients(self, params: list[torch.nn.Parameter], *, one: bool = False) -> None:
         """Mark the moment the last of `params` has its gradient (data-parallel reduction
-        starts then; what backward takes after it is `sync`)."""
+        starts then; what backward takes after it is `sync`). `one`: a hook on the first
+        parameter only, whose gradient comes last (FSDP reduces the root unit, which holds
+        the embedding, after every block). With CPU offload that matters: FSDP copies the
+        gradient of a parameter with a post-accumulate hook to the host blocking (a hook
+        may read it), so a hook on every parameter would serialize every copy."""
         if not self.enabled:
             return
+        params = params[:1] if one else params
         self._num_grads = len(params)
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))

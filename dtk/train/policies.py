@@ -54,24 +54,41 @@ class StepPolicies:
     profile: StepProfiler  # also flushed on an agreed stop, and its timer handed to the trainer
 
 
+# A gap between two progress ticks longer than this many times the longest one measured in
+# this start is a hang (HEARTBEAT_MARGIN x the measured gap, or fault.hang_timeout_s if longer).
+HEARTBEAT_MARGIN = 2.0
+
+
 class Heartbeat:
     """RUN_DIR/heartbeat, whose mtime tells the driver "alive" (global rank 0; `path` None
     elsewhere). A rank that stops (SIGSTOP, a collective that never completes) stops rank 0
     too at the next collective, so one file is enough for the driver to see a hang.
 
     What a beat proves: the training thread made progress. It counts (`tick`) after every
-    step and before every validation batch; a background thread (`start`) touches the file
-    every `interval_s` while the count moved since its last beat, or while the training
-    thread is inside a long operation it declared: the first step of a start (compilation,
-    warm-up) and a checkpoint save or wait (`busy`). So a long evaluation or a synchronous
-    save is not a hang, while a training thread blocked in a collective of a step is seen
-    after fault.hang_timeout_s. A peer that stops during a declared operation is seen when
-    the collective's own timeout (dist.timeout_s) ends it (docs/recovery.md)."""
+    micro-batch, every pipeline action (a stage's forward or backward of one micro-batch),
+    every step and before every validation batch; a background thread (`start`) touches the
+    file every `interval_s` while the count moved since its last beat, or while the training
+    thread is inside a long operation it declared: the start up to the end of its first step
+    (the checkpoint load, compilation, warm-up) and a checkpoint save or a wait on one
+    (`busy`: the save's blocking part, and an optimizer step waiting for an async save's copy).
 
-    def __init__(self, path: Path | None, *, interval_s: float = 1.0, progress: Path | None = None,
-                 restart: int = 0) -> None:
+    The driver declares a hang after fault.hang_timeout_s without a beat. So that the limit
+    is never shorter than honest work, the thread also beats for a while after the last
+    tick: up to HEARTBEAT_MARGIN x the longest gap between two ticks measured in this start
+    (the first gap, the start's own, excepted), less hang_timeout_s. A run whose ticks come
+    faster than the timeout gets no such allowance, and a training thread blocked in a
+    collective of a step is seen after fault.hang_timeout_s; a slower one is seen after
+    twice its longest gap. A peer that stops during a declared operation is seen when the
+    collective's own timeout (dist.timeout_s) ends it (docs/recovery.md)."""
+
+    def __init__(
+        self, path: Path | None, *, hang_timeout_s: float = 0.0, interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic, progress: Path | None = None, restart: int = 0,
+    ) -> None:
         self.path = path
+        self.hang_timeout_s = hang_timeout_s
         self.interval_s = interval_s
+        self.clock = clock
         self.restart = restart
         self.last_step: int | None = None
         # RUN_DIR/progress: the last completed optimizer step of this start, for the driver's
@@ -80,6 +97,9 @@ class Heartbeat:
         # not lose what the kernel already has.
         self._progress_fd = os.open(progress, os.O_WRONLY | os.O_CREAT, 0o644) if progress is not None else None
         self.progress = 0  # written by the training thread only
+        self.longest_gap_s = 0.0  # between two ticks outside declared operations (training thread)
+        self._last_tick: float | None = None  # None: no gap is measured up to the next tick
+        self._told_s = 0.0  # the raised limit last printed
         self._busy = 0
         self._first_step = False
         self._stop = threading.Event()
@@ -94,31 +114,65 @@ class Heartbeat:
             self.path.touch()
 
     def tick(self) -> None:
-        """The training thread is alive (a step or a validation batch went by)."""
+        """The training thread is alive (a micro-batch, a pipeline action, a step or a
+        validation batch went by)."""
+        now = self.clock()
+        if self._last_tick is not None and not self._busy:
+            self.longest_gap_s = max(self.longest_gap_s, now - self._last_tick)
+            self._tell()
+        self._last_tick = now
         self.progress += 1
+
+    def allowance_s(self) -> float:
+        """How long after the last tick the thread still beats: the part of the measured
+        limit (HEARTBEAT_MARGIN x the longest gap) the driver's hang_timeout_s does not cover."""
+        return max(0.0, HEARTBEAT_MARGIN * self.longest_gap_s - self.hang_timeout_s)
+
+    def due(self, seen: int) -> bool:
+        """Whether the thread beats now, `seen` being the count at its last beat."""
+        if self.progress != seen or self._busy or self._first_step:
+            return True
+        return self._last_tick is not None and self.clock() - self._last_tick < self.allowance_s()
+
+    def _tell(self) -> None:
+        # Said in rank 0's log each time the raised limit grows by a quarter: an operator
+        # reading a late hang verdict knows why it came late.
+        limit = self.hang_timeout_s + self.allowance_s()
+        if self.path is None or limit <= max(self.hang_timeout_s, 1.25 * self._told_s):
+            return
+        self._told_s = limit
+        print(f"heartbeat: the longest gap between progress ticks is {self.longest_gap_s:.1f} s, longer than"
+              f" fault.hang_timeout_s={self.hang_timeout_s:g} allows; a hang is declared after {limit:.0f} s"
+              " without progress", flush=True)
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
-        """A long operation of the training thread (a checkpoint save): beat through it."""
+        """A long operation of the training thread (a checkpoint save or load): beat through it."""
         self._busy += 1
         try:
             yield
         finally:
             self._busy -= 1
             self.progress += 1
+            # The operation's time is no gap between ticks; nor is the rest of a start's
+            # warm-up (the first micro-batch after a checkpoint load compiles).
+            self._last_tick = None if self._first_step else self.clock()
 
     def start(self) -> None:
-        """Beat from a background thread from now on; the first step counts as busy."""
+        """Beat now and from a background thread from now on; until the end of the first
+        step (`after_step`) the start counts as busy."""
         self._first_step = True
+        self._last_tick = None
         if self.path is None or self._thread is not None:
             return
+        self.beat()
         self._thread = threading.Thread(target=self._run, name="dtk-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         seen = self.progress
         while not self._stop.wait(self.interval_s):
-            if self.progress != seen or self._busy or self._first_step:
+            if self.due(seen):
                 seen = self.progress
                 self.beat()
 

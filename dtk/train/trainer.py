@@ -65,6 +65,21 @@ class StepResult:
     batch_hash: str
 
 
+def tick_after_actions(stage: Any, tick: Callable[[], None]) -> None:
+    """Wrap the stage's actions (every schedule runs a micro-batch's forward, backward and
+    weight gradient through these methods) so each one that returns calls `tick`."""
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        action = getattr(stage, name, None)
+        if action is None:
+            continue
+
+        def ticking(*args, _action=action, **kwargs):
+            out = _action(*args, **kwargs)
+            tick()
+            return out
+        setattr(stage, name, ticking)
+
+
 class Trainer:
     """Runs optimizer steps. Everything distributed is decided before it is built: it gets a
     parallelized model (or a plain module), its own data share, the run's task, and the mesh
@@ -82,6 +97,7 @@ class Trainer:
         mesh: ParallelMesh,
         timer: PhaseTimer | None = None,
         around_step: Callable[[int], contextlib.AbstractContextManager] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None, loss_parallel=False)
@@ -96,10 +112,19 @@ class Trainer:
         self.mesh = mesh
         self._params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.timer = timer if timer is not None else PhaseTimer(device=batches.device, enabled=False)
-        self.timer.watch_gradients(self._params)  # the moment the last gradient is ready: sync begins
+        # The moment the last gradient is ready: sync begins. Parameters in host memory while
+        # the step runs on a GPU are FSDP's CPU offload, whose gradient copies one hook spares.
+        offloaded = batches.device.type != "cpu" and any(p.device.type == "cpu" for p in self._params)
+        self.timer.watch_gradients(self._params, one=offloaded)
         # Wraps each step's forward and backward (0-based step): dtk.train.measure.StepMemory
         # measures one of them against the plan.
         self.around_step = around_step or (lambda step: contextlib.nullcontext())
+        # Called after each micro-batch and each pipeline action: the heartbeat's ticks, so a
+        # step of many micro-batches is progress all along, not one silent stretch.
+        self.progress = progress or (lambda: None)
+        if model.pipeline is not None:
+            for stage in model.pipeline.stages:
+                tick_after_actions(stage, self.progress)
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
@@ -128,6 +153,7 @@ class Trainer:
                     (loss / n).backward()
                 self.timer.lap("backward")
             total += local_value(loss.detach()).float()
+            self.progress()
         return total / n
 
     def _pipeline(self, micro: list[torch.Tensor]) -> torch.Tensor:

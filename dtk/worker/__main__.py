@@ -1,6 +1,12 @@
 import os
 import sys
 
+# The caching allocator's expandable segments (before torch starts CUDA): fewer out-of-memory
+# errors from fragmentation when micro-batch shapes vary. A setting of the user's wins.
+from dtk.worker.allocator import allocator_env
+
+os.environ.update(allocator_env(os.environ))
+
 # Before anything imports torch (seconds): a time-limit USR2 or a SIGTERM that arrives while
 # the worker starts is recorded, not fatal (dtk.worker.signals).
 from dtk.worker.signals import stop_flag

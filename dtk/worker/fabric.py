@@ -14,21 +14,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dtk.config.choices import Backend
+from dtk.config.choices import Backend, ClusterKind, DeviceKind
 from dtk.errors import UserError
+from dtk.launch.sbatch import gpu_step_flags
 from dtk.plan.plan import Plan
 from dtk.rundir import TOPOLOGY_JSON, RunDir
 from dtk.topology.choose import FabricChoice
 from dtk.topology.discover import discover
-from dtk.topology.nccl import check, parse_log
+from dtk.topology.nccl import check, parse_log, warn_lines
 from dtk.topology.records import NodeTopology
 from dtk.topology.start import StartFabric, decide, gather, publish, write_document
 from dtk.worker.env import WorkerEnv
+from dtk.worker.placement import Placement, binding_name, place_this_worker
 
 
 def backend_of(want: Backend, device: torch.device) -> str:
@@ -97,8 +101,36 @@ def after_process_group(fabric: StartFabric | None, plan: Plan, env: WorkerEnv, 
     problem, result = check_transport(
         nodes=list(fabric.nodes), node=fabric.node, choice=fabric.choice, require=plan.config.fabric.require.value,
         backend=fabric.choice.backend, nccl_log=fabric.nccl_log, device=device)
+    if fabric.nccl_log is not None and fabric.nccl_log.exists():
+        for line in warn_lines(fabric.nccl_log.read_text(errors="replace")):
+            print(f"{line} (from {fabric.nccl_log.name})", file=sys.stderr, flush=True)
     if env.rank == 0:
         path = run.path / TOPOLOGY_JSON
         write_document(path, json.loads(path.read_text()) | {"transport_check": result})
     if problem:
         raise UserError(problem)
+
+
+def place_worker(plan: Plan, env: WorkerEnv, run: RunDir) -> Placement:
+    """This worker's GPU and CPUs (dtk.worker.placement), bound before torch starts its
+    threads. A CPU worker on a node with a GPU per task (the GPU-shaped lab) records the
+    GPU it would use; one of more workers than GPUs uses none."""
+    cfg = plan.config
+    cuda = cfg.dist.device == DeviceKind.cuda or (cfg.dist.device == DeviceKind.auto and torch.cuda.is_available())
+    would = 0 < plan.tasks_per_node <= cfg.cluster.gpus_per_node
+    return place_this_worker(
+        rank=env.rank, node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(), node_rank=env.node_rank,
+        local_rank=env.local_rank, local_world_size=env.local_world_size, meet=run.log_dir(env.restart) / "gpus",
+        timeout_s=cfg.fault.startup_timeout_s, wants_gpu=cuda or would,
+        binding=binding_name(gpu_step_flags(plan), gpu_bind=cfg.cluster.gpu_bind,
+                             slurm=cfg.cluster.kind == ClusterKind.slurm))
+
+
+def record_placement(placement: Placement, env: WorkerEnv, run: RunDir) -> None:
+    """Collective: every rank's placement into topology.json (`placement`, by rank)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, placement.to_dict())
+    if env.rank == 0:
+        path = run.path / TOPOLOGY_JSON
+        document = json.loads(path.read_text()) if path.exists() else {"restart": env.restart}
+        write_document(path, document | {"placement": gathered})

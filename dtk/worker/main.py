@@ -43,7 +43,7 @@ from dtk.train.tensorboard import TensorBoardLog
 from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
-from dtk.worker.fabric import after_process_group, before_process_group
+from dtk.worker.fabric import after_process_group, before_process_group, place_worker, record_placement
 from dtk.worker.memory import Prediction, gather_memory, is_out_of_memory, measure_index, oom_error
 from dtk.worker.meshfile import record_mesh
 from dtk.worker.signals import stop_flag, vote_group
@@ -59,7 +59,8 @@ def set_threads(requested: int, env: WorkerEnv) -> None:
 def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     cfg = plan.config
     assert cfg.scheme is not None, "compose() sets the scheme"
-    device = pick_device(cfg.dist.device, env)
+    placement = place_worker(plan, env, run)  # its GPU, and the CPUs of that GPU's NUMA node
+    device = pick_device(cfg.dist.device, env, index=placement.device_index)
     torch.set_float32_matmul_precision(matmul_precision(cfg.scheme.matmul_precision, device))  # TF32 on purpose
     if device.type == "cpu":
         set_threads(cfg.train.threads, env)
@@ -68,6 +69,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     init_process_group(env, backend=cfg.dist.backend, device=device, timeout_s=cfg.dist.timeout_s,
                        cpu_collectives=cfg.scheme.cpu_offload)
     after_process_group(fabric, plan, env, run, device=device)  # stops here when NCCL bypasses InfiniBand
+    record_placement(placement, env, run)
     clock.lap("process_group")
     rank0 = env.rank == 0
     seed = cfg.train.seed
@@ -84,7 +86,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         scheme=cfg.scheme,
         spec=ParallelSpec.from_config(cfg.model).with_model_defaults(meta_model),
         device=device,
-        materialize=lambda parts: materialize(parts, model_cfg=cfg.model, device=device, seed=seed),
+        materialize=lambda parts, on: materialize(parts, model_cfg=cfg.model, device=on, seed=seed),
         loss_fn=loss,
         num_microbatches=plan.grad_accum,
         # the token loss computes on vocabulary shards; a user's loss or metric gets whole logits
@@ -102,7 +104,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     clock.lap("model")
 
     # Rank 0's liveness file; its thread beats from the first step on (dtk.train.policies.Heartbeat).
-    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None,
+    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None, hang_timeout_s=cfg.fault.hang_timeout_s,
                           progress=run.path / PROGRESS if rank0 else None, restart=env.restart)
     checkpoints = CheckpointManager(
         run,
@@ -116,7 +118,10 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         busy=heartbeat.busy,  # a long save is not a hang
     )
     torch.manual_seed(seed + env.rank)  # per-rank stream for anything stochastic; a resume restores it
-    start_step = checkpoints.resume()
+    # Beating from here on: a checkpoint load longer than fault.startup_timeout_s is no hang.
+    heartbeat.start()
+    with heartbeat.busy():
+        start_step = checkpoints.resume()
     if start_step and not checkpoints.rng_restored:  # resumed on another world size: fresh per-rank streams
         torch.manual_seed(seed + 1000 * start_step + env.rank)
 
@@ -147,9 +152,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         mesh=mesh,
         timer=policies.profile.timer,
         around_step=memory.around,
+        progress=heartbeat.tick,  # each micro-batch and pipeline action is progress
     )
-    policies.heartbeat.after_step(start_step)
-    heartbeat.start()
     # One sampler per node, in a thread of its own: host and GPU load in system.jsonl.
     sampler = None
     if cfg.train.system_every_s > 0 and env.local_rank == 0:

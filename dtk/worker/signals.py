@@ -75,6 +75,8 @@ def vote_group() -> dist.ProcessGroup | None:
     """Collective (every rank at the same point): the host group the stop votes run on."""
     import torch.distributed as dist
 
+    from dtk.dist.groups import new_group
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    return new_group(backend="gloo")  # the world's timeout (dist.timeout_s)

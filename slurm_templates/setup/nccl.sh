@@ -1,5 +1,8 @@
 # NCCL environment for multi-node GPU jobs. Sourced by the batch script before the driver.
-# Fail loudly instead of silently falling back to TCP sockets when InfiniBand is expected.
+# Warnings only on the console. Each worker still has NCCL write an INFO report of its
+# INIT and NET subsystems, warnings included, to logs/start_NN/nccl/NODE.rankR.log, which
+# dtk reads to check the transport (fabric.require) and whose warnings it repeats in the
+# rank's log; NCCL_DEBUG=INFO or an NCCL_DEBUG_FILE of your own turns that check off.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_ASYNC_ERROR_HANDLING=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1

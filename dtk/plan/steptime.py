@@ -1,0 +1,232 @@
+"""The predicted time of one optimizer step: compute, the communication that compute does
+not hide, the pipeline bubble, and the host traffic of CPU offload. Pure arithmetic.
+
+    step = compute + exposed communication + bubble + offload
+
+- compute: the step's FLOPs on one device at the accelerator's dense peak x EFFICIENCY.
+  FLOPs per token are dtk's own count (dtk.train.flops: 6 per matmul weight and 12 x layers
+  x hidden x seq_len for attention), plus one more forward (a third of it) per block under
+  full activation checkpointing; selective checkpointing recomputes elementwise work only.
+  Each device does world-size-th of the step's tokens.
+- communication: the bytes each mesh axis moves per step and rank (dtk.plan.comm) over its
+  links: the intra-node figure when the axis stays inside a node, the inter-node one when
+  it crosses nodes. Tensor-parallel and pipeline traffic is on the critical path; FSDP's
+  all-gathers and reduce-scatters run ahead of / behind the blocks' compute and are exposed
+  only where they exceed OVERLAP of it; a once-per-step gradient all-reduce (DDP, HSDP's
+  replicas) overlaps only the last micro-batch's backward.
+- bubble: a pipeline of pp stages idles (pp - 1) / (virtual stages x micro-batches) of its
+  compute (1F1B, GPipe; interleaved 1F1B divides by its virtual stages).
+- offload: FSDP CPU offload copies the shards to the device for every gather and the
+  gradients back (PCIe, not hidden), and runs AdamW on the host.
+
+Bandwidths are the bus bandwidths nccl-tests reaches (GB/s per device, one direction),
+first that applies: what `python -m dtk.doctor` measured on the cluster (`plan.doctor`,
+its doctor.json), `cluster.intra_node_gbps` / `cluster.inter_node_gbps` (a site's cluster
+file), else the accelerator's row in SPEEDS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dtk.plan.comm import traffic
+from dtk.plan.layout import rank_layout, uses_fsdp
+from dtk.plan.memory import Job
+from dtk.plan.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Speeds:
+    efficiency: float
+    """Share of the dense peak that a large transformer's matmuls sustain in dtk's bf16 step."""
+    intra_gbps: float
+    """NVLink / NVSwitch bus bandwidth per device inside a node (GB/s)."""
+    inter_gbps: float
+    """Network bus bandwidth per device across nodes (GB/s): one NIC per GPU."""
+    host_gbps: float = 25.0
+    """Host <-> device copies per device (PCIe)."""
+
+
+# Bus bandwidths as nccl-tests reaches them, about 80% of the links' rate: H100/H200 SXM
+# NVLink 4 (450 GB/s each way) and one 400 Gb/s NIC per GPU; A100 SXM NVLink 3 (300 GB/s)
+# and one 200 Gb/s HDR NIC per GPU (NVIDIA Selene, DGX A100); B200 NVLink 5 (900 GB/s);
+# PCIe cards (L40S, L4) peer over PCIe. Efficiencies: what the published runs in
+# docs/planning.md reach (A100 0.5-0.55 of 312 TFLOP/s counting recompute, in Megatron-LM;
+# H100 0.40 of 989 in torchtitan's bf16 runs); the other parts take their generation's.
+SPEEDS: dict[str, Speeds] = {
+    "h100-80gb": Speeds(0.40, 360.0, 45.0, 50.0),
+    "h100-pcie": Speeds(0.40, 240.0, 22.0, 50.0),
+    "h100-nvl": Speeds(0.40, 240.0, 45.0, 50.0),
+    "h200": Speeds(0.40, 360.0, 45.0, 50.0),
+    "h200-nvl": Speeds(0.40, 360.0, 45.0, 50.0),
+    "a100-40gb": Speeds(0.55, 230.0, 22.0, 25.0),
+    "a100-80gb": Speeds(0.55, 230.0, 22.0, 25.0),
+    "b200": Speeds(0.40, 720.0, 45.0, 50.0),
+    "l40s": Speeds(0.45, 20.0, 10.0, 25.0),
+    "l4": Speeds(0.45, 20.0, 10.0, 25.0),
+    "mi300x": Speeds(0.35, 300.0, 45.0, 50.0),
+}
+GENERIC = Speeds(0.40, 200.0, 20.0, 25.0)
+"""A GPU dtk does not know by name (cluster.peak_tflops given): a middling part."""
+OVERLAP = 0.9
+"""Share of the compute FSDP's prefetched collectives can hide behind."""
+HOST_OPTIMIZER_GBPS = 10.0
+"""Bytes per second one worker's host AdamW step streams (parameters, gradients, two moments)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_tflops: float
+    """Dense peak of one device in the matmul dtype."""
+    speeds: Speeds
+    source: str
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: float
+    """Exposed communication."""
+    bubble_s: float
+    offload_s: float
+    tokens: int
+    model_flops: float
+    """The step's model FLOPs (no recompute), for MFU."""
+    world: int
+    peak_tflops: float
+    axes: dict[str, float]
+    """Exposed seconds per mesh axis."""
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.bubble_s + self.offload_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.total_s / (self.world * self.peak_tflops * 1e12)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "predicted_step_s": round(self.total_s, 4), "compute_s": round(self.compute_s, 4),
+            "comm_s": round(self.comm_s, 4), "bubble_s": round(self.bubble_s, 4),
+            "offload_s": round(self.offload_s, 4), "tokens_per_s": round(self.tokens_per_s, 1),
+            "mfu": round(self.mfu, 4), "exposed_by_axis": {k: round(v, 4) for k, v in self.axes.items()},
+        }
+
+    def describe(self) -> str:
+        parts = f"compute {self.compute_s:.3g} s + communication {self.comm_s:.3g} s"
+        if self.bubble_s:
+            parts += f" + bubble {self.bubble_s:.3g} s"
+        if self.offload_s:
+            parts += f" + CPU offload {self.offload_s:.3g} s"
+        return (f"{self.total_s:.3g} s per step ({parts}), {self.tokens_per_s:,.0f} tokens/s,"
+                f" MFU {self.mfu:.0%}")
+
+
+def flops_per_token(shape: ModelShape, activation_checkpoint: str) -> tuple[float, float] | None:
+    """(model, hardware) FLOPs per token of one forward and backward; None without a
+    sequence length. Hardware FLOPs add full checkpointing's second forward of the blocks."""
+    if not shape.seq_len:
+        return None
+    matmul = sum(t.numel for t in shape.tensors if t.matmul)
+    block = sum(t.numel for t in shape.tensors if t.matmul and t.block)
+    attention = 12 * (shape.layers or 0) * (shape.hidden or 0) * shape.seq_len
+    model = 6.0 * matmul + attention
+    extra = (2.0 * block + attention / 3) if activation_checkpoint == "full" else 0.0
+    return model, model + extra
+
+
+def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node: int, hw: Hardware) -> StepTime | None:
+    """The predicted step of `job`; None when the model has no sequence length to count tokens by."""
+    flops = flops_per_token(shape, str(job.scheme.activation_checkpoint))
+    if flops is None:
+        return None
+    model_fpt, hw_fpt = flops
+    d, sp = job.degrees, hw.speeds
+    assert shape.seq_len is not None  # flops_per_token counted by it
+    tokens = global_batch * shape.seq_len
+    compute = tokens * hw_fpt / d.world / (hw.peak_tflops * 1e12 * sp.efficiency)
+    axes: dict[str, float] = {}
+    replicate_window = compute * 2 / 3 / job.num_micro  # the last micro-batch's backward
+    for a in traffic(shape, job, tasks_per_node):
+        seconds = a.bytes_per_step / ((sp.inter_gbps if a.crosses_nodes else sp.intra_gbps) * 1e9)
+        if a.axis == "dp_shard":
+            seconds = max(0.0, seconds - OVERLAP * compute)
+        elif a.axis == "dp_replicate":
+            seconds = max(0.0, seconds - replicate_window)
+        axes[a.axis] = seconds
+    comm = sum(axes.values())
+    bubble = 0.0
+    if d.pp > 1:
+        virtual = job.scheme.pp_virtual_stages
+        bubble = (compute + (axes["tp"] if "tp" in axes else 0.0)) * (d.pp - 1) / (virtual * job.num_micro)
+    offload = 0.0
+    if job.scheme.cpu_offload and uses_fsdp(job.scheme, d) and job.device == "cuda":
+        layout = rank_layout(shape, job.scheme, d, 0, job.split_points)
+        shard = sum(h.numel for h in layout.held)
+        p = job.precision
+        gathers = 2 if job.scheme.reshard_after_forward else 1
+        copies = job.num_micro * shard * (gathers * p.param_bytes + p.grad_bytes)
+        states = shard * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * 2  # read and write back
+        offload = copies / (sp.host_gbps * 1e9) + states / (HOST_OPTIMIZER_GBPS * 1e9)
+    return StepTime(compute, comm, bubble, offload, tokens, tokens * model_fpt, d.world, hw.peak_tflops, axes)
+
+
+def doctor_links(path: str) -> tuple[float | None, float | None]:
+    """(inside a node, across nodes) bus bandwidth in GB/s from `python -m dtk.doctor`'s
+    doctor.json (the file or its folder): each group's figure at its largest message, the
+    median over the nodes' own groups (one node: the world's). UserError when unreadable."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from dtk.errors import UserError
+
+    file = Path(path).expanduser()
+    file = file / "doctor.json" if file.is_dir() else file
+    try:
+        groups = json.loads(file.read_text())["groups"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"plan.doctor={path}: not a doctor.json of python -m dtk.doctor ({type(exc).__name__});"
+                        " give the folder the doctor wrote, or its doctor.json") from None
+
+    def largest(g: dict) -> float | None:
+        rows = [r for r in g.get("rows") or [] if r.get("busbw_gbs")]
+        return max(rows, key=lambda r: r["size_mb"])["busbw_gbs"] if rows else None
+
+    inside = [b for g in groups if str(g.get("group", "")).startswith("inside ") and (b := largest(g))]
+    across = [b for g in groups if str(g.get("group", "")).startswith("across nodes") and (b := largest(g))]
+    if not inside and not across:  # one node: the world is the node
+        inside = [b for g in groups if g.get("group") == "world" and (b := largest(g))]
+    return (statistics.median(inside) if inside else None), (statistics.median(across) if across else None)
+
+
+def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = None) -> Hardware | None:
+    """The device's peak and links from the cluster section (`cfg.cluster`); None on the CPU
+    or for a GPU whose peak is unknown (no accelerator named, no cluster.peak_tflops).
+    Links, first that applies: the doctor's measured figures (`plan.doctor`), the cluster's
+    `intra_node_gbps` / `inter_node_gbps`, the accelerator's row in SPEEDS."""
+    from dtk.plan.accelerators import lookup
+
+    if device != "cuda" or not (cluster.peak_tflops or cluster.accelerator):
+        return None
+    acc = lookup(cluster.accelerator) if cluster.accelerator else None
+    dtype = "tf32" if param_dtype == "float32" else "bfloat16"
+    if cluster.peak_tflops:
+        peak = cluster.peak_tflops
+    else:
+        assert acc is not None  # an accelerator is named when no peak is (checked above)
+        peak = acc.peak_tflops(dtype)
+    base = SPEEDS.get(acc.name, GENERIC) if acc else GENERIC
+    intra, inter = doctor_links(doctor) if doctor else (None, None)
+    source = f"{acc.name if acc else 'cluster.peak_tflops'} ({peak:g} TFLOP/s dense {dtype} x {base.efficiency:g})"
+    if intra or inter:
+        source += f", links measured by dtk.doctor ({doctor})"
+    speeds = Speeds(base.efficiency, intra or cluster.intra_node_gbps or base.intra_gbps,
+                    inter or cluster.inter_node_gbps or base.inter_gbps, base.host_gbps)
+    return Hardware(peak, speeds, source)

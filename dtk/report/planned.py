@@ -1,0 +1,93 @@
+"""The plan held against the run: the step time and the memory per device that
+`python -m dtk.plan` predicts for this job, against what the run measured.
+
+- step time: dtk.plan.steptime's prediction for the job's own scheme at its size and its
+  model (the built-in transformer from the run's config; the plan.* what-if keys are for
+  planning and are not the model that ran), against the median `step_time_s` of
+  metrics.jsonl. Predicted on a GPU of known peak only (cluster.accelerator or
+  cluster.peak_tflops); a user's model is not counted here (that would build it).
+- memory: summary.json's `memory`, which every worker measured against its own rank's
+  prediction (dtk.plan.predict): the largest rank's figures.
+
+A ratio is measured / predicted: above 1, the run was slower (or larger) than planned.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dtk.errors import UserError
+from dtk.report.runs import RunData
+
+
+def _step(run: RunData, measured: float | None) -> dict[str, Any]:
+    from dtk.config.convert import builtin_transformer
+    from dtk.plan.inputs import device_kind
+    from dtk.plan.plan import Plan
+    from dtk.plan.predict import real_context
+    from dtk.plan.report import chosen_variant
+    from dtk.plan.shape import builtin_shape, is_builtin
+    from dtk.plan.steptime import hardware_of, step_time
+
+    try:
+        plan = Plan.from_json(json.dumps(run.plan))
+    except (KeyError, TypeError, ValueError) as exc:
+        return {"predicted_s": None, "why": f"plan.json cannot be read as a plan of this dtk ({type(exc).__name__})"}
+    cfg = plan.config
+    if not is_builtin(cfg.model):
+        return {"predicted_s": None, "why": "a model of the user's: python -m dtk.plan predicts its step"}
+    device = device_kind(cfg)
+    model = builtin_transformer(cfg.model)
+    assert cfg.scheme is not None and model is not None  # a resolved plan's; a built-in model (checked above)
+    try:
+        hw = hardware_of(cfg.cluster, device=device, param_dtype=str(cfg.scheme.param_dtype), doctor=cfg.plan.doctor)
+    except UserError as exc:
+        return {"predicted_s": None, "why": str(exc)}
+    if hw is None:
+        return {"predicted_s": None, "why": "no step-time model for this device (the CPU, or a GPU of unknown peak)"}
+    try:
+        shape = builtin_shape(model)
+        ctx = real_context(cfg, plan, shape, device=device)
+        t = step_time(shape, ctx.job(chosen_variant(ctx, plan)), global_batch=plan.global_batch,
+                      tasks_per_node=plan.tasks_per_node, hw=hw)
+    except UserError as exc:
+        return {"predicted_s": None, "why": str(exc)}
+    if t is None:
+        return {"predicted_s": None, "why": "the model has no sequence length to count tokens by"}
+    ratio = None if not measured else round(measured / t.total_s, 3)
+    return {"predicted_s": round(t.total_s, 4), "measured_s": measured, "ratio": ratio, "time_model": hw.source,
+            "predicted": t.to_json()}
+
+
+def planned(run: RunData, numbers: dict[str, Any]) -> dict[str, Any]:
+    """The run's measured step time and memory against the plan's."""
+    memory = (run.summary or {}).get("memory")
+    mem = None
+    if memory and memory.get("predicted_bytes"):
+        measured = memory.get("measured_bytes")
+        mem = {"predicted_bytes": memory["predicted_bytes"], "measured_bytes": measured,
+               "ratio": None if not measured else round(measured / memory["predicted_bytes"], 3),
+               "basis": memory.get("basis"), "mismatch_ranks": memory.get("mismatch_ranks", [])}
+    return {"run": run.name, "step": _step(run, numbers.get("step_time_s_median")), "memory": mem}
+
+
+def planned_lines(p: dict[str, Any]) -> list[str]:
+    """The report's `plan` lines of one run."""
+    s, m = p["step"], p["memory"]
+    if s["predicted_s"] is None:
+        lines = [f"plan         step time not predicted: {s['why']}"]
+    elif s["measured_s"] is None:
+        lines = [f"plan         step {s['predicted_s']:.4g} s predicted, none measured yet"]
+    else:
+        lines = [f"plan         step {s['measured_s']:.4g} s measured against {s['predicted_s']:.4g} s predicted"
+                 f" (x{s['ratio']:.2f}) [{s['time_model']}]"]
+    if m is None:
+        lines.append("             memory: no prediction recorded (summary.json is written at the end)")
+    elif m["measured_bytes"] is None:
+        lines.append(f"             memory {m['predicted_bytes'] / 1e9:.3f} GB per device planned, not measured")
+    else:
+        off = f"; ranks {m['mismatch_ranks']} off by more than 10%" if m["mismatch_ranks"] else ""
+        lines.append(f"             memory {m['measured_bytes'] / 1e9:.3f} GB per device measured against"
+                     f" {m['predicted_bytes'] / 1e9:.3f} GB planned (x{m['ratio']:.2f}, {m['basis']}){off}")
+    return lines

@@ -1,0 +1,94 @@
+"""The step-time model (dtk.plan.steptime): dtk's own FLOP count, recompute, the exposed
+share of each axis's traffic, the pipeline bubble, and where the link figures come from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dtk.config.compose import compose
+from dtk.config.convert import builtin_transformer
+from dtk.config.schema import ClusterConfig, SchemeConfig
+from dtk.errors import UserError
+from dtk.plan.degrees import Degrees
+from dtk.plan.memory import Job, precision_for, scheme_config
+from dtk.plan.shape import builtin_shape, whatif_shape
+from dtk.plan.steptime import SPEEDS, doctor_links, flops_per_token, hardware_of, step_time
+
+BASE = dataclasses.asdict(SchemeConfig())
+H100 = ClusterConfig(accelerator="h100-80gb")
+SHAPE = whatif_shape({"layers": 32, "hidden": 4096, "heads": 32, "seq_len": 4096, "vocab_size": 32000})
+
+
+def job(degrees: Degrees, *, num_micro: int = 1, **scheme) -> Job:
+    s = scheme_config(dict(BASE, **scheme))
+    return Job(s, degrees, micro_batch=1, num_micro=num_micro, device="cuda", precision=precision_for(s, "cuda"))
+
+
+def test_flops_are_dtks_own_count_and_full_checkpointing_adds_a_forward():
+    from dtk.train.flops import transformer_flops_per_token
+
+    model = builtin_transformer(compose(["model.dim=256", "model.num_layers=6", "model.num_heads=8"]).model)
+    shape = builtin_shape(model)
+    want = transformer_flops_per_token(vocab_size=model.vocab_size, dim=model.dim, num_layers=model.num_layers,
+                                       ffn_hidden=model.ffn_hidden, seq_len=model.seq_len)
+    assert flops_per_token(shape, "none") == (pytest.approx(want), pytest.approx(want))
+    assert flops_per_token(shape, "selective")[1] == pytest.approx(want)  # elementwise work only
+    m, hw = flops_per_token(shape, "full")
+    block = sum(t.numel for t in shape.tensors if t.matmul and t.block)
+    attention = 12 * model.num_layers * model.dim * model.seq_len
+    assert hw - m == pytest.approx(2 * block + attention / 3)
+    assert flops_per_token(whatif_shape({"params": 1e9}), "none") is None  # no tokens to count
+
+
+def test_compute_scales_with_devices_and_the_bubble_with_stages_over_micro_batches():
+    hw = hardware_of(H100, device="cuda", param_dtype="auto")
+    one = step_time(SHAPE, job(Degrees(1, 1, 8, 1), data_parallel="fsdp"), global_batch=64, tasks_per_node=8, hw=hw)
+    assert one.compute_s == pytest.approx(64 * 4096 * flops_per_token(SHAPE, "none")[1] / 8
+                                          / (989.5e12 * SPEEDS["h100-80gb"].efficiency))
+    pp = step_time(SHAPE, job(Degrees(1, 4, 2, 1), num_micro=16, data_parallel="fsdp"), global_batch=64,
+                   tasks_per_node=8, hw=hw)
+    assert pp.compute_s == pytest.approx(one.compute_s)
+    assert pp.bubble_s == pytest.approx(pp.compute_s * 3 / 16)
+    inter = step_time(SHAPE, job(Degrees(1, 4, 2, 1), num_micro=16, data_parallel="fsdp", pp_virtual_stages=2,
+                                 pp_schedule="interleaved_1f1b"), global_batch=64, tasks_per_node=8, hw=hw)
+    assert inter.bubble_s == pytest.approx(inter.compute_s * 3 / 32)
+    assert one.mfu == pytest.approx(one.model_flops / one.total_s / (8 * 989.5e12))
+
+
+def test_tensor_parallel_traffic_is_exposed_and_fsdp_hides_behind_compute():
+    hw = hardware_of(H100, device="cuda", param_dtype="auto")
+    tp = step_time(SHAPE, job(Degrees(1, 1, 1, 8), data_parallel="fsdp"), global_batch=8, tasks_per_node=8, hw=hw)
+    assert tp.axes["tp"] > 0 and tp.comm_s == pytest.approx(tp.axes["tp"])
+    fsdp = step_time(SHAPE, job(Degrees(1, 1, 8, 1), data_parallel="fsdp"), global_batch=64, tasks_per_node=8, hw=hw)
+    assert fsdp.axes["dp_shard"] == 0  # 8 ranks on NVLink: all hidden
+    # the same shards across 64 nodes of one GPU each: the network, and more than compute hides
+    wide = step_time(SHAPE, job(Degrees(1, 1, 64, 1), num_micro=8, data_parallel="fsdp"), global_batch=512,
+                     tasks_per_node=1, hw=hw)
+    assert wide.axes["dp_shard"] > 0
+
+
+def test_links_from_the_doctor_then_the_cluster_then_the_table(tmp_path):
+    def rows(busbw):
+        return [{"size_mb": 1.0, "busbw_gbs": busbw / 10}, {"size_mb": 1024.0, "busbw_gbs": busbw}]
+
+    # the layout python -m dtk.doctor writes (dtk/doctor/worker.py)
+    groups = [{"group": "world", "ranks": 16, "rows": rows(30.0)},
+              {"group": "across nodes (first rank of each)", "ranks": 2, "rows": rows(41.0)},
+              {"group": "inside node1", "ranks": 8, "rows": rows(350.0)},
+              {"group": "inside node2", "ranks": 8, "rows": rows(330.0)}]
+    (tmp_path / "doctor.json").write_text(json.dumps({"groups": groups}))
+    assert doctor_links(str(tmp_path)) == (340.0, 41.0)
+    hw = hardware_of(H100, device="cuda", param_dtype="auto", doctor=str(tmp_path))
+    assert (hw.speeds.intra_gbps, hw.speeds.inter_gbps) == (340.0, 41.0) and "dtk.doctor" in hw.source
+    site = dataclasses.replace(H100, intra_node_gbps=100.0, inter_node_gbps=10.0)
+    hw = hardware_of(site, device="cuda", param_dtype="auto")
+    assert (hw.speeds.intra_gbps, hw.speeds.inter_gbps) == (100.0, 10.0)
+    hw = hardware_of(H100, device="cuda", param_dtype="auto")
+    assert hw.speeds == SPEEDS["h100-80gb"]
+    assert hardware_of(H100, device="cpu", param_dtype="auto") is None
+    assert hardware_of(ClusterConfig(), device="cuda", param_dtype="auto") is None  # peak unknown
+    with pytest.raises(UserError, match="plan.doctor="):
+        doctor_links(str(tmp_path / "missing"))
