@@ -8,6 +8,7 @@
         metrics.jsonl     one line per step, written by global rank 0; a redone step appears again
         events.jsonl      lifecycle events, appended by the driver and by rank 0
         heartbeat         touched by rank 0 as training progresses; the driver watches its mtime
+        progress          rank 0: its start and last completed optimizer step, rewritten each step
         checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
         logs/start_NN/rank_R.log     worker output per start
         summary.json      written at the end (finished, failed or stopped)
@@ -41,6 +42,7 @@ EVAL_LOG = "eval.jsonl"
 SYSTEM_LOG = "system.jsonl"
 EVENTS = "events.jsonl"
 HEARTBEAT = "heartbeat"
+PROGRESS = "progress"  # rank 0: "<start> <last completed optimizer step>", rewritten after every step
 SUMMARY = "summary.json"
 STOP_REQUEST = "stop_request.json"
 RUN_LOCK = "lock"

@@ -9,6 +9,7 @@ from typing import Any
 
 from dtk import audit
 from dtk.checkpoint.manifest import list_checkpoints
+from dtk.driver.record import read_progress
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.report import starts as start_history
 from dtk.rundir import RunDir, driver_alive, read_jsonl
@@ -66,6 +67,12 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     # steps on record are the dead start's.
     current = next((r for r in reversed(lines) if "step" in r), None)
     last_step = int(current["step"]) if current else 0
+    # Records reach the file once per train.log_every; rank 0's progress file has the last
+    # completed step of the newest start (dtk.driver.record).
+    progress = read_progress(run)
+    started = [e for e in events if e.get("event") == "started"]
+    if progress is not None and started and progress[0] == started[-1].get("restart"):
+        last_step = progress[1]
     max_restarts = _max_restarts(plan)
     history = start_history.history(events, lines, max_restarts=max_restarts)
     # Sizes against the manifest, not checksums: status must stay quick on large checkpoints

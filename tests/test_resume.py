@@ -172,6 +172,28 @@ def test_sigkill_at_random_steps_and_during_a_save_then_resume_is_bitwise_equal(
     assert json.loads((run / "summary.json").read_text())["final_loss"] == reference[40]["loss"]
 
 
+def test_a_save_by_the_checkpoint_process_killed_in_flight_resumes_bitwise(reference, tmp_path):
+    """checkpoint.async_mode=process: the workers are killed while their writer processes
+    write; the folder never commits, the rerun resumes from the one before, losses equal."""
+    run = tmp_path / "r"
+    for _ in range(3):
+        since = time.time()
+        driver = launch(tmp_path, "checkpoint.async_mode=process")
+        folder = wait_for("a save in flight", lambda t=since: save_in_flight(run, t), driver, poll=0.002)
+        kill_workers(run, driver)
+        if not (folder / "manifest.json").exists():
+            break
+    else:
+        raise AssertionError("never caught a save in flight")
+    finish(tmp_path, "checkpoint.async_mode=process")
+    got = records(run)
+    assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in reference.items()}
+    assert any(e["step"] == int(folder.name[5:]) and "no manifest" in e["reason"]
+               for e in events(run, "checkpoint_rejected"))
+    saved = events(run, "checkpoint_saved")
+    assert saved and saved[-1]["step"] == 40
+
+
 def truncate(folder: Path) -> None:
     shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:-100])

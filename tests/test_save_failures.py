@@ -7,15 +7,19 @@ never replaced by a save. One process, real files and mounts (root)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import require
 from dtk.checkpoint import manifest as mf
+from dtk.checkpoint import writer_process
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.config.choices import AsyncMode
 from dtk.config.schema import CheckpointConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.drill_storage import break_storage, restore_storage
@@ -33,9 +37,11 @@ def parts(seed: int = 0, width: int = 8):
     return model, optimizer, scheduler
 
 
-def manager(run: RunDir, model, optimizer, scheduler, *, asynchronous: bool, max_failures: int = 3):
+def manager(run: RunDir, model, optimizer, scheduler, *, asynchronous: bool, max_failures: int = 3,
+            mode: str = "thread"):
     return CheckpointManager(
-        run, checkpoint=CheckpointConfig(every=1, keep=10, async_save=asynchronous, max_failures=max_failures),
+        run, checkpoint=CheckpointConfig(every=1, keep=10, async_save=asynchronous, max_failures=max_failures,
+                                         async_mode=AsyncMode(mode)),
         parts=[(model, optimizer)], scheduler=scheduler, mesh=ParallelMesh.single(), global_batch=4,
         total_steps=100, identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"})
 
@@ -51,18 +57,37 @@ def named(run: RunDir, name: str) -> list[dict]:
     return [e for e in run.events_list() if e["event"] == name]
 
 
+# The process mode spawns DCP's checkpoint process (an interpreter, torch, a gloo group:
+# seconds on 2 cores): its cases run in the slow tier.
+PROCESS = pytest.param(True, "process", id="process", marks=pytest.mark.slow)
+MODES = pytest.mark.parametrize("asynchronous,mode", [pytest.param(False, "thread", id="sync"),
+                                                      pytest.param(True, "thread", id="async"), PROCESS])
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank gloo group: checkpoint.async_mode=process needs one (DCP's checkpoint
+    process joins a group of its own, set up over it)."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    writer_process.discard()
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def root_mounts():
     require(os.geteuid() == 0, "mounts need root")
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_saves_fail_on_a_read_only_mount_training_goes_on_and_the_next_save_commits(tmp_path, root_mounts,
-                                                                                      asynchronous):
+@MODES
+def test_saves_fail_on_a_read_only_mount_training_goes_on_and_the_next_save_commits(tmp_path, root_mounts, request,
+                                                                                      asynchronous, mode):
+    if mode == "process":
+        request.getfixturevalue("group")
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     model, optimizer, scheduler = parts()
-    ckpt = manager(run, model, optimizer, scheduler, asynchronous=asynchronous)
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=asynchronous, mode=mode)
     step(model, optimizer, scheduler)
     ckpt.save(1)
     ckpt.wait()
@@ -86,7 +111,7 @@ def test_saves_fail_on_a_read_only_mount_training_goes_on_and_the_next_save_comm
     assert [s for s, _, ok in run.checkpoint_steps() if ok] == [1, 4]
     assert mf.verify(run.checkpoint_dir(1))["step"] == 1
     again = parts(seed=5)
-    fresh = manager(run, *again, asynchronous=asynchronous)
+    fresh = manager(run, *again, asynchronous=asynchronous, mode=mode)
     assert fresh.resume() == 4
     fresh.close()
     assert all(torch.equal(a, b) for a, b in zip(again[0].parameters(), held, strict=True))
@@ -112,9 +137,12 @@ def test_max_failures_in_a_row_stop_the_run_with_one_error(tmp_path, root_mounts
     assert mf.verify(run.checkpoint_dir(1))["step"] == 1
 
 
-def test_a_full_file_system_fails_the_shard_writes_in_the_background_save(tmp_path, root_mounts):
+@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_full_file_system_fails_the_shard_writes_in_the_background_save(tmp_path, root_mounts, request, mode):
     """The folder and the small files fit, the shards do not: DCP's writer fails in its
     thread; the failure arrives at the next wait (or save), agreed, and the folder stays uncommitted."""
+    if mode == "process":
+        request.getfixturevalue("group")
     run = RunDir(tmp_path / "run")
     run.checkpoints.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "dtk-test", str(run.checkpoints)], check=True)
@@ -123,7 +151,7 @@ def test_a_full_file_system_fails_the_shard_writes_in_the_background_save(tmp_pa
         free = os.statvfs(run.checkpoints).f_bavail * os.statvfs(run.checkpoints).f_frsize
         filler.write_bytes(b"\0" * (free - (96 << 10)))  # 96 KiB left: RNG file and trainer.json fit
         model, optimizer, scheduler = parts(width=128)  # ~200 KiB of weights and optimizer state
-        ckpt = manager(run, model, optimizer, scheduler, asynchronous=True)
+        ckpt = manager(run, model, optimizer, scheduler, asynchronous=True, mode=mode)
         ckpt.save(1)
         assert ckpt.failures == 0  # the shards are written in the background: no failure yet
         ckpt.wait()
@@ -179,3 +207,40 @@ def test_the_storage_drill_needs_a_folder_that_is_not_mounted_already(tmp_path, 
     finally:
         restore_storage(folder)
     (folder / "probe").write_text("writable again")
+
+
+@pytest.mark.slow
+def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_new_one(tmp_path, group):
+    """async_mode=process: the writer process dies (SIGKILL) between saves; the next save is
+    a checkpoint_failed, training goes on, nothing is half committed, and the save after it
+    commits through a fresh process."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = parts()
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=True, mode="process")
+    step(model, optimizer, scheduler)
+    ckpt.save(1)
+    ckpt.wait()
+    first = writer_process.pid()
+    assert first is not None and first != os.getpid()  # another process wrote the shards
+    os.kill(first, signal.SIGKILL)
+    step(model, optimizer, scheduler)
+    ckpt.save(2)
+    ckpt.wait()
+    assert ckpt.failures == 1
+    (failed,) = named(run, "checkpoint_failed")
+    assert failed["step"] == 2
+    step(model, optimizer, scheduler)
+    ckpt.save(3)
+    held = [p.detach().clone() for p in model.parameters()]
+    ckpt.wait()
+    second = writer_process.pid()
+    ckpt.close()
+    assert second is not None and second != first
+    assert [(s, ok) for s, _, ok in run.checkpoint_steps()] == [(1, True), (3, True)]  # step 2 pruned, uncommitted
+    assert mf.verify(run.checkpoint_dir(3))["step"] == 3  # CRCs of every file, read back by rank 0
+    again = parts(seed=5)
+    fresh = manager(run, *again, asynchronous=True, mode="process")
+    assert fresh.resume() == 3
+    fresh.close()
+    assert all(torch.equal(a, b) for a, b in zip(again[0].parameters(), held, strict=True))

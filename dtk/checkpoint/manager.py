@@ -60,7 +60,8 @@ class CheckpointManager:
         # The minutes-based trigger needs all ranks to agree on a step; it votes on a group of
         # its own because the checkpoint group may be busy with a background save.
         self._vote = ckpt.Comm.create() if self.every_s > 0 else None
-        self._saver = ckpt.Saver(self.comm, asynchronous=checkpoint.async_save, on_commit=self._committed)
+        self._saver = ckpt.Saver(self.comm, asynchronous=checkpoint.async_save, on_commit=self._committed,
+                                 process=checkpoint.async_mode == "process")
         if checkpoint.async_save:
             self._guard_state(parts)
         self._last_save_t = time.monotonic()

@@ -56,9 +56,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from dtk.checkpoint import manifest as mf
+from dtk.checkpoint import writer_process
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
 from dtk.dist.groups import new_group
@@ -157,14 +158,19 @@ class Saver:
     """Writes checkpoints, at most one in flight. Every rank holds one; `start`, `wait` and
     `close` are collective."""
 
-    def __init__(self, comm: Comm, *, asynchronous: bool, on_commit: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, comm: Comm, *, asynchronous: bool, on_commit: Callable[[dict[str, Any]], None],
+                 process: bool = False) -> None:
         self.comm = comm
         self.asynchronous = asynchronous
+        # checkpoint.async_mode=process: DCP's checkpoint process writes (dtk.checkpoint.writer_process)
+        self.process = asynchronous and process
+        assert not self.process or comm.group is not None, "the checkpoint process needs a process group"
         self.on_commit = on_commit  # rank 0, finisher thread, right after the manifest is written
         gpu = torch.cuda.is_available()
         self._stager = (
-            DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
-                                         use_non_blocking_copy=gpu))
+            # Shared memory for the checkpoint process: the staged tensors reach it as handles, not copies.
+            DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.process,
+                                         use_async_staging=True, use_non_blocking_copy=gpu))
             if asynchronous
             else None
         )
@@ -191,7 +197,9 @@ class Saver:
         """Whether a copy of the state is in flight (`staged` would wait for it)."""
         return self._staging is not None
 
-    def _writer(self, path: Path) -> HashingWriter:
+    def _writer(self, path: Path) -> Any:
+        if self.process:  # not checksummed as written: rank 0 reads the files back
+            return writer_process.writer(path, thread_count=WRITE_THREADS)
         # Files are fsynced before the manifest can count them, and checksummed as written.
         return HashingWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
 
@@ -240,8 +248,10 @@ class Saver:
                 self._copy_after_queued_work()
                 times = self._times
                 times["copy_from"] = time.perf_counter()
+                kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
                 response = dcp.async_save(state, storage_writer=writer, process_group=self.comm.group,
-                                          async_stager=self._stager, no_dist=self.comm.group is None)
+                                          async_stager=self._stager, no_dist=self.comm.group is None,
+                                          async_checkpointer_type=kind)
                 # With a stager, DCP answers with both futures (a bare Future without one).
                 assert isinstance(response, AsyncSaveResponse), type(response)
                 self._staging, written = response.staging_completion, response.upload_completion
@@ -253,7 +263,8 @@ class Saver:
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise SaveFailed(cause(exc)) from exc
         blocked = time.perf_counter() - t0
-        self._pending = self._finisher.submit(self._finish, path, written, small, writer, header, t0, blocked)
+        self._pending = self._finisher.submit(self._finish_or_discard, path, written, small, writer, header, t0,
+                                              blocked)
         if not self.asynchronous:
             self.wait()
             blocked = time.perf_counter() - t0
@@ -290,8 +301,16 @@ class Saver:
             raise SaveFailed(problems[0])
         return result
 
+    def _finish_or_discard(self, *args: Any) -> dict[str, Any] | None:
+        try:
+            return self._finish(*args)
+        except SaveFailed:
+            if self.process:  # every rank got the same failure: all stop their process, the next save starts anew
+                writer_process.discard()
+            raise
+
     def _finish(
-        self, path: Path, written: Future, small: dict[str, Any], writer: HashingWriter, header: dict[str, Any],
+        self, path: Path, written: Future, small: dict[str, Any], writer: Any, header: dict[str, Any],
         t0: float, blocked: float,
     ) -> dict[str, Any] | None:
         def small_files_then_shards() -> None:
@@ -307,7 +326,7 @@ class Saver:
         self._agree(small_files_then_shards)
         # Every rank describes the files it wrote: the DCP files were checksummed while they
         # were written; its small RNG file (and rank 0's trainer.json) are read back.
-        hashed = writer.hashed()
+        hashed = writer.hashed() if isinstance(writer, HashingWriter) else {}
         own = [rng_file(self.comm.rank)] + ([TRAINER_STATE] if self.comm.rank == 0 else [])
         files: dict[str, Any] = {}
         for share in self.comm.all_gather(self._local(lambda: {**hashed, **{n: mf.describe_file(path / n) for n in own}})):
@@ -359,3 +378,5 @@ class Saver:
             self._finisher.shutdown(wait=True)
             if self._stager is not None:
                 self._stager.close()
+            if self.process:
+                writer_process.discard()

@@ -54,6 +54,13 @@ class DataParallel(Choice):
     fsdp = "fsdp"
 
 
+class AsyncMode(Choice):
+    """Who writes an asynchronous checkpoint's shards (dtk/checkpoint/sharded.py)."""
+
+    thread = "thread"
+    process = "process"
+
+
 # "1f1b" is not a Python identifier, so this one is made with the functional API; code
 # names its members by value: PipelineSchedule("1f1b").
 # mypy reads a call of a str-mixin Enum as str's constructor, not the functional API.

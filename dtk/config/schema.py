@@ -14,6 +14,7 @@ from omegaconf import MISSING
 from dtk.config.access import AccessConfig
 from dtk.config.choices import (
     ActivationCheckpoint,
+    AsyncMode,
     Backend,
     ClusterKind,
     DataParallel,
@@ -191,6 +192,8 @@ class CheckpointConfig:
     """Also save when this many minutes passed since the last save (ranks agree on the step). 0: off."""
     async_save: bool = True
     """Stage to CPU memory and write in the background while training continues; the next save waits for it."""
+    async_mode: AsyncMode = AsyncMode.thread
+    """Who writes an async save: `thread` (a thread of the training process; files checksummed while written) or `process` (DCP's checkpoint process per rank, off the training process's GIL; rank 0 reads the files back for the manifest's CRCs)."""
     max_failures: int = 3
     """The run stops with an error line once this many saves in a row failed (no space, an I/O error, a read-only mount); before that training goes on, each failure is a `checkpoint_failed` event and the next interval tries again."""
 

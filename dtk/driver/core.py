@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dtk.config.schema import FaultConfig
 from dtk.driver.decide import Decision, Kind, Outcome, decide
-from dtk.driver.record import latest_checkpoint_step
+from dtk.driver.record import last_completed_step, latest_checkpoint_step
 from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
 from dtk.rundir import HEARTBEAT, RunDir
@@ -150,8 +150,8 @@ class DriverCore:
         return latest_checkpoint_step(self.run) or 0
 
     def last_step(self) -> int:
-        done = self.run.latest_metrics()
-        return max(done) if done else 0
+        """The last step the current start completed (rank 0's progress file, exact)."""
+        return last_completed_step(self.run)
 
     def restarts(self) -> int:
         return max(0, self.run.starts() - 1)

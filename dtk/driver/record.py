@@ -5,7 +5,45 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from dtk.rundir import RunDir, read_jsonl, write_json_atomic
+from dtk.rundir import PROGRESS, RunDir, read_jsonl, write_json_atomic
+
+
+def read_progress(run: RunDir) -> tuple[int, int] | None:
+    """(start, last completed optimizer step) from rank 0's RUN_DIR/progress; None when
+    no start wrote one yet (or a run from an older dtk)."""
+    try:
+        words = (run.path / PROGRESS).read_text().split()
+    except FileNotFoundError:
+        return None
+    if len(words) != 2 or not all(w.isdigit() for w in words):
+        return None
+    return int(words[0]), int(words[1])
+
+
+def _own_progress(run: RunDir, events: list[dict[str, Any]]) -> int | None:
+    """The progress file's step when the current (newest) start wrote it."""
+    started = [e for e in events if e.get("event") == "started"]
+    progress = read_progress(run)
+    if progress is None or not started or progress[0] != started[-1].get("restart"):
+        return None
+    return progress[1]
+
+
+def last_completed_step(run: RunDir) -> int:
+    """The last optimizer step the current start completed, exact whatever train.log_every
+    is (metrics.jsonl is written once per logging interval, so its newest record may lag by
+    up to train.log_every - 1 steps). A start that completed no step yet: the step it began
+    at (its `ready` or `checkpoint_loaded` event), else the newest record."""
+    events = run.events_list()
+    last_start = max((i for i, e in enumerate(events) if e.get("event") == "started"), default=-1)
+    own = _own_progress(run, events)
+    if own is not None:
+        return own
+    began = [e for e in events[last_start + 1:] if e.get("event") in ("ready", "checkpoint_loaded")]
+    if last_start >= 0 and began and began[-1].get("step") is not None:
+        return int(began[-1]["step"])
+    done = run.latest_metrics()
+    return max(done) if done else 0
 
 
 def record_failure(run: RunDir, *, error: str, restarts: int, **details: Any) -> None:
@@ -20,7 +58,7 @@ def record_failure(run: RunDir, *, error: str, restarts: int, **details: Any) ->
         run.summary,
         {
             "status": "failed",
-            "final_step": last,
+            "final_step": max(last, last_completed_step(run)),
             "final_loss": done[last]["loss"] if done else None,
             "restarts": restarts,
             "error": error,
@@ -41,7 +79,8 @@ def record_stopped(run: RunDir, *, by: str, restarts: int, **details: Any) -> in
     checkpoint = latest_checkpoint_step(run)
     # The step this start reached: the last record (an earlier start may have gone further).
     latest = next(iter(deque(read_jsonl(run.metrics), maxlen=1)), None)
-    last = int(latest["step"]) if latest else 0
+    own = _own_progress(run, run.events_list())
+    last = own if own is not None else int(latest["step"]) if latest else 0
     run.event("stopped", by=by, step=last, checkpoint=checkpoint, **details)
     write_json_atomic(
         run.summary,

@@ -39,6 +39,61 @@ def start_segments(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return groups
 
 
+# The events that end a start and name the step it reached (the driver's exact last step).
+STEP_ENDINGS = ("relaunched", "node_failed", "requeued", "hang_detected", "preempted", "time_limit_near",
+                "node_returned", "stopped", "failed", "finished")
+
+
+def last_step_of(group: list[dict[str, Any]], records: Iterable[dict[str, Any]]) -> int:
+    """The last step a start completed: the step its ending events name (the driver reads it
+    from rank 0's progress file, exact) or its newest metrics record, whichever is later."""
+    steps = [int(e["step"]) for e in group if e.get("event") in STEP_ENDINGS and e.get("step") is not None]
+    return max(steps + [int(r["step"]) for r in records] + [0])
+
+
+def resumed_from(group: list[dict[str, Any]]) -> int:
+    """The checkpoint step a start loaded (0: it began from scratch). A divergence's rollback
+    loads again inside the start: the start began from the load before it."""
+    rolled = next((i for i, e in enumerate(group) if e.get("event") == "rolled_back"), len(group))
+    loaded = [e for e in group[:rolled] if e.get("event") == "checkpoint_loaded"]
+    return int(loaded[-1].get("step") or 0) if loaded else 0
+
+
+def _lost(groups: list[list[dict[str, Any]]], metric_lines: list[dict[str, Any]], kept: list[dict[str, Any]],
+          thrown: list[dict[str, Any]]) -> tuple[int, float]:
+    """(steps redone, seconds they took the first time). A start's lost steps run from the
+    checkpoint the next start loaded to its exact last step; those with a metrics record
+    (written once per train.log_every) count their own time, the rest the start's median
+    step time (the same step's time when it was done again, if the start has no record).
+    Inside a start, a divergence's rollback redoes steps and a skipped update is a step of no
+    use: their own records (dtk.train.divergence writes one every step)."""
+    by_restart: dict[Any, list[dict[str, Any]]] = {}
+    for r in metric_lines:
+        by_restart.setdefault(r.get("restart"), []).append(r)
+    thrown_at = {(r.get("restart"), int(r["step"])): float(r.get("step_time_s") or 0.0) for r in thrown}
+    kept_at = {int(r["step"]): float(r.get("step_time_s") or 0.0) for r in kept}
+    num_steps, seconds = 0, 0.0
+    counted: set[tuple[Any, int]] = set()
+    for group, after in zip(groups, groups[1:], strict=False):
+        restart = group[0].get("restart")
+        records = by_restart.get(restart, [])
+        first, last = resumed_from(after), last_step_of(group, records)
+        times = sorted(float(r.get("step_time_s") or 0.0) for r in records)
+        median = times[len(times) // 2] if times else None
+        for step in range(first + 1, last + 1):
+            num_steps += 1
+            counted.add((restart, step))
+            if (restart, step) in thrown_at:
+                seconds += thrown_at[(restart, step)]
+            else:
+                seconds += median if median is not None else kept_at.get(step, 0.0)
+    for key, step_s in thrown_at.items():  # thrown inside a start: a rollback's first pass, a skipped update
+        if key not in counted:
+            num_steps += 1
+            seconds += step_s
+    return num_steps, seconds
+
+
 def _step_seconds(records: Iterable[dict[str, Any]]) -> tuple[float, float]:
     """(training seconds, of which blocking checkpoint seconds) of these records."""
     total = ckpt = 0.0
@@ -124,7 +179,7 @@ def account(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
     kept = [r for i, r in enumerate(metric_lines) if last_index[int(r["step"])] == i and not r.get("skipped")]
     thrown = [r for i, r in enumerate(metric_lines) if last_index[int(r["step"])] != i or r.get("skipped")]
     kept_s, kept_ckpt = _step_seconds(kept)
-    redone, _ = _step_seconds(thrown)
+    num_redone, redone = _lost(start_segments(events), metric_lines, kept, thrown)
     if kept_ckpt or any("phases" in r for r in kept):
         save = kept_ckpt  # the profiled steps carry the blocking part of their saves
     else:
@@ -146,7 +201,7 @@ def account(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
         "shares": {k[:-2]: round(v / wall, 4) if wall else 0.0 for k, v in parts.items()},
         "goodput": round(productive / wall, 4) if wall else None,
         "restart_s": round(max(0.0, restart_s), 3),
-        "redone_steps": len(thrown),
+        "redone_steps": num_redone,
         "skipped_updates": sum(1 for e in events if e.get("event") == "skipped_update"),
         "rollbacks": sum(1 for e in events if e.get("event") == "rolled_back"),
         "restarts": max(0, len(starts) - 1),

@@ -19,11 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtk.report.goodput import start_segments
-
-# The events that end a start, newest first wins; each names the cause of the next start.
-_ENDINGS = ("relaunched", "node_failed", "requeued", "hang_detected", "preempted", "time_limit_near",
-            "node_returned", "stopped", "failed", "finished")
+from dtk.report.goodput import last_step_of, resumed_from, start_segments
 
 
 def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
@@ -71,16 +67,12 @@ def history(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
     for i, group in enumerate(groups):
         started = group[0]
         records = by_restart.get(started.get("restart"), [])
-        # A divergence's rollback loads again inside the start: the start began from the load before it.
-        rolled = next((i for i, e in enumerate(group) if e.get("event") == "rolled_back"), len(group))
-        loaded = [e for e in group[:rolled] if e.get("event") == "checkpoint_loaded"]
-        resumed_from = int(loaded[-1].get("step") or 0) if loaded else 0
         info: dict[str, Any] = {
             "restart": started.get("restart"),
             "job_id": started.get("job_id"),
             "nodes": started.get("nodes"),
             "world_size": started.get("world_size"),
-            "resumed_from": resumed_from,
+            "resumed_from": resumed_from(group),
         }
         if "slurm_restart_count" in started:
             info["slurm_restart_count"] = started["slurm_restart_count"]
@@ -94,9 +86,7 @@ def history(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
             # A relaunch inside the allocation spends the budget; any other start is a new allocation.
             budget = max_restarts - int(relaunch.get("attempt") or 0) if relaunch else max_restarts
             prev_records = by_restart.get(before[0].get("restart"), [])
-            fault_steps = [int(e["step"]) for e in before if e.get("event") in _ENDINGS and e.get("step") is not None]
-            last_step = max([int(r["step"]) for r in prev_records] + fault_steps + [0])
-            info["steps_redone"] = max(0, last_step - resumed_from)
+            info["steps_redone"] = max(0, last_step_of(before, prev_records) - info["resumed_from"])
             last_good = max((float(r["time"]) for r in prev_records), default=float(before[0]["time"]))
             first = min((float(r["time"]) for r in records), default=None)
             resumed = next((e for e in group if e.get("event") == "resumed"), None)

@@ -27,7 +27,7 @@ from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.layout import uses_zero1
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
-from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
+from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, PROGRESS, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
 from dtk.train.divergence import Diverged, NanDrill, Rollback, read_skips
 from dtk.train.evaluate import Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
@@ -106,7 +106,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     clock.lap("model")
 
     # Rank 0's liveness file; its thread beats from the first step on (dtk.train.policies.Heartbeat).
-    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None, hang_timeout_s=cfg.fault.hang_timeout_s)
+    heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None, hang_timeout_s=cfg.fault.hang_timeout_s,
+                          progress=run.path / PROGRESS if rank0 else None, restart=env.restart)
     checkpoints = CheckpointManager(
         run,
         checkpoint=cfg.checkpoint,
