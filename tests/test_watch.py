@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, dtk
 from dtk import watch
 
 T0 = 1_800_000_000.0
@@ -149,3 +151,29 @@ def test_a_run_root_that_is_not_there_is_one_error_line(tmp_path):
     lines = [line for line in done.stderr.splitlines() if "import time:" not in line]
     assert done.returncode == 2 and lines == [f"error: RUN_ROOT={tmp_path / 'nope'}: no such folder; give the run root"
                                               " (run.root) that holds run directories"]
+
+
+CRASHING_YAML = """\
+_target_: tests.models_for_tests.build_crashing
+vocab_size: 256
+seq_len: 32
+width: 8
+depth: 1
+"""
+
+
+@pytest.mark.slow
+def test_a_real_run_whose_model_crashes_at_every_start_is_a_restart_storm(tmp_path):
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "crashing.yaml").write_text(CRASHING_YAML)
+    root = tmp_path / "runs"
+    proc = dtk("dtk.submit", f"hydra.searchpath=[file://{conf}]", "model=crashing", "tasks_per_node=1",
+               "train.steps=4", "train.global_batch=4", "fault.max_restarts=3", f"run.root={root}", cwd=REPO)
+    assert proc.returncode != 0 and "relaunching" in proc.stderr, proc.stdout + proc.stderr
+    done = _watch(str(root), "--once", "--json")
+    assert done.returncode == 0, done.stderr
+    alerts = {json.loads(line)["alert"]: json.loads(line) for line in done.stdout.splitlines()}
+    assert set(alerts) == {"restart_storm", "stalled_progress", "budget_low"}, done.stdout
+    assert alerts["restart_storm"]["starts"] == 4 and alerts["budget_low"]["relaunches_left"] == 0
+    assert _watch(str(root), "--once").stdout == ""
