@@ -177,3 +177,45 @@ def test_a_real_run_whose_model_crashes_at_every_start_is_a_restart_storm(tmp_pa
     assert set(alerts) == {"restart_storm", "stalled_progress", "budget_low"}, done.stdout
     assert alerts["restart_storm"]["starts"] == 4 and alerts["budget_low"]["relaunches_left"] == 0
     assert _watch(str(root), "--once").stdout == ""
+
+
+@pytest.mark.slow
+def test_a_real_run_stopped_with_sigstop_is_silent(tmp_path):
+    """Driver and workers stopped (as a frozen node stops them): the driver's process lives,
+    so the run counts as running, and nobody touches the heartbeat."""
+    import signal
+    import time
+
+    root = tmp_path / "runs"
+    log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen([sys.executable, "-m", "dtk.submit", "train.steps=100000", "train.global_batch=8",
+                               "tasks_per_node=1", "fault.hang_timeout_s=2", "checkpoint.every=0", f"run.root={root}"],
+                              cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log,
+                              stderr=subprocess.STDOUT)
+    stopped: list[int] = []
+    try:
+        beat = None
+        while beat is None:
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()
+            beat = next(iter(root.glob("*/heartbeat")), None) if root.is_dir() else None
+            time.sleep(0.1)
+        run = beat.parent
+        while not list((run / "logs").glob("start_*/pids")):
+            time.sleep(0.1)
+        pids = [int(p) for p in next((run / "logs").glob("start_*/pids")).read_text().split()]
+        for pid in [driver.pid, *pids]:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        assert _watch(str(root), "--once").stdout == ""  # stopped just now: within 2 x fault.hang_timeout_s
+        deadline = time.monotonic() + 60
+        silent = ""
+        while "silent" not in silent and time.monotonic() < deadline:
+            time.sleep(1)
+            silent = _watch(str(root), "--once", "--json").stdout
+        record = json.loads(silent.splitlines()[0])
+        assert (record["alert"], record["job_id"], record["run"]) == ("silent", f"local-{driver.pid}", run.name)
+        assert _watch(str(root), "--once").stdout == ""
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGKILL)
+        driver.wait(timeout=60)
