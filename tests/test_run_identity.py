@@ -177,3 +177,18 @@ def test_a_run_directory_of_this_rule_wins_over_one_of_v0(tmp_path):
     _v0_run(tmp_path / "runs", GOLDEN[9]["v0.1.0"], v0_hash(cfg))
     _v0_run(tmp_path / "runs", new, identity_hash(cfg))
     assert make_plan(cfg, cwd=tmp_path).run_name == new
+
+
+def test_each_release_is_a_commit_of_this_history_and_its_tag_agrees():
+    import subprocess
+
+    from conftest import REPO, require
+    from dtk.releases import RELEASES
+
+    for tag, commit in RELEASES.items():
+        found = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+        require(found.returncode == 0, f"this clone lacks commit {commit} of {tag} (a shallow clone)")
+        tagged = subprocess.run(["git", "-C", str(REPO), "rev-parse", "-q", "--verify", f"refs/tags/{tag}^{{commit}}"],
+                                capture_output=True, text=True)
+        if tagged.returncode == 0:  # a clone may lack the tags; where one is there, it is this commit
+            assert tagged.stdout.strip() == commit, tag
