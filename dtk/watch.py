@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import HEARTBEAT, read_jsonl, write_json_atomic
+from dtk.rundir import EVENTS, EXCLUDED_NODES, HEARTBEAT, PLAN_JSON, SUMMARY, read_jsonl, write_json_atomic
 
 STATE = ".dtk-watch.json"
 STORM_STARTS, STORM_WINDOW_S = 3, 600.0
@@ -78,14 +78,14 @@ class Run:
 
     @staticmethod
     def read(path: Path) -> Run:
-        events = sorted((e for e in read_jsonl(path / "events.jsonl") if "time" in e), key=lambda e: float(e["time"]))
+        events = sorted((e for e in read_jsonl(path / EVENTS) if "time" in e), key=lambda e: float(e["time"]))
         try:
             heartbeat: float | None = (path / HEARTBEAT).stat().st_mtime
         except OSError:
             heartbeat = None
-        entries = _json(path / "excluded_nodes.json", [])
+        entries = _json(path / EXCLUDED_NODES, [])
         exclusions = [e["node"] for e in entries if isinstance(e, dict) and "node" in e and "readmitted" not in e]
-        return Run(path, events, _json(path / "plan.json", {}), _json(path / "summary.json", {}), exclusions, heartbeat)
+        return Run(path, events, _json(path / PLAN_JSON, {}), _json(path / SUMMARY, {}), exclusions, heartbeat)
 
     @property
     def name(self) -> str:
@@ -109,7 +109,7 @@ def _json(path: Path, empty: Any) -> Any:
 
 def runs_under(root: Path) -> list[Run]:
     """Every run directory of the root: a folder with an events.jsonl."""
-    return [Run.read(p) for p in sorted(root.iterdir()) if (p / "events.jsonl").is_file()]
+    return [Run.read(p) for p in sorted(root.iterdir()) if (p / EVENTS).is_file()]
 
 
 def restart_storm(run: Run, now: float) -> Alert | None:

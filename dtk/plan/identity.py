@@ -15,6 +15,7 @@ from typing import Any
 
 from dtk.config.identity import identity_hash
 from dtk.config.identity_v0 import v0_hash
+from dtk.rundir import PLAN_JSON
 
 
 def model_name(target: str) -> str:
@@ -52,7 +53,7 @@ def _kept(path: Path, name: str, digest: str, cfg: Any) -> tuple[str, str]:
 def recorded_hash(run_dir: Path) -> str | None:
     """The config hash a run directory's plan.json records (None: none readable)."""
     try:
-        value = json.loads((run_dir / "plan.json").read_text()).get("config_hash")
+        value = json.loads((run_dir / PLAN_JSON).read_text()).get("config_hash")
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None
