@@ -170,10 +170,8 @@ def _git_commit(folder: Path) -> str:
 
 def _overrides(plan, tmp: Path, search) -> Artifact:
     from dtk.config.overrides import repeat_overrides
-    from dtk.plan.plan import semantic_hash
-
     name = "config/overrides.txt"
-    overrides, why = repeat_overrides(plan.config, plan.config_hash, semantic_hash=semantic_hash, search=search)
+    overrides, why = repeat_overrides(plan.config, plan.config_hash, search=search)
     if overrides is None:
         return Artifact(name, "command-line overrides that compose the same config", missing=why)
     (tmp / name).write_text("".join(f"{o}\n" for o in overrides))

@@ -117,7 +117,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def only_run_dir(root: Path) -> Path:
-    runs = [p for p in root.iterdir() if p.is_dir()]
+    from dtk.audit import AUDIT_DIR
+
+    runs = [p for p in root.iterdir() if p.is_dir() and p.name != AUDIT_DIR]  # audit/: the run root's log
     assert len(runs) == 1, f"expected one run directory in {root}, found {runs}"
     return runs[0]
 

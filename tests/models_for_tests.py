@@ -110,3 +110,9 @@ def build_spike(*, vocab_size: int, width: int, depth: int, spike_at: int, expan
                 seq_len: int = 64) -> MlpLM:
     del seq_len
     return SpikeLM(vocab_size, width, depth, expansion, spike_at)
+
+
+def build_crashing(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
+    """A model whose factory fails at every start, as a bug in a user's model does: a crash
+    (not a configuration error), which the driver relaunches until its budget is spent."""
+    raise RuntimeError("the test model fails at every start")

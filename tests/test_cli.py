@@ -54,6 +54,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.topology discover": ["--out"],
     "dtk.topology record": ["dir"],
     "dtk.topology show": ["--json"],
+    "dtk.watch": ["--alert", "--json", "--once", "RUN_ROOT"],
     "dtk.worker": ["RUN_DIR"],
 }
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+IDENTITY_MARK = "[identity]"
+"""Before the doc of a key that is part of what a run computes (dtk/config/identity.py)."""
+
 
 @dataclass(frozen=True)
 class Key:
@@ -113,7 +116,9 @@ def sections() -> list[Section]:
             elif factory is not None and dataclasses.is_dataclass(factory):
                 nested.append((name, None, factory, docs.get(f.name, "")))
             else:
-                keys.append(Key(name, type_name(f.type, hints.get(f.name)), default(f), docs.get(f.name, "")))
+                text = docs.get(f.name, "")
+                text = f"{IDENTITY_MARK} {text}" if f.metadata.get("identity") else text
+                keys.append(Key(name, type_name(f.type, hints.get(f.name)), default(f), text))
         out.append(Section(prefix, option, doc, tuple(keys)))
         for name, opt, sub, sub_doc in nested:
             class_doc = " ".join((sub.__doc__ or "").split()) if "__doc__" in vars(sub) else ""

@@ -3,13 +3,12 @@ is repeated by someone else (`python -m dtk.handover`).
 
 The overrides are the group choices (`data=hdf5`, `+scheme=fsdp`) and every key whose
 value differs from what those choices compose to; they are accepted only once composing
-them gives the same semantic hash, so the command they make is the same run.
+them gives the same identity hash, so the command they make is the same run.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +86,14 @@ def _target_choices(plain: dict[str, Any], choices: list[str], search: SearchPat
     return found, composed
 
 
-def repeat_overrides(cfg: Config, config_hash: str, *, semantic_hash: Callable[[Config], str],
+def repeat_overrides(cfg: Config, config_hash: str, *,
                      search: SearchPath | None = None) -> tuple[list[str] | None, str]:
     """(overrides, "") that compose a config of the same hash with the config folders of
     `search` (default: dtk's own alone), or (None, why not). The hash is the run identity's
-    (dtk.plan.plan.semantic_hash), handed in: config is the first stage."""
+    (dtk.config.identity), or v0.1.0's for a run that release named (dtk.config.identity_v0)."""
     from dtk.config.compose import compose
+    from dtk.config.identity import identity_hash
+    from dtk.config.identity_v0 import v0_hash
 
     search = search if search is not None else SearchPath()
     plain = to_dict(cfg)
@@ -106,10 +107,11 @@ def repeat_overrides(cfg: Config, config_hash: str, *, semantic_hash: Callable[[
                            if key not in LEFT_OUT and base.get(key, object()) != value]
     overrides += [f"~{key}" for key in base if key not in wanted and key not in LEFT_OUT and _removable(key)]
     try:
-        again = semantic_hash(compose(overrides, search=search))
+        composed_again = compose(overrides, search=search)
     except UserError as exc:
         return None, f"the overrides derived from config.yaml do not compose ({exc}); start from config/config.yaml"
-    if again != config_hash:
+    again = identity_hash(composed_again)
+    if config_hash not in (again, v0_hash(composed_again)):  # a run named by v0.1.0 keeps its hash
         return None, (f"the overrides derived from config.yaml compose config hash {again}, not the run's"
                       f" {config_hash}; start from config/config.yaml")
     return overrides, ""

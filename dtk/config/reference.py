@@ -26,7 +26,9 @@ option as `GROUP=OPTION` (`data=hdf5`), and the parallelism scheme with `+scheme
 
 Generated from the field doc strings in `dtk/config/schema.py` by `{COMMAND}`;
 do not edit by hand: `tests/test_reference.py` fails when this file and the schemas differ.
-A default of `required` means the key has none and must be given.
+A default of `required` means the key has none and must be given. `[identity]` marks a key
+that is part of what a run computes: set away from its default, it names another run
+(docs/recovery.md, "Identity and upgrades"); every other key continues the same run.
 """
 
 

@@ -26,6 +26,7 @@ from dtk.config.choices import (
     TpStyle,
 )
 from dtk.config.fabric import DoctorConfig, FabricConfig, PlanConfig  # part of this schema
+from dtk.config.fields import IDENTITY  # marks what a run computes (its name's hash)
 from dtk.config.sections import (  # the data and task sections, part of this schema
     DATA_SCHEMAS as DATA_SCHEMAS,
 )
@@ -94,23 +95,23 @@ class ModelParallelConfig:
 class TransformerConfig(ModelParallelConfig):
     """The built-in transformer's keys (group `model`, option `transformer`)."""
 
-    _target_: str = "dtk.models.transformer.build"
+    _target_: str = field(default="dtk.models.transformer.build", metadata=IDENTITY)
     """Factory that returns the nn.Module; any importable callable taking these keys as keyword arguments."""
-    vocab_size: int = 256
+    vocab_size: int = field(default=256, metadata=IDENTITY)
     """Number of token ids."""
-    dim: int = 64
+    dim: int = field(default=64, metadata=IDENTITY)
     """Hidden size."""
-    num_layers: int = 2
+    num_layers: int = field(default=2, metadata=IDENTITY)
     """Number of transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = field(default=4, metadata=IDENTITY)
     """Attention heads; must divide dim."""
-    ffn_hidden: int = 0
+    ffn_hidden: int = field(default=0, metadata=IDENTITY)
     """Hidden size of the SwiGLU feed-forward. 0: 8/3 x dim rounded up to a multiple of 16."""
-    seq_len: int = 64
+    seq_len: int = field(default=64, metadata=IDENTITY)
     """Tokens per sample (context length)."""
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata=IDENTITY)
     """RMSNorm epsilon."""
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=IDENTITY)
     """Dropout probability after attention and feed-forward (training only). 0: off."""
 
 
@@ -142,9 +143,9 @@ class ModelConfig(ModelParallelConfig):
     (its yaml is free-form), so its keys stay a dict; the built-in transformer's keys were
     checked against TransformerConfig while composing."""
 
-    _target_: str = MISSING
+    _target_: str = field(default=MISSING, metadata=IDENTITY)
     """Factory that returns the nn.Module (a dotted path)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict, metadata=IDENTITY)
     """The factory's keyword arguments: every other key of the model's section."""
 
     @property
@@ -160,23 +161,23 @@ class ModelConfig(ModelParallelConfig):
 
 @dataclass
 class OptimConfig:
-    name: OptimizerName = OptimizerName.adamw
+    name: OptimizerName = field(default=OptimizerName.adamw, metadata=IDENTITY)
     """Optimizer; `adamw` (torch.optim.AdamW)."""
-    lr: float = 3e-3
+    lr: float = field(default=3e-3, metadata=IDENTITY)
     """Peak learning rate, reached at the end of warmup."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata=IDENTITY)
     """Decoupled weight decay (AdamW)."""
-    beta1: float = 0.9
+    beta1: float = field(default=0.9, metadata=IDENTITY)
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = field(default=0.95, metadata=IDENTITY)
     """AdamW beta2."""
-    eps: float = 1e-8
+    eps: float = field(default=1e-8, metadata=IDENTITY)
     """AdamW epsilon."""
-    warmup_steps: int = 20
+    warmup_steps: int = field(default=20, metadata=IDENTITY)
     """Linear warmup from 0 to `lr` over these optimizer steps."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata=IDENTITY)
     """Cosine decay ends at `lr x min_lr_ratio` on the last step."""
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata=IDENTITY)
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
 
@@ -246,13 +247,13 @@ class SchemeConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = field(default=300, metadata=IDENTITY)
     """Optimizer steps to train for."""
-    global_batch: int = 128
+    global_batch: int = field(default=128, metadata=IDENTITY)
     """Samples per optimizer step, over all data-parallel ranks."""
     micro_batch: int | None = None
     """Samples per forward/backward on one worker; gradient accumulation makes up the rest. None: global_batch / data-parallel size (no accumulation)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=IDENTITY)
     """Seed of model initialisation and data order."""
     log_every: int = 10
     """Every this many steps: a progress line, the metrics.jsonl records of the steps since the last (one per step, their loss and gradient norm read from the device in one transfer), and the gathering of every rank's phase times (straggler check)."""
@@ -313,7 +314,7 @@ class RunConfig:
     root: str = "runs"
     """Folder that holds run directories; must be on storage every node sees."""
     name: str | None = None
-    """Run directory name. None: `<model>-<hash of the semantic keys>`, so the same command continues the same run."""
+    """Run directory name. None: `<model>-<hash of the identity keys that differ from their defaults>` (docs/recovery.md), so the same command continues the same run, also after an upgrade of dtk."""
 
 
 @dataclass

@@ -9,17 +9,18 @@ from typing import Any
 from omegaconf import MISSING
 
 from dtk.config.choices import DataKind, TaskForm
+from dtk.config.fields import IDENTITY
 
 
 @dataclass
 class SyntheticDataConfig:
-    kind: DataKind = DataKind.synthetic
+    kind: DataKind = field(default=DataKind.synthetic, metadata=IDENTITY)
     """Data source: `synthetic` (generated Markov-chain tokens, learnable, no files)."""
-    num_samples: int = 8192
+    num_samples: int = field(default=8192, metadata=IDENTITY)
     """Samples in one epoch."""
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=IDENTITY)
     """Seed of the generated token table (independent of train.seed)."""
-    branching: int = 4
+    branching: int = field(default=4, metadata=IDENTITY)
     """Likely successors per token; lower means an easier, lower-entropy language."""
     eval_samples: int = 0
     """Validation samples per evaluation (rounded down to whole global batches). 0: all of the validation split."""
@@ -27,15 +28,15 @@ class SyntheticDataConfig:
 
 @dataclass
 class Hdf5DataConfig:
-    kind: DataKind = DataKind.hdf5
+    kind: DataKind = field(default=DataKind.hdf5, metadata=IDENTITY)
     """Data source: `hdf5` (a dataset folder made by `python -m dtk.data prepare`)."""
-    path: str = MISSING
+    path: str = field(default=MISSING, metadata=IDENTITY)
     """The dataset folder (manifest.json + HDF5 shards); must be on storage every node sees."""
-    val_fraction: float = 0.05
+    val_fraction: float = field(default=0.05, metadata=IDENTITY)
     """Share of the samples held out for validation, drawn with `split_seed`. Ignored when `val_shards` is set."""
-    split_seed: int = 0
+    split_seed: int = field(default=0, metadata=IDENTITY)
     """Seed of the train / validation split (independent of train.seed)."""
-    val_shards: list[str] = field(default_factory=list)
+    val_shards: list[str] = field(default_factory=list, metadata=IDENTITY)
     """Shard files (names in the manifest) that form the validation split, instead of a fraction."""
     eval_samples: int = 1024
     """Validation samples per evaluation (the first of the split, rounded down to whole global batches). 0: all."""
@@ -48,17 +49,17 @@ class UserDataConfig:
     """A dataset of the user's own (dtk/data/user.py, docs/byo.md). In a yaml of the user's,
     every key not declared here is a keyword argument of `_target_`."""
 
-    kind: DataKind = DataKind.user
+    kind: DataKind = field(default=DataKind.user, metadata=IDENTITY)
     """Data source: `user` (the map-style dataset a function of the user's returns)."""
-    _target_: str = MISSING
+    _target_: str = field(default=MISSING, metadata=IDENTITY)
     """Function returning a map-style dataset (`__len__`, `__getitem__` -> tensor, array, number, tuple or dict of them), or a (train, validation) pair, or a dict with `train` and `validation`."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict, metadata=IDENTITY)
     """The function's keyword arguments: every other key of the data section."""
-    val_fraction: float = 0.1
+    val_fraction: float = field(default=0.1, metadata=IDENTITY)
     """Share of the samples held out for validation, drawn with `split_seed`; ignored when the function returns both sets."""
-    split_seed: int = 0
+    split_seed: int = field(default=0, metadata=IDENTITY)
     """Seed of the train / validation split (independent of train.seed)."""
-    version: str | None = None
+    version: str | None = field(default=None, metadata=IDENTITY)
     """The dataset's version, checked on resume. None: the dataset's `version` attribute, else a hash of its length and a sample of its items."""
     eval_samples: int = 0
     """Validation samples per evaluation (rounded down to whole global batches). 0: all of the validation split."""
@@ -69,11 +70,11 @@ class TaskConfig:
     """What a step computes from a batch (dtk/train/task.py, docs/byo.md). The default,
     `task=lm`, is next-token cross-entropy on token ids."""
 
-    _target_: str | None = None
+    _target_: str | None = field(default=None, metadata=IDENTITY)
     """The loss: a callable `(outputs, batch) -> loss` (task.form=outputs) or `(model, batch) -> loss` (task.form=model), returning the mean over the micro-batch's samples. None: next-token cross-entropy (task=lm)."""
-    form: TaskForm = TaskForm.outputs
+    form: TaskForm = field(default=TaskForm.outputs, metadata=IDENTITY)
     """`outputs`: dtk runs the model on the batch's inputs (task.inputs) and hands the callable its outputs; `model`: the callable runs the model itself."""
-    inputs: str | None = None
+    inputs: str | None = field(default=None, metadata=IDENTITY)
     """With form=outputs, what the model's forward takes: an index of a tuple batch or a key of a dict batch. None: a tensor batch whole, element 0 of a tuple, a dict whole."""
     metrics: dict[str, str] = field(default_factory=dict)
     """Evaluation metrics: name -> callable of the same form as the loss, returning the mean over the micro-batch (logged to eval.jsonl as val_NAME)."""

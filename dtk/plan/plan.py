@@ -1,9 +1,9 @@
-"""validate + plan: a frozen, printable plan from a typed config. Pure: no torch, no I/O."""
+"""validate + plan: a frozen, printable plan from a typed config. Pure: no torch, no I/O but the
+one read of run identity (an existing run directory's plan.json, dtk/plan/identity.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import math
@@ -19,16 +19,13 @@ from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.identity import run_identity
 from dtk.plan.parts import check_builtin_arguments
 from dtk.plan.whatif import check_whatif, whatif_of
 from dtk.rundir import RunDir
 
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
 
-# The keys that make a run what it is. Resubmitting with only other keys changed (nodes,
-# scheme, cluster, checkpoint interval, micro batch) continues the same run directory.
-
-SEMANTIC_KEYS = ("model", "data", "optim", "train.steps", "train.global_batch", "train.seed")
 
 
 @dataclass(frozen=True)
@@ -91,30 +88,6 @@ class Plan:
             f"train       {self.steps} steps, checkpoint every {ckpt.every}, keep {ckpt.keep}",
         ]
         return "\n".join(lines)
-
-
-def semantic_hash(cfg: Config) -> str:
-    """Hash of the semantic keys in their plain form (as config.yaml spells them)."""
-    plain = to_dict(cfg)
-    picked = {key: _get(plain, key) for key in SEMANTIC_KEYS}
-    if cfg.task._target_ is not None:  # a loss of the user's makes another run; task=lm keeps the old names
-        picked["task"] = {k: plain["task"][k] for k in ("_target_", "form", "inputs")}
-    blob = json.dumps(picked, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:10]
-
-
-def _get(plain: dict[str, Any], dotted: str) -> Any:
-    node: Any = plain
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-def _model_name(model: ModelConfig) -> str:
-    parts = model._target_.split(".")
-    # "dtk.models.transformer.build" -> "transformer": the module says more than "build".
-    name = parts[-2] if len(parts) >= 2 and parts[-1] in ("build", "create", "make") else parts[-1]
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name.lower()) or "model"
 
 
 AFTER_RE = re.compile(r"^\d+(_\d+)?(:\d+(_\d+)?)*$")
@@ -243,13 +216,14 @@ def make_plan(
             # across FSDP shards and pipeline stages is not part of dtk.
             raise UserError(f"scheme.{key}=float16: dtk has no gradient scaler, and float16 gradients underflow"
                             f" without one; use scheme.{key}=bfloat16 (as fast on A100 and newer GPUs) or float32")
-    digest = semantic_hash(cfg)
-    name = cfg.run.name or f"{_model_name(cfg.model)}-{digest}"
-    if "/" in name or name in (".", ".."):
+    name = cfg.run.name
+    if name is not None and ("/" in name or name in (".", "..")):
         raise UserError(f"run.name={name}: expected a plain folder name without '/'")
     root = Path(cfg.run.root).expanduser()
     if not root.is_absolute():
         root = Path(cwd or Path.cwd()) / root
+    # The identity keys name the run; a run directory an earlier release named keeps its name.
+    name, digest = run_identity(cfg, root)
     return Plan(
         config=cfg,
         run_name=name,
