@@ -132,7 +132,7 @@ def test_a_run_root_below_the_team_run_root_is_refused(team):
     runs = team["runs"]
     nested = runs / "nested"
     assert sh(SUB, f"umask 002 && mkdir -p {nested}/r1", team).returncode == 0
-    (nested / "r1" / "plan.json").write_text(json.dumps({"run_name": "r1", "config_hash": "0"}))
+    (nested / "r1" / "plan.json").write_text(json.dumps({"run_name": "r1", "config_hash": "0", "steps": 2}))
     try:
         err = one_error_line(dtk_as(team, SUB, "dtk.submit", "access=teamtest", f"run.root={nested}", "train.steps=2"))
         assert f"is inside the team folder {runs.parent}" in err and f"set run.root={runs}" in err, err
