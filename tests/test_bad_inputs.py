@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dtk
+from fake_slurm import FakeClock
 
 MAINS = {
     "submit": "dtk.submit", "plan": "dtk.plan.__main__", "status": "dtk.status", "stop": "dtk.stop",
@@ -218,22 +219,6 @@ SUBPROCESS = [  # the same answers from real processes, as a user types them
 UNANSWERED = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
 
 
-class MovingClock:
-    """slurmctl's retries without the wait: each sleep moves time forward."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 class Started(BaseException):
     """A worker would have started: no except clause of dtk catches it."""
 
@@ -299,7 +284,7 @@ def quiet_slurm(places, tmp_path, monkeypatch):
         script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("DTK_LAB_DIR", str(tmp_path / "lab"))
-    monkeypatch.setattr(slurmctl, "Clock", MovingClock)
+    monkeypatch.setattr(slurmctl, "Clock", FakeClock)  # slurmctl's retries without the wait
     return bin_dir
 
 
