@@ -52,7 +52,7 @@ def test_two_nodes_of_eight_gpus_train_with_each_rank_on_its_own_gpu(gpu_lab, tm
 
 def test_a_binding_that_leaves_two_ranks_one_gpu_is_refused_naming_it(gpu_lab, tmp_path):
     binding = "map_gpu:0,1,2,3,0,1,2,3"
-    proc = dtk("dtk.submit", *[a for a in JOB if not a.startswith("nodes=")], "nodes=1", f"cluster.gpu_bind={binding}",
+    proc = dtk("dtk.submit", *[a for a in JOB if not a.startswith("nodes=")], "nodes=1", f"cluster.gpu_bind='{binding}'",
                f"run.root={tmp_path / 'runs'}", cwd=tmp_path, timeout=900)
     assert proc.returncode != 0, proc.stdout[-3000:]
     run = only_run_dir(tmp_path / "runs")
