@@ -116,10 +116,15 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def only_run_dir(root: Path) -> Path:
+def run_dirs(root: Path) -> list[Path]:
+    """The run directories under a run root (not its audit/ log, which every submission writes)."""
     from dtk.audit import AUDIT_DIR
 
-    runs = [p for p in root.iterdir() if p.is_dir() and p.name != AUDIT_DIR]  # audit/: the run root's log
+    return [p for p in root.iterdir() if p.is_dir() and p.name != AUDIT_DIR]
+
+
+def only_run_dir(root: Path) -> Path:
+    runs = run_dirs(root)
     assert len(runs) == 1, f"expected one run directory in {root}, found {runs}"
     return runs[0]
 

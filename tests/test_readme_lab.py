@@ -11,7 +11,7 @@ import shlex
 import pytest
 from test_docs_commands import code_lines
 
-from conftest import REPO, dtk
+from conftest import REPO, dtk, run_dirs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ def test_the_readme_lab_example_after_the_quick_start_gets_a_run_of_its_own(lab,
     root = [f"run.root={tmp_path}"]
     proc = dtk(*quick, *SHORT, *root, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    (first,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (first,) = run_dirs(tmp_path)
 
     # Without its run.name the lab line is the quick start's run: it says so, by name, and how to get another.
     same = [a for a in lab_line if not a.startswith("run.name=")]

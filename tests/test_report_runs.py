@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dtk, losses, only_run_dir
+from conftest import REPO, dtk, losses, only_run_dir, run_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -82,7 +82,7 @@ def test_killed_and_resumed_run_shows_redone_work_and_restart_time(tmp_path):
     run = None
     while time.monotonic() < deadline:
         assert driver.poll() is None, "the job ended before it could be killed"
-        runs = [p for p in root.iterdir() if p.is_dir()] if root.exists() else []
+        runs = run_dirs(root) if root.exists() else []
         if runs and (runs[0] / "metrics.jsonl").exists() and losses(runs[0]) and max(losses(runs[0])) >= 15:
             run = runs[0]
             break

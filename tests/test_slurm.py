@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from plan_md_check import assert_plan_md_matches_mesh
 
-from conftest import dtk, losses, only_run_dir
+from conftest import dtk, losses, only_run_dir, run_dirs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -106,7 +106,7 @@ def test_multirun_over_two_learning_rates_submits_two_jobs_that_finish(lab, tmp_
     for job in ids:
         assert job in table
         wait_gone(job)
-    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    runs = sorted(run_dirs(tmp_path))
     assert len(runs) == 2
     for run in runs:
         assert str(run) in table

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from plan_md_check import assert_plan_md_matches_mesh
 
-from conftest import REPO, dtk, losses, only_run_dir
+from conftest import REPO, dtk, losses, only_run_dir, run_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -81,7 +81,7 @@ def _wait_for_step(run_root: Path, step: int, proc: subprocess.Popen, timeout: f
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the job ended before it could be killed"
-        runs = [p for p in run_root.iterdir() if p.is_dir()] if run_root.exists() else []
+        runs = run_dirs(run_root) if run_root.exists() else []
         if runs and (runs[0] / "metrics.jsonl").exists() and losses(runs[0]) and max(losses(runs[0])) >= step:
             return runs[0]
         time.sleep(0.05)
