@@ -71,7 +71,7 @@ def run_main(module: str, *args: str, cwd: Path | None = None, env: dict | None 
 
     The fast way to test a command's output, exit code and what it writes: no interpreter
     start, no second import of hydra. It runs in `cwd` (default: the repository) with `env`
-    added to os.environ, and puts back the working folder, os.environ, sys.path and the
+    and PYTHONPATH=REPO added to os.environ, and puts back the working folder, os.environ, sys.path and the
     modules a project folder brought in. Use `dtk(...)` instead where the process itself is
     what is tested: what a command imports (no torch on the login node), signals, a real
     entry point (`python -m ...`), or a command that starts workers.
@@ -84,7 +84,9 @@ def run_main(module: str, *args: str, cwd: Path | None = None, env: dict | None 
     old_cwd = os.getcwd()
     try:
         os.chdir(cwd or REPO)
-        os.environ.update(env or {})
+        # As dtk(...) runs a command: the checkout importable by the subprocesses it starts
+        # (the planner counts a user's model in one), whatever the caller's environment.
+        os.environ.update({"PYTHONPATH": str(REPO), **(env or {})})
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 run_cli(main, list(args))

@@ -53,6 +53,15 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
 checkpoints of every scheme (ddp, zero, fsdp, hsdp, tp, pp, hybrid; sync and async saves).
 Each is a plain container whose construction runs no code of the pickle's choosing."""
 
+ENUMS: dict[tuple[str, str], frozenset[str]] = {
+    (DCP_METADATA, "_MEM_FORMAT_ENCODING"): frozenset({"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST",
+                                                       "TORCH_PRESERVE_FORMAT"}),
+}
+"""The admitted classes that are Enums, with their members. Some Pythons (3.11.0-3.11.3,
+3.12+) pickle an Enum member as `getattr(EnumClass, "NAME")`: `builtins.getattr` is admitted
+only in that form, on one of these classes and one of its members, so it reaches nothing else
+(checked against the names here without torch, and against the class's own members with it)."""
+
 DTYPES = frozenset({
     "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
     "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
@@ -100,6 +109,8 @@ class MetadataUnpickler(pickle.Unpickler):
         self._standins: dict[tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
         dtype = module == "torch" and name in DTYPES
         if (module, name) not in ALLOWED and not dtype:
             raise Rejected(f"{METADATA} refers to {module}.{name}, which is not one of DCP's metadata classes;"
@@ -115,6 +126,22 @@ class MetadataUnpickler(pickle.Unpickler):
 
             assert isinstance(value, torch.dtype), (module, name)
         return value
+
+    def _enum_member(self, *args: Any) -> Any:
+        """`getattr(cls, name)` as a pickled Enum member, and nothing else."""
+        import enum
+
+        cls: Any = args[0] if len(args) == 2 else None
+        name: Any = args[1] if len(args) == 2 else None
+        key = next((k for k, standin in self._standins.items() if standin is cls), None)
+        if key is None and isinstance(cls, type) and issubclass(cls, enum.Enum):
+            key = (cls.__module__, cls.__qualname__)
+            if name not in cls.__members__:
+                key = None
+        if key is None or name not in ENUMS.get(key, ()):
+            raise Rejected(f"{METADATA} calls getattr on {cls!r}, not on a member of DCP's metadata Enums;"
+                           " a checkpoint holds data, never code, so it is refused unread")
+        return cls(name) if not self.resolve else cls[name]
 
     def persistent_load(self, pid: Any) -> Any:
         raise Rejected(f"{METADATA} holds a persistent reference, which DCP's metadata never does")
