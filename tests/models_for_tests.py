@@ -112,6 +112,21 @@ def build_spike(*, vocab_size: int, width: int, depth: int, spike_at: int, expan
     return SpikeLM(vocab_size, width, depth, expansion, spike_at)
 
 
+def build_worker_only_mistake(*, vocab_size: int, width: int, depth: int, expansion: int = 4,
+                              seq_len: int = 64) -> MlpLM:
+    """A mistake only a worker can see (say, a file the login node has and the nodes do not):
+    the factory refuses in a worker's process (DTK_PLAN is set there, by the driver) and builds
+    anywhere else, so the login node's checks, counting the model included, pass."""
+    import os
+
+    from dtk.errors import UserError
+
+    if "DTK_PLAN" in os.environ:
+        raise UserError(f"model.width={width}: this worker cannot build it (a test model's mistake only workers see)")
+    del seq_len
+    return MlpLM(vocab_size, width, depth, expansion)
+
+
 def build_crashing(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
     """A model whose factory fails at every start, as a bug in a user's model does: a crash
     (not a configuration error), which the driver relaunches until its budget is spent."""

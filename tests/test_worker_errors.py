@@ -66,18 +66,20 @@ def test_lab_job_fails_at_the_first_start_on_a_workers_configuration_error(lab, 
 
 
 @pytest.mark.dist
-def test_a_parallelize_mistake_the_login_node_cannot_see_fails_the_local_run_at_once(tmp_path):
-    """plan.params plans without building the model, so only the workers find that it has no
-    tensor-parallel plan: a UserError in dtk.parallel, exit 2, no relaunch."""
+def test_a_mistake_the_login_node_cannot_see_fails_the_local_run_at_once(tmp_path):
+    """A model the login node builds and counts, but no worker can build: a UserError in the
+    workers, exit 2, one line, no relaunch. (The built-in checks of parallel/, models/, dist/
+    and data/ raise UserError too: test_what_only_a_worker_sees_is_a_user_error_there.)"""
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "mlp.yaml").write_text(
-        "_target_: tests.models_for_tests.build\nvocab_size: 256\nseq_len: 32\nwidth: 16\ndepth: 2\n")
-    proc = dtk("dtk.submit", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mlp", "+scheme=tp",
-               "tasks_per_node=2", "plan.params=100000", "train.steps=5", "fault.max_restarts=3",
+        "_target_: tests.models_for_tests.build_worker_only_mistake\nvocab_size: 256\nseq_len: 32\nwidth: 16\n"
+        "depth: 2\n")
+    proc = dtk("dtk.submit", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=mlp",
+               "tasks_per_node=2", "train.steps=5", "fault.max_restarts=3",
                f"run.root={tmp_path / 'runs'}", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: scheme.tp > 1 needs model.tp_plan") and "Traceback" not in proc.stderr
+    assert line.startswith("error: model.width=16: this worker cannot build it") and "Traceback" not in proc.stderr
     assert "again" not in line  # no advice to resume: the same command fails the same way
     run = only_run_dir(tmp_path / "runs")
     assert len(events(run, "started")) == 1 and events(run, "relaunched") == []

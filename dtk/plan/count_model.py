@@ -11,6 +11,7 @@ says so, and `plan.hidden` / `plan.seq_len` give a transformer-shaped estimate i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,10 +31,13 @@ class NotCounted(UserError):
 
 def count_user_model(model: ModelConfig, timeout_s: float = COUNT_TIMEOUT_S) -> ModelShape:
     target = model._target_
+    # What this process imports from (a project folder that --config-dir or the search path
+    # put on sys.path included), so the subprocess finds the model where the workers will.
+    path = os.pathsep.join(p for p in sys.path if p)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "dtk.parallel.count"], input=json.dumps(model_to_dict(model)),
-            capture_output=True, text=True, timeout=timeout_s,
+            capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONPATH": path},
         )
     except subprocess.TimeoutExpired:
         raise NotCounted(
