@@ -41,9 +41,6 @@ SILENT_FACTOR = 2.0  # the driver itself acts after one timeout; twice that, it 
 BUDGET_LEFT = 1
 SUSPECT_RUNS = 2
 EVERY_S = 60.0  # between checks without --once
-# The schema's defaults (dtk/config/schema.py FaultConfig), for a plan.json without them;
-# not imported: that module needs omegaconf, and this one runs without it.
-HANG_TIMEOUT_S, STARTUP_TIMEOUT_S, MAX_RESTARTS = 60, 300, 3
 
 JobState = Callable[[str], "str | None"]
 
@@ -94,9 +91,11 @@ class Run:
     def times(self, event: str) -> list[float]:
         return [float(e["time"]) for e in self.events if e.get("event") == event]
 
-    def fault(self, key: str, default: int) -> int:
+    def fault(self, key: str) -> float | None:
+        """fault.KEY as the run's plan.json resolved it (every plan dtk writes holds it); None
+        for a plan without it, whose detectors that need it then say nothing."""
         value = ((self.plan.get("config") or {}).get("fault") or {}).get(key)
-        return int(value) if isinstance(value, (int, float)) else default
+        return float(value) if isinstance(value, (int, float)) else None
 
 
 def _json(path: Path, empty: Any) -> Any:
@@ -143,10 +142,11 @@ def silent(run: Run, now: float, job_state: JobState) -> Alert | None:
     if state != "RUNNING":
         return None
     start = run.times("started")[-1] if run.times("started") else float(started[-1]["time"])
-    if run.heartbeat is None or run.heartbeat < start:  # this start has not beaten yet
-        since, limit = start, SILENT_FACTOR * run.fault("startup_timeout_s", STARTUP_TIMEOUT_S)
-    else:
-        since, limit = run.heartbeat, SILENT_FACTOR * run.fault("hang_timeout_s", HANG_TIMEOUT_S)
+    fresh = run.heartbeat is None or run.heartbeat < start  # this start has not beaten yet
+    since, timeout = (start, run.fault("startup_timeout_s")) if fresh else (run.heartbeat, run.fault("hang_timeout_s"))
+    if timeout is None or since is None:
+        return None
+    limit = SILENT_FACTOR * timeout
     if now - since <= limit:
         return None
     return Alert("silent", f"silent:{run.name}:{job}",
@@ -155,7 +155,10 @@ def silent(run: Run, now: float, job_state: JobState) -> Alert | None:
 
 
 def budget_low(run: Run, now: float) -> Alert | None:
-    allowed = run.fault("max_restarts", MAX_RESTARTS)
+    found = run.fault("max_restarts")
+    if found is None:
+        return None
+    allowed = int(found)
     begun = max(run.times("submitted") + run.times("requeued") + [0.0])
     relaunches = [e for e in run.events if e.get("event") == "relaunched" and float(e["time"]) > begun]
     if not relaunches or allowed == 0:

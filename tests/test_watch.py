@@ -23,7 +23,8 @@ def make_run(root: Path, name: str, events: list[dict], *, plan: dict | None = N
     run.mkdir(parents=True)
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (run / "plan.json").write_text(json.dumps(plan or {"run_name": name, "spare_nodes": 0,
-                                                       "config": {"fault": {"max_restarts": 3}}}))
+                                                       "config": {"fault": {"max_restarts": 3, "hang_timeout_s": 60,
+                                                                            "startup_timeout_s": 300}}}))
     if excluded is not None:
         (run / "excluded_nodes.json").write_text(json.dumps(excluded))
     if summary is not None:
