@@ -63,6 +63,7 @@ def launch(plan: Plan, files: dict[str, str] | None = None) -> Launched:
         from dtk.access.check import check_admitted
 
         c = plan.config.cluster
+        read_exclude_file(c.exclude_from)  # a file on this host: refused before Slurm is asked anything
         parts = slurmctl.partitions()
         check_admitted(parts, partition=c.partition, policy=plan.config.access)
         slurmctl.check_fits(parts, partition=c.partition, nodes=plan.nodes, time_min=c.time_min,

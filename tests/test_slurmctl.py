@@ -42,6 +42,21 @@ def test_a_transient_failure_is_retried_with_growing_pauses():
     assert s.job_state("42") == "PENDING" and clock.slept == 1 + 2 + 4
 
 
+def test_a_host_without_a_slurm_configuration_is_answered_at_once_not_retried():
+    class Unconfigured(Runner):
+        calls = 0
+
+        def run(self, argv, *, timeout=30):
+            Unconfigured.calls += 1
+            return subprocess.CompletedProcess(argv, 1, "", "scontrol: error: _establish_config_source: failed to fetch"
+                                               " config\nscontrol: fatal: Could not establish a configuration source\n")
+
+    clock = FakeClock()
+    with pytest.raises(SlurmUnavailable, match="Could not establish a configuration source"):
+        Slurm(Unconfigured(), clock, retry_s=60).job_state("7")
+    assert Unconfigured.calls == 1 and clock.slept == 0
+
+
 def test_a_command_that_hangs_counts_as_a_failed_attempt_until_the_bound():
     class Hanging(Runner):
         def run(self, argv, *, timeout=30):

@@ -8,7 +8,8 @@ a cluster. Parsers are pure.
 A query that fails for a reason that may pass (slurmctld busy or restarting: "Socket timed
 out", "Unable to contact slurm controller", a command that hangs) is retried with growing
 pauses for at most `retry_s`; then `SlurmUnavailable` says what failed for how long. An
-answer that is final ("Invalid job id specified") is not retried.
+answer that is final ("Invalid job id specified") is not retried, nor one that says this
+host has no Slurm configuration at all.
 
 Job state comes from squeue and scontrol, not sacct: many clusters (and the lab) run no
 accounting database.
@@ -40,6 +41,9 @@ GONE = "Invalid job id specified"
 TRANSIENT = ("timed out", "unable to contact", "no answer within", "temporarily unavailable",
              "connection refused", "zero bytes were transmitted")
 """Words of a failure that may pass (slurmctld busy or restarting), in lower case."""
+UNCONFIGURED = ("could not establish a configuration source", "unable to process configuration file")
+"""Words of a failure no retry mends (this host has no Slurm configuration), in lower case:
+the query stops at the first such answer instead of waiting out its retry bound."""
 WAITING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 """States of a job that is back in the queue."""
 
@@ -118,6 +122,8 @@ class Slurm:
                 if proc.returncode == 0 or (final is not None and final(proc)):
                     return proc
                 why = _said(proc)
+                if any(w in why.lower() for w in UNCONFIGURED):
+                    raise SlurmUnavailable(f"`{' '.join(argv)}` failed: {why}")
             except subprocess.TimeoutExpired:
                 why = f"no answer within {COMMAND_TIMEOUT_S:g} s"
             pause = PAUSES_S[min(attempt, len(PAUSES_S) - 1)]
