@@ -143,3 +143,12 @@ def lab():
     yield status
     if not was_up:
         lab_support.lab_down()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n N --dist loadgroup`, the README's test command) every test of
+    the lab runs in one worker, one after the other: there is one lab on a machine, and its
+    tests restart, drain and fail its nodes."""
+    for item in items:
+        if item.get_closest_marker("slurm") is not None or "lab" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("lab"))

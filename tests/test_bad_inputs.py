@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -329,13 +330,16 @@ def test_a_bad_input_is_one_error_line_and_leaves_nothing(command, args, expecte
     monkeypatch.chdir(work)  # a relative run.root (runs/) would land here
     root = places["FILE"].parent
     before = snapshot(root)
-    tmp_before = set(os.listdir(os.environ.get("TMPDIR", "/tmp")))
+    private_tmp = tmp_path / "tmp"  # this test's own TMPDIR: other processes' temporary files are not its
+    private_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     code, out, err = run_in_process(command, fill(args, places), capsys)
     expected = str(places[expected]) if expected in places else expected
     assert_clean(command, args, code, out, err, expected)
     assert snapshot(root) == before, f"{command} {args} changed the files it was given"
     assert not any(work.iterdir()), f"{command} {args} wrote into the current folder"
-    left = {n for n in set(os.listdir(os.environ.get("TMPDIR", "/tmp"))) - tmp_before if n.startswith((".dtk", "dtk"))}
+    left = set(os.listdir(private_tmp))
     assert not left, f"{command} {args} left {left}"
 
 
