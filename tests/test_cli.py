@@ -43,7 +43,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.lab slow": ["NODE", "RATE"],
     "dtk.lab status": [],
     "dtk.lab up": ["--access", "--force", "--gpus-per-node", "--netns", "--no-install", "--nodes", "--timeout"],
-    "dtk.nodes": ["--json", "--readmit", "RUN_DIR"],
+    "dtk.nodes": ["--json", "--readmit", "RUN_DIR|RUN_ROOT"],
     "dtk.parallel.count": ["(no arguments)"],
     "dtk.plan": ["--config-dir", "--json", "KEY=VALUE ..."],
     "dtk.report": ["--baseline", "--json", "--no-plots", "--out", "--tolerance", "RUN_DIR ..."],

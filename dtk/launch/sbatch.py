@@ -38,6 +38,8 @@ class SubmitInputs:
     exclude: tuple[str, ...] = ()
     signal_lead_s: int = 60
     """USR2 this many seconds before the time limit: the workers save and the job requeues."""
+    note: str = ""
+    """One line the submission prints about `exclude` (suspect nodes left out, dtk/reputation.py)."""
 
 
 def signal_lead(*, floor_s: int, save_s: float | None, step_s: float | None) -> int:
