@@ -56,7 +56,8 @@ def _node_states(slurm) -> dict[str, str]:
 
 
 def _last_job(run: RunDir) -> str | None:
-    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") in ("submitted", "started") and e.get("job_id")]
+    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") in ("submitted", "resubmitted", "started")
+            and e.get("job_id")]
     jobs = [j for j in jobs if j.isdigit()]
     return jobs[-1] if jobs else None
 

@@ -138,7 +138,8 @@ def stalled_progress(run: Run, now: float) -> Alert | None:
 
 
 def silent(run: Run, now: float, job_state: JobState) -> Alert | None:
-    started = [e for e in run.events if e.get("event") in ("started", "submitted") and e.get("job_id")]
+    started = [e for e in run.events if e.get("event") in ("started", "submitted", "resubmitted")
+               and e.get("job_id")]
     if not started or run.summary:
         return None
     job = str(started[-1]["job_id"])
@@ -163,7 +164,7 @@ def budget_low(run: Run, now: float) -> Alert | None:
     if found is None:
         return None
     allowed = int(found)
-    begun = max(run.times("submitted") + run.times("requeued") + [0.0])
+    begun = max(run.times("submitted") + run.times("requeued") + run.times("resubmitted") + [0.0])
     relaunches = [e for e in run.events if e.get("event") == "relaunched" and float(e["time"]) > begun]
     if not relaunches or allowed == 0:
         return None

@@ -316,7 +316,7 @@ class Supervisor(DriverCore):
                 print(f"driver: resubmitting after a preemption that cancels failed ({exc}); requeueing instead",
                       file=sys.stderr, flush=True)
             else:
-                self.run.event("resubmitted", job_id=job, after_job=self.job_id, step=self.checkpoint_step(),
+                self.run.event("resubmitted", cluster="slurm", job_id=job, after_job=self.job_id, step=self.checkpoint_step(),
                                reason=f"preempted on a partition whose PreemptMode cancels job {self.job_id}",
                                exclude=exclude, detected_at=detected_at,
                                signal_lead_s=signal_lead_of(self.run, self.plan.config.fault.signal_lead_floor_s))
