@@ -11,7 +11,7 @@ idle, mixed or allocated); a node down or drained is resumed by the operator, se
 docs/recovery.md.
 
 Given a run root instead (`python -m dtk.nodes RUN_ROOT [--readmit NODE|all]`), the
-root's reputation (dtk/reputation.py): every node its runs exclude, with those runs; the
+root's reputation (dtk/launch/reputation.py): every node its runs exclude, with those runs; the
 suspect ones (excluded by cluster.suspect_after or more runs) are left out of every new
 submission under the root. `--readmit` gives a suspect node back to the root: only
 exclusions after it count from then on (each run keeps its own list).
@@ -24,10 +24,11 @@ import json
 import time
 from pathlib import Path
 
-from dtk import audit, reputation
+from dtk import audit
 from dtk.access.check import check_action
 from dtk.driver.exclusions import read_entries, read_exclusions, readmit
 from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.launch import reputation
 from dtk.rundir import PLAN_JSON, READMITTED_NODES, RunDir
 
 

@@ -13,8 +13,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtk import audit, reputation
+from dtk import audit
 from dtk.errors import UserError
+from dtk.launch import reputation
 from dtk.launch.launch import (
     already_finished,
     check_access,

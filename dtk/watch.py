@@ -11,7 +11,7 @@ excluded_nodes.json, plan.json, summary.json: dtk/rundir.py) and names what look
     budget_low        crash/hang relaunches left in the allocation <= BUDGET_LEFT
     spares_exhausted  as many nodes excluded as the run has spares
     suspect_node      a node in the exclusions of cluster.suspect_after or more runs of the
-                      root since its readmission there (the rule: dtk/reputation.py)
+                      root since its readmission there (the rule: dtk/launch/reputation.py)
 
 Each alert is raised once per condition: the conditions seen are kept in RUN_ROOT/STATE,
 an alert is new when its condition was not there at the previous check, and a condition
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtk import reputation
 from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.launch import reputation
 from dtk.rundir import EVENTS, EXCLUDED_NODES, HEARTBEAT, PLAN_JSON, SUMMARY, read_jsonl, write_json_atomic
 
 STATE = ".dtk-watch.json"

@@ -1,4 +1,4 @@
-"""Node reputation across the runs of a run root (dtk/reputation.py): the one rule that
+"""Node reputation across the runs of a run root (dtk/launch/reputation.py): the one rule that
 dtk.watch's suspect_node and every submission's --exclude ask, and dtk.nodes RUN_ROOT.
 The exclusion records are written by the driver's own writer (dtk.driver.exclusions); the
 lab test of a real submission is tests/test_reputation_lab.py."""
@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from conftest import run_main
-from dtk import reputation
 from dtk.config.schema import ClusterConfig
 from dtk.driver.exclusions import add_exclusions, readmit
+from dtk.launch import reputation
 from dtk.rundir import RunDir
 
 

@@ -9,7 +9,7 @@ simply gone, and no site promises that a requeue asked during the grace time hol
 So when the workers stopped on a signal (they saved: exit 3 and a `preempted` event) and
 Slurm says the job is being preempted on a partition whose PreemptMode cancels, the driver
 does not requeue: within the grace time it submits the same run as a new job (the same
-batch script, the run's exclusions, `--dependency=afterany:` this job, so it starts once
+batch script, the run's exclusions and the root's suspect nodes, `--dependency=afterany:` this job, so it starts once
 this one is gone), records `resubmitted` (the new job id, the job it follows, the saved
 step) and hands the run's lock to the new job. The new job's driver resumes from the saved
 step like a requeued one; `python -m dtk.status RUN_DIR` lists the chain of jobs.
@@ -21,6 +21,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 
+from dtk.launch import reputation
 from dtk.launch.runlock import RunLock
 from dtk.launch.sbatch import SubmitInputs, make_executor
 from dtk.launch.slurmctl import Slurm, parse_kv_line
@@ -64,7 +65,8 @@ def signal_lead_of(run: RunDir, floor_s: int) -> int:
 def resubmit(run: RunDir, plan: Plan, job_id: str, *, exclude: list[str], entry: Callable[..., int]) -> str:
     """Submit the run again as a new job that follows `job_id`; its id. `entry` is the
     driver's entry point (dtk.driver.supervisor.drive)."""
-    inputs = SubmitInputs(exclude=tuple(exclude), signal_lead_s=signal_lead_of(run, plan.config.fault.signal_lead_floor_s),
+    suspect = reputation.suspects(run.path.parent, after=plan.config.cluster.suspect_after)  # as at any submission
+    inputs = SubmitInputs(exclude=tuple(sorted(set(exclude) | set(suspect))), signal_lead_s=signal_lead_of(run, plan.config.fault.signal_lead_floor_s),
                           after_job=job_id)
     with _without_job_env():
         job = make_executor(plan, inputs).submit(entry, plan.run_dir)

@@ -42,7 +42,7 @@ class SubmitInputs:
     """A job of the same run that must end first (sbatch --dependency=afterany): the driver's
     resubmission when a preemption cancels its job (PreemptMode=CANCEL)."""
     note: str = ""
-    """One line the submission prints about `exclude` (suspect nodes left out, dtk/reputation.py)."""
+    """One line the submission prints about `exclude` (suspect nodes left out, dtk/launch/reputation.py)."""
 
 
 def signal_lead(*, floor_s: int, save_s: float | None, step_s: float | None) -> int:
