@@ -53,6 +53,7 @@ EXCLUDED_NODES_LOCK = "excluded_nodes.lock"
 # (`python -m dtk.nodes RUN_ROOT --readmit NODE`); only later exclusions make it suspect
 # again (dtk/launch/reputation.py).
 READMITTED_NODES = "readmitted_nodes.json"
+READMITTED_NODES_LOCK = ".readmitted_nodes.lock"
 SRUN_LOG = "srun.log"  # in a start's log folder: the Slurm step's own output
 HEALTH_DIR = "health"  # a spare node's health check beats, one file per node
 TENSORBOARD_DIR = "tensorboard"

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dtk.rundir import EVENTS, EXCLUDED_NODES, PLAN_JSON, READMITTED_NODES, write_json_atomic
+from dtk.rundir import EVENTS, EXCLUDED_NODES, PLAN_JSON, READMITTED_NODES, READMITTED_NODES_LOCK, write_json_atomic
 
 DEFAULT_AFTER = 2
 """cluster.suspect_after's default (the schema's; tests/test_reputation.py holds them equal),
@@ -101,7 +101,7 @@ def suspects(root: Path, *, after: int | None = None) -> dict[str, list[str]]:
 @contextlib.contextmanager
 def _locked(root: Path) -> Iterator[dict[str, Any]]:
     """The readmissions to change in place, written back atomically under a lock."""
-    with open(Path(root) / f".{READMITTED_NODES}.lock", "a") as lock:
+    with open(Path(root) / READMITTED_NODES_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             found = read_readmitted(root)
