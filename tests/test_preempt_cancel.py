@@ -2,7 +2,8 @@
 (`python -m dtk.lab up --preempt-mode cancel`, and back to REQUEUE afterwards): a real
 preemption by `python -m dtk.drill preempt` ends the job, the driver has submitted the run
 again as a new job, which resumes from the saved step and finishes it with every step once;
-dtk.status lists both jobs (dtk/driver/resubmit.py)."""
+dtk.status lists both jobs (dtk/driver/resubmit.py). The driver's decision alone, on the
+answers Slurm gave on the lab, is the fast test first."""
 
 from __future__ import annotations
 
@@ -15,11 +16,33 @@ import pytest
 
 from conftest import dtk, only_run_dir
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
 STEPS = 200
 LAB = ["cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32", f"train.steps={STEPS}",
        "checkpoint.every=20", "train.log_every=50"]
+
+
+class Answers:
+    """Slurm's answers as measured on the lab (22.05), for the decision alone."""
+
+    def __init__(self, preempt_time: str, mode: str) -> None:
+        self.job = f"JobId=7 JobState=RUNNING PreemptTime={preempt_time} Partition=debug Restarts=0"
+        self.partition = f"PartitionName=debug PriorityTier=1 PreemptMode={mode} State=UP"
+
+    def run(self, argv, *, timeout=30.0):
+        out = self.job if argv[:3] == ["scontrol", "show", "job"] else self.partition
+        return subprocess.CompletedProcess(argv, 0, stdout=out + "\n", stderr="")
+
+
+def test_only_a_preemption_on_a_partition_that_cancels_is_resubmitted():
+    from dtk.driver.resubmit import preempted_cancels
+    from dtk.launch.slurmctl import Slurm
+
+    def cancels(preempt_time: str, mode: str) -> bool:
+        return preempted_cancels(Slurm(Answers(preempt_time, mode)), "7")  # type: ignore[arg-type]
+
+    assert cancels("2026-12-02T09:46:09", "CANCEL")
+    assert not cancels("2026-12-02T09:46:09", "REQUEUE")  # Slurm requeues it: the driver's requeue as before
+    assert not cancels("None", "CANCEL")  # not preempted: a time limit, a dtk.stop, a scancel
 
 
 @pytest.fixture
@@ -55,6 +78,8 @@ def logged_steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_a_preemption_that_cancels_the_job_resubmits_the_run(cancel_lab, tmp_path):
     proc = dtk("dtk.submit", *LAB, f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
