@@ -9,6 +9,12 @@ lock); a pending job of the run has its ExcNodeList updated at once, a running o
 next requeue. Check first that Slurm has the node in service (`sinfo -N -n NODE -o %T`:
 idle, mixed or allocated); a node down or drained is resumed by the operator, see
 docs/recovery.md.
+
+Given a run root instead (`python -m dtk.nodes RUN_ROOT [--readmit NODE|all]`), the
+root's reputation (dtk/launch/reputation.py): every node its runs exclude, with those runs; the
+suspect ones (excluded by cluster.suspect_after or more runs) are left out of every new
+submission under the root. `--readmit` gives a suspect node back to the root: only
+exclusions after it count from then on (each run keeps its own list).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from dtk import audit
 from dtk.access.check import check_action
 from dtk.driver.exclusions import read_entries, read_exclusions, readmit
 from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import PLAN_JSON, RunDir
+from dtk.launch import reputation
+from dtk.rundir import PLAN_JSON, READMITTED_NODES, RunDir
 
 
 def _when(t: float) -> str:
@@ -50,7 +57,8 @@ def _node_states(slurm) -> dict[str, str]:
 
 
 def _last_job(run: RunDir) -> str | None:
-    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") in ("submitted", "started") and e.get("job_id")]
+    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") in ("submitted", "resubmitted", "started")
+            and e.get("job_id")]
     jobs = [j for j in jobs if j.isdigit()]
     return jobs[-1] if jobs else None
 
@@ -104,15 +112,68 @@ def readmit_node(run: RunDir, node: str, slurm=None) -> str:
     return said + "; the next submission no longer excludes it"
 
 
+def root_listing(root: Path) -> dict:
+    """Every node the root's runs exclude now (since its readmission to the root), with
+    those runs, and whether it is suspect."""
+    after = reputation.root_threshold(root)
+    counted = reputation.suspects_of(reputation.exclusions_under(root), reputation.read_readmitted(root), after=1)
+    return {"suspect_after": after, "readmitted": reputation.read_readmitted(root),
+            "nodes": [{"node": n, "runs": runs, "suspect": 0 < after <= len(runs)} for n, runs in counted.items()]}
+
+
+def render_root(root: Path, listed: dict) -> str:
+    after = listed["suspect_after"]
+    suspect = [e for e in listed["nodes"] if e["suspect"]]
+    lines = [f"{len(suspect)} suspect node(s) under {root} (excluded by {after} or more runs: left out of new"
+             f" submissions{'' if after else '; cluster.suspect_after=0, the rule is off'})" + (":" if suspect else "")]
+    lines += [f"  {e['node']:<12} excluded by {len(e['runs'])} runs: {', '.join(e['runs'])}" for e in suspect]
+    rest = [e for e in listed["nodes"] if not e["suspect"]]
+    if rest:
+        lines.append("excluded by fewer runs:")
+        lines += [f"  {e['node']:<12} excluded by {', '.join(e['runs'])}" for e in rest]
+    for node, r in sorted(listed["readmitted"].items()):
+        lines.append(f"  {node:<12} re-admitted to the root {_when(r['time'])} by {r['by']}")
+    return "\n".join(lines)
+
+
+def readmit_to_root(root: Path, node: str) -> str:
+    """Give a suspect node (or `all` of them) back to the root; the line that says so."""
+    suspect = reputation.suspects(root)
+    nodes = sorted(suspect) if node == "all" else [node]
+    if node != "all" and node not in suspect:
+        raise UserError(f"--readmit {node}: no suspect node {node} under {root}"
+                        f" (suspect now: {', '.join(sorted(suspect)) or 'none'})")
+    if not nodes:
+        return f"no suspect node under {root}; nothing re-admitted"
+    user = audit.current_user()["name"]
+    reputation.readmit(root, nodes, by=user, reason="dtk.nodes --readmit")
+    audit.record(root, "readmit", node=",".join(nodes), scope="run root")
+    return (f"{', '.join(nodes)} re-admitted to {root}: new submissions there may use it again; only exclusions"
+            " from now on count against it")
+
+
+def _is_root(path: Path) -> bool:
+    return path.is_dir() and bool(reputation.run_dirs(path) or (path / READMITTED_NODES).is_file())
+
+
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python -m dtk.nodes", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path)
-    parser.add_argument("--readmit", metavar="NODE", help="give NODE back to the run")
+    parser.add_argument("run_dir", metavar="RUN_DIR|RUN_ROOT", type=Path)
+    parser.add_argument("--readmit", metavar="NODE", help="give NODE back to the run, or to the run root (NODE or all)")
     parser.add_argument("--json", action="store_true", help="every entry as JSON")
     args = parser.parse_args(argv)
+    if not (args.run_dir / PLAN_JSON).is_file() and _is_root(args.run_dir):
+        root = args.run_dir
+        if args.readmit:
+            audit.check_writable(root)
+            print(readmit_to_root(root, args.readmit))
+            return 0
+        listed = root_listing(root)
+        print(json.dumps(listed, indent=2) if args.json else render_root(root, listed))
+        return 0
     if not (args.run_dir / PLAN_JSON).is_file():
-        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json)")
+        raise UserError(f"RUN_DIR={args.run_dir}: not a dtk run directory (no plan.json), nor a run root that holds one")
     run = RunDir(args.run_dir)
     slurm = _slurm()
     if args.readmit:

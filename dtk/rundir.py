@@ -13,6 +13,7 @@
         logs/start_NN/rank_R.log     worker output per start
         summary.json      written at the end (finished, failed or stopped)
         stop_request.json written by `python -m dtk.stop`; the driver acts on it and removes it
+    <run.root>/readmitted_nodes.json   nodes given back to the whole root (dtk/launch/reputation.py)
 
 No torch here: the login node and the driver read run directories too.
 """
@@ -48,6 +49,11 @@ STOP_REQUEST = "stop_request.json"
 RUN_LOCK = "lock"
 EXCLUDED_NODES = "excluded_nodes.json"  # nodes the driver excludes from later starts, and why
 EXCLUDED_NODES_LOCK = "excluded_nodes.lock"
+# In the run root, not a run directory: each node's last readmission to the whole root
+# (`python -m dtk.nodes RUN_ROOT --readmit NODE`); only later exclusions make it suspect
+# again (dtk/launch/reputation.py).
+READMITTED_NODES = "readmitted_nodes.json"
+READMITTED_NODES_LOCK = ".readmitted_nodes.lock"
 SRUN_LOG = "srun.log"  # in a start's log folder: the Slurm step's own output
 HEALTH_DIR = "health"  # a spare node's health check beats, one file per node
 TENSORBOARD_DIR = "tensorboard"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dtk import audit
 from dtk.errors import UserError
+from dtk.launch import reputation
 from dtk.launch.launch import (
     already_finished,
     check_access,
@@ -37,7 +38,8 @@ def describe_launch(plan: Plan) -> str:
     if plan.cluster_kind == "slurm":
         from dtk.launch.sbatch import describe_submission
 
-        return describe_submission(plan, submit_inputs(plan, RunDir(Path(plan.run_dir))))
+        inputs = submit_inputs(plan, RunDir(Path(plan.run_dir)))
+        return "\n".join(([inputs.note] if inputs.note else []) + [describe_submission(plan, inputs)])
     lines = [plan.describe(), "", f"would start {plan.world_size} worker process(es) on this machine:"]
     for rank in range(plan.world_size):
         lines.append(f"  rank {rank}: DTK_RANK={rank} DTK_WORLD_SIZE={plan.world_size} {worker_command(plan)}")
@@ -125,6 +127,8 @@ def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: Path | Non
     from dtk.launch.sbatch import make_executor, submitit_folder
 
     inputs = submit_inputs(plan, run)
+    if inputs.note:
+        print(inputs.note, flush=True)
     run = prepare_run_dir(plan, files)
     sbatch_stderr = io.StringIO()  # submitit echoes sbatch's stderr; it belongs in our one error line
     try:
@@ -165,4 +169,8 @@ def submit_inputs(plan: Plan, run: RunDir):
         step_s=statistics.median(steps) if steps else None,
     )
     listed = read_exclude_file(plan.config.cluster.exclude_from)
-    return SubmitInputs(exclude=tuple(sorted(set(read_exclusions(run)) | set(listed))), signal_lead_s=lead)
+    root, after = run.path.parent, plan.config.cluster.suspect_after
+    suspect = reputation.suspects(root, after=after)
+    note = reputation.submission_line(suspect, root=root, after=after) if suspect else ""
+    return SubmitInputs(exclude=tuple(sorted(set(read_exclusions(run)) | set(listed) | set(suspect))),
+                        signal_lead_s=lead, note=note)

@@ -164,6 +164,10 @@ def render(info: dict[str, Any]) -> str:
         + (f" ({', '.join(f'{k} {v}' for k, v in info['restarts_by_cause'].items())})" if info["restarts_by_cause"] else "")
         + f"; crash/hang relaunches left in this allocation: {info['relaunches_left']} (fault.max_restarts)",
     ]
+    slurm_jobs = [j for j in info["job_ids"] if not j.startswith("local-")]
+    if len(slurm_jobs) > 1:
+        lines.append(f"jobs         {' -> '.join(slurm_jobs)} (each one the same run: resubmitted after a preemption"
+                     " that cancels, or submitted again)")
     if info["fabric"]:
         fabric = info["fabric"]
         lines.append(f"fabric       {fabric.get('transport')} across nodes over"

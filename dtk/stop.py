@@ -30,7 +30,8 @@ QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED")
 def where(run: RunDir) -> tuple[str, str | None, str]:
     """('local', None, 'running'|'not running') or ('slurm', job, Slurm's state or 'gone')."""
     events = run.events_list()
-    submitted = [e for e in events if e.get("event") == "submitted"]
+    # A preemption that cancels the job resubmits the run as a new job (dtk/driver/resubmit.py).
+    submitted = [e for e in events if e.get("event") in ("submitted", "resubmitted")]
     if submitted and submitted[-1].get("cluster") == "slurm":
         from dtk.launch import slurmctl
 
@@ -119,7 +120,8 @@ def main(argv: list[str]) -> int:
     check_action(run.path, "submitter", doing="stop a run")
     audit.check_writable(audit.run_root_of(run.path))
     said = stop(run, now=args.now, timeout_s=args.timeout)
-    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") == "submitted" and e.get("job_id")]
+    jobs = [str(e["job_id"]) for e in run.events_list() if e.get("event") in ("submitted", "resubmitted")
+            and e.get("job_id")]
     audit.record_run(run.path, "stop", job_ids=jobs[-1:], now=args.now, said=said)
     print(said)
     return 0

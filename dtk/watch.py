@@ -10,7 +10,8 @@ excluded_nodes.json, plan.json, summary.json: dtk/rundir.py) and names what look
                       the heartbeat is older than SILENT_FACTOR x the timeout that applies
     budget_low        crash/hang relaunches left in the allocation <= BUDGET_LEFT
     spares_exhausted  as many nodes excluded as the run has spares
-    suspect_node      a node in the exclusions of SUSPECT_RUNS or more runs of the root
+    suspect_node      a node in the exclusions of cluster.suspect_after or more runs of the
+                      root since its readmission there (the rule: dtk/launch/reputation.py)
 
 Each alert is raised once per condition: the conditions seen are kept in RUN_ROOT/STATE,
 an alert is new when its condition was not there at the previous check, and a condition
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.launch import reputation
 from dtk.rundir import EVENTS, EXCLUDED_NODES, HEARTBEAT, PLAN_JSON, SUMMARY, read_jsonl, write_json_atomic
 
 STATE = ".dtk-watch.json"
@@ -39,7 +41,6 @@ STORM_STARTS, STORM_WINDOW_S = 3, 600.0
 STALLED_STARTS = 3
 SILENT_FACTOR = 2.0  # the driver itself acts after one timeout; twice that, it did not
 BUDGET_LEFT = 1
-SUSPECT_RUNS = 2
 EVERY_S = 60.0  # between checks without --once
 
 JobState = Callable[[str], "str | None"]
@@ -72,6 +73,8 @@ class Run:
     summary: dict[str, Any]
     exclusions: list[str]
     heartbeat: float | None
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    """excluded_nodes.json as written: the reputation rule reads times and readmissions."""
 
     @staticmethod
     def read(path: Path) -> Run:
@@ -82,7 +85,8 @@ class Run:
             heartbeat = None
         entries = _json(path / EXCLUDED_NODES, [])
         exclusions = [e["node"] for e in entries if isinstance(e, dict) and "node" in e and "readmitted" not in e]
-        return Run(path, events, _json(path / PLAN_JSON, {}), _json(path / SUMMARY, {}), exclusions, heartbeat)
+        return Run(path, events, _json(path / PLAN_JSON, {}), _json(path / SUMMARY, {}), exclusions, heartbeat,
+                   entries)
 
     @property
     def name(self) -> str:
@@ -134,7 +138,8 @@ def stalled_progress(run: Run, now: float) -> Alert | None:
 
 
 def silent(run: Run, now: float, job_state: JobState) -> Alert | None:
-    started = [e for e in run.events if e.get("event") in ("started", "submitted") and e.get("job_id")]
+    started = [e for e in run.events if e.get("event") in ("started", "submitted", "resubmitted")
+               and e.get("job_id")]
     if not started or run.summary:
         return None
     job = str(started[-1]["job_id"])
@@ -159,7 +164,7 @@ def budget_low(run: Run, now: float) -> Alert | None:
     if found is None:
         return None
     allowed = int(found)
-    begun = max(run.times("submitted") + run.times("requeued") + [0.0])
+    begun = max(run.times("submitted") + run.times("requeued") + run.times("resubmitted") + [0.0])
     relaunches = [e for e in run.events if e.get("event") == "relaunched" and float(e["time"]) > begun]
     if not relaunches or allowed == 0:
         return None
@@ -179,14 +184,13 @@ def spares_exhausted(run: Run, now: float) -> Alert | None:
                  " the next node failure shrinks or requeues the job", run.name, {"excluded": run.exclusions})
 
 
-def suspect_nodes(runs: list[Run]) -> list[Alert]:
-    by_node: dict[str, list[str]] = {}
-    for run in runs:
-        for node in sorted(set(run.exclusions)):
-            by_node.setdefault(node, []).append(run.name)
+def suspect_nodes(runs: list[Run], root: Path) -> list[Alert]:
+    after = reputation.threshold(r.plan for r in runs)
+    found = reputation.suspects_of({r.name: r.entries for r in runs}, reputation.read_readmitted(root), after=after)
     return [Alert("suspect_node", f"suspect_node:{node}", f"node {node} is excluded by {len(names)} runs"
-                  f" ({', '.join(names)})", None, {"node": node, "runs": names})
-            for node, names in sorted(by_node.items()) if len(names) >= SUSPECT_RUNS]
+                  f" ({', '.join(names)}); new submissions under this root leave it out until"
+                  f" python -m dtk.nodes {root} --readmit {node}", None, {"node": node, "runs": names})
+            for node, names in found.items()]
 
 
 def detect(root: Path, *, now: float, job_state: JobState) -> list[Alert]:
@@ -199,7 +203,7 @@ def detect(root: Path, *, now: float, job_state: JobState) -> list[Alert]:
         for check in (restart_storm, stalled_progress, budget_low, spares_exhausted):
             alerts += [a for a in [check(run, now)] if a]
         alerts += [a for a in [silent(run, now, job_state)] if a]
-    return alerts + suspect_nodes(runs)
+    return alerts + suspect_nodes(runs, root)
 
 
 def job_state(job_id: str) -> str | None:

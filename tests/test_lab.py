@@ -74,6 +74,8 @@ def test_conf_has_partitions_nodes_and_lab_paths(tmp_path):
     assert f"StateSaveLocation={tmp_path}/state" in conf
     assert f"SlurmdSpoolDir={tmp_path}/spool/%n" in conf
     assert "$" not in conf  # every template variable was substituted
+    cancel = files.render_slurm_conf(layout, 16, preempt_mode="cancel")  # dtk.lab up --preempt-mode cancel
+    assert "\nPreemptMode=CANCEL\n" in cancel and cancel.replace("=CANCEL", "=REQUEUE") == conf
 
 
 def test_conf_for_one_node_names_a_single_port(tmp_path):

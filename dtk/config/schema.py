@@ -67,6 +67,8 @@ class ClusterConfig:
     """Variables set in every worker before the process group starts; NCCL_* / GLOO_* / MASTER_ADDR here win over what dtk detects (docs/topology.md)."""
     exclude_from: str | None = None
     """A file of node names to keep out of the job (sbatch --exclude), one per line, `#` comments: the list `python -m dtk.doctor` writes. None: none."""
+    suspect_after: int = 2
+    """A node that this many runs under the same run.root exclude (each after a failure on it) is suspect: left out of every new submission there (sbatch --exclude) until `python -m dtk.nodes RUN_ROOT --readmit NODE`; `python -m dtk.watch` alerts on it (docs/recovery.md). 0: never."""
     accelerator: str | None = None
     """The GPU model, for the memory budget and MFU: h100-80gb, h100-pcie, h100-nvl, h200, a100-40gb, a100-80gb, b200, l40s (`python -m dtk.plan` lists them on a wrong name). None: unknown."""
     device_memory_gb: float | None = None

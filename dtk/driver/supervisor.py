@@ -29,6 +29,7 @@ from dtk.driver.local import free_port, stop_request_text
 from dtk.driver.logs import SRUN_LOG, config_error_line, failure_cause
 from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
+from dtk.driver.resubmit import preempted_cancels, resubmit, signal_lead_of
 from dtk.driver.timeleft import TimeLeft
 from dtk.launch.sbatch import gpu_step_flags
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
@@ -199,7 +200,8 @@ class Supervisor(DriverCore):
         request = self.run.read_stop_request()
         if request is not None or self.stop_by:
             return stop_request_text(request) if request is not None else self.stop_by
-        if signalled and self.slurm.cancelled(self.job_id, restart_count=self.restart_count):
+        if (signalled and self.slurm.cancelled(self.job_id, restart_count=self.restart_count)
+                and not preempted_cancels(self.slurm, self.job_id)):  # past the grace time it looks cancelled
             return f"scancel {self.job_id}"
         return ""
 
@@ -290,7 +292,7 @@ class Supervisor(DriverCore):
         events = self.run.events_list()
         last_start = max((i for i, e in enumerate(events) if e.get("event") == "started"), default=-1)
         for e in reversed(events[last_start + 1:]):
-            if e.get("event") == "requeued":
+            if e.get("event") in ("requeued", "resubmitted"):
                 return float(e.get("detected_at") or e["time"])
         return 0.0
 
@@ -306,6 +308,21 @@ class Supervisor(DriverCore):
         except UserError:  # checked at submission; unreadable from here: the run's own list
             listed = ()
         exclude = sorted(set(read_exclusions(self.run)) | set(listed))
+        if preempted_cancels(self.slurm, self.job_id):
+            # PreemptMode=CANCEL: the job is gone after the grace time (dtk/driver/resubmit.py).
+            try:
+                job = resubmit(self.run, self.plan, self.job_id, exclude=exclude, entry=drive)
+            except Exception as exc:  # noqa: BLE001 - sbatch refused, or submitit failed: try the requeue
+                print(f"driver: resubmitting after a preemption that cancels failed ({exc}); requeueing instead",
+                      file=sys.stderr, flush=True)
+            else:
+                self.run.event("resubmitted", cluster="slurm", job_id=job, after_job=self.job_id, step=self.checkpoint_step(),
+                               reason=f"preempted on a partition whose PreemptMode cancels job {self.job_id}",
+                               exclude=exclude, detected_at=detected_at,
+                               signal_lead_s=signal_lead_of(self.run, self.plan.config.fault.signal_lead_floor_s))
+                print(f"driver: job {self.job_id} is preempted and will be cancelled (PreemptMode=CANCEL); the run"
+                      f" goes on in job {job} from checkpoint step {self.checkpoint_step()}", flush=True)
+                return EXIT_STOPPED
         self.run.event("requeued", job_id=self.job_id, step=self.checkpoint_step(), reason=reason,
                        exclude=exclude, detected_at=detected_at)
         # The job becomes PENDING again; Slurm sends this batch script SIGTERM (ignored here).

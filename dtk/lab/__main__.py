@@ -1,4 +1,4 @@
-"""python -m dtk.lab up [--nodes N] [--gpus-per-node G] [--netns] [--no-install] [--force] | status | slow NODE RATE | down [--force]"""
+"""python -m dtk.lab up [--nodes N] [--gpus-per-node G] [--netns] [--preempt-mode {requeue,cancel}] [--no-install] [--force] | status | slow NODE RATE | down [--force]"""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--netns", action="store_true",
                        help="each node in a network namespace of its own, with its own address on a veth (lab0)"
                             " joined by a bridge, so jobs see separate network stacks; see docs/lab.md")
+    start.add_argument("--preempt-mode", choices=sorted(files.PREEMPT_MODES), default="requeue",
+                       help="what a preemption (a job in partition high) does to a job in debug: requeue it (Slurm's"
+                            " PreemptMode=REQUEUE, the default) or end it (CANCEL, as some sites do); a running lab"
+                            " switches in place")
     start.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
                        help="GPUs Slurm schedules on each node (GRES gpu:G, device files in the lab folder,"
                             " half on each of two sockets), for checking GPU binding without GPUs; workers"
@@ -76,6 +80,9 @@ def describe(status: cluster.LabStatus) -> str:
         lines.append(f"network: each node in its own namespace ({netns.NS_PREFIX}NODE), {netns.NODE_IFACE}"
                      f" {netns.node_address(1)}.. on bridge {netns.BRIDGE} {netns.bridge_address()}")
         lines += [f"  {node} sends at most {rate}" for node, rate in record.slow]
+    if record.preempt_mode != "requeue":
+        lines.append(f"preemption: PreemptMode={files.PREEMPT_MODES[record.preempt_mode]} (a preempted job in debug"
+                     " is ended, not requeued; python -m dtk.lab up brings back REQUEUE)")
     lines.append(lab_access.describe(status.layout))
     lines.append("daemons:")
     for daemon in status.record.daemons:
@@ -97,7 +104,7 @@ def main(argv: list[str]) -> int:
             before = cluster.status()
             state = lab_access.current(before.layout) if before.record is not None else None
             status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force,
-                                netns=args.netns, gpus_per_node=args.gpus_per_node)
+                                netns=args.netns, gpus_per_node=args.gpus_per_node, preempt_mode=args.preempt_mode)
             policy = lab_access.kept(args.access, state=state, log=print)
             lab_access.apply(policy, layout=status.layout, system=files.system_files(),
                              install=not args.no_install, timeout_s=args.timeout, log=print)

@@ -106,7 +106,8 @@ def apply(policy_file: str | None, *, layout: LabLayout, system: SystemFiles, in
     if account is not None and group is not None:
         accounting.ensure_installed(install, log)
         group_members(group)  # the group must exist: an error line, not a Slurm log entry
-    base = files.render_slurm_conf(layout, record.num_nodes, gpus_per_node=record.num_gpus)
+    base = files.render_slurm_conf(layout, record.num_nodes, gpus_per_node=record.num_gpus,
+                                   preempt_mode=record.preempt_mode)
     conf = with_access(base, policy, accounts=wants_accounts) if policy else base
     if wants_accounts and not had_accounts:
         record = _add(layout, record, accounting.start(layout, log))

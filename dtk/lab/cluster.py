@@ -32,7 +32,7 @@ from dtk.lab.files import LabLayout, SystemFiles
 from dtk.lab.jobs import LabJob, lab_jobs
 from dtk.lab.programs import LabError, Log, ensure_installed, find_program, require_root, slurm
 from dtk.lab.record import LabRecord, read_record, write_record
-from dtk.lab.start import start_all, start_slurmd, wait_for_nodes
+from dtk.lab.start import set_preempt_mode, start_all, start_slurmd, wait_for_nodes
 
 DEFAULT_DIR = Path("/var/lib/dtk-lab")
 MAX_NODES = 64
@@ -82,10 +82,12 @@ def status(*, root: Path | None = None) -> LabStatus:
 
 
 def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, timeout_s: float = 60.0,
-       force: bool = False, netns: bool = False, gpus_per_node: int = 0, log: Log = print) -> LabStatus:
+       force: bool = False, netns: bool = False, gpus_per_node: int = 0, preempt_mode: str = "requeue",
+       log: Log = print) -> LabStatus:
     """Bring the lab up with `num_nodes` idle nodes, each in a network namespace of its own
     with `netns` (dtk.lab.netns) and with `gpus_per_node` GPUs that Slurm schedules
-    (dtk.lab.gres); see the module doc for what it keeps."""
+    (dtk.lab.gres), and a preemption that requeues or (`preempt_mode="cancel"`) ends a job;
+    see the module doc for what it keeps."""
     if not 1 <= num_nodes <= MAX_NODES:
         raise LabError(f"--nodes={num_nodes} is out of range: the lab runs 1 to {MAX_NODES} nodes")
     try:
@@ -110,8 +112,12 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
             same = (record.num_nodes, record.netns, record.num_gpus) == (num_nodes, netns, gpus_per_node)
             if same and not dead:
                 log(f"lab is already up with {num_nodes} nodes{_NETNS[netns]}{_gpus(gpus_per_node)} ({layout.root})")
+                if record.preempt_mode != preempt_mode:
+                    set_preempt_mode(layout, system, record, preempt_mode, log)
                 return status(root=layout.root)
             if same and all(d.program == "slurmd" for d in dead):
+                if record.preempt_mode != preempt_mode:
+                    record = set_preempt_mode(layout, system, record, preempt_mode, log)
                 return _restart_nodes(layout, system, record, dead, timeout_s, log)
             why = (f"from {record.num_nodes} to {num_nodes} nodes" if record.num_nodes != num_nodes
                    else f"from {record.num_gpus} to {gpus_per_node} GPUs per node"
@@ -123,7 +129,8 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
         _stop_all(layout, record or LabRecord(0), log)  # with no record: leftovers of a lab that lost it
         started = _install(install, layout, log)
         try:
-            start_all(layout, system, LabRecord.new(num_nodes, netns=netns, num_gpus=gpus_per_node), started, log)
+            start_all(layout, system, LabRecord.new(num_nodes, netns=netns, num_gpus=gpus_per_node,
+                                                      preempt_mode=preempt_mode), started, log)
             wait_for_nodes(layout, system, started, num_nodes, timeout_s, ready=lambda state: state == "idle")
         except (LabError, DaemonError, OSError) as exc:
             # Leave nothing half-started: stop exactly what this call started.

@@ -28,6 +28,8 @@ FIRST_NODE_PORT = 17001
 CPUS_PER_NODE = 2
 REAL_MEMORY_MB = 2048
 GRACE_TIME_S = 15
+PREEMPT_MODES = {"requeue": "REQUEUE", "cancel": "CANCEL"}
+"""`dtk.lab up --preempt-mode` -> slurm.conf's PreemptMode."""
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,11 @@ def node_range(num_nodes: int) -> str:
 
 def render_slurm_conf(layout: LabLayout, num_nodes: int, template: str | None = None, *,
                       controller_addr: str | None = None, addresses: list[str] | None = None,
-                      gpus_per_node: int = 0) -> str:
+                      gpus_per_node: int = 0, preempt_mode: str = "requeue") -> str:
     """The lab's slurm.conf, header included; `controller_addr` and `addresses` (one per
     node) for a lab whose nodes have network namespaces of their own; `gpus_per_node` for
-    nodes with GPUs (GresTypes=gpu, and gres.conf from `dtk.lab.gres`)."""
+    nodes with GPUs (GresTypes=gpu, and gres.conf from `dtk.lab.gres`); `preempt_mode`
+    `requeue` or `cancel` (PREEMPT_MODES) for what a preemption does to a `debug` job."""
     if template is None:
         template = TEMPLATE.read_text()
     body = string.Template(template).substitute(
@@ -169,6 +172,7 @@ def render_slurm_conf(layout: LabLayout, num_nodes: int, template: str | None = 
         gres_types="GresTypes=gpu" if gpus_per_node else "# No GPUs (python -m dtk.lab up --gpus-per-node N adds them).",
         cpus=CPUS_PER_NODE,
         grace_time_s=GRACE_TIME_S,
+        preempt_mode=PREEMPT_MODES[preempt_mode],
         state_dir=layout.state_dir,
         spool_dir=layout.spool_dir,
         log_dir=layout.log_dir,

@@ -30,12 +30,14 @@ class LabRecord:
     """(node, rate) of every node whose sending `dtk.lab slow` limits."""
     num_gpus: int = 0
     """GPUs Slurm schedules on each node (`up --gpus-per-node`, dtk.lab.gres)."""
+    preempt_mode: str = "requeue"
+    """What a preemption does to a job in `debug` (`up --preempt-mode`): requeue or cancel."""
 
     def to_json(self) -> str:
         return json.dumps({"num_nodes": self.num_nodes, "daemons": [d.to_json() for d in self.daemons],
                            "started_by": self.started_by, "started_at": self.started_at, "host": self.host,
                            "netns": self.netns, "slow": dict(self.slow),
-                           "num_gpus": self.num_gpus}, indent=1)
+                           "num_gpus": self.num_gpus, "preempt_mode": self.preempt_mode}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> LabRecord:
@@ -44,12 +46,12 @@ class LabRecord:
                    started_by=data.get("started_by", ""), started_at=float(data.get("started_at", 0.0)),
                    host=data.get("host", ""), netns=bool(data.get("netns", False)),
                    slow=tuple(sorted(data.get("slow", {}).items())),
-                   num_gpus=int(data.get("num_gpus", 0)))
+                   num_gpus=int(data.get("num_gpus", 0)), preempt_mode=data.get("preempt_mode", "requeue"))
 
     @classmethod
-    def new(cls, num_nodes: int, *, netns: bool = False, num_gpus: int = 0) -> LabRecord:
+    def new(cls, num_nodes: int, *, netns: bool = False, num_gpus: int = 0, preempt_mode: str = "requeue") -> LabRecord:
         return cls(num_nodes, (), started_by=invoking_user(), started_at=round(time.time(), 3),
-                   host=socket.gethostname(), netns=netns, num_gpus=num_gpus)
+                   host=socket.gethostname(), netns=netns, num_gpus=num_gpus, preempt_mode=preempt_mode)
 
 
 def invoking_user() -> str:

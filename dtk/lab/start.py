@@ -25,6 +25,25 @@ from dtk.lab.record import LabRecord, write_record
 MUNGE_RUN_DIR = Path("/run/munge")
 
 
+def set_preempt_mode(layout: LabLayout, system: SystemFiles, record: LabRecord, mode: str, log: Log) -> LabRecord:
+    """What a preemption does to a `debug` job on the running lab, changed in place:
+    slurm.conf rewritten with that PreemptMode, then `scontrol reconfigure` (jobs go on)."""
+    record = replace(record, preempt_mode=mode)
+    addresses = [netns.node_address(k) for k in range(1, record.num_nodes + 1)] if record.netns else None
+    conf = files.render_slurm_conf(layout, record.num_nodes, addresses=addresses,
+                                   controller_addr=netns.bridge_address() if record.netns else None,
+                                   gpus_per_node=record.num_gpus, preempt_mode=mode)
+    layout.conf.write_text(conf)
+    files.write_system_conf(conf, system.slurm_conf)
+    proc = slurm(["scontrol", "reconfigure"], system)
+    if proc.returncode != 0:
+        raise LabError(f"scontrol reconfigure: {(proc.stderr or proc.stdout).strip()}")
+    write_record(layout, record)
+    log(f"lab preemption mode: {files.PREEMPT_MODES[mode]} (a job in debug preempted by one in high is"
+        f" {'ended, not requeued' if mode == 'cancel' else 'requeued'})")
+    return record
+
+
 def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: list[Daemon], log: Log) -> None:
     """Write the config, then start munged (unless the record already holds one), slurmctld
     and one slurmd per node, appending each to `started` and to the record."""
@@ -40,7 +59,7 @@ def start_all(layout: LabLayout, system: SystemFiles, base: LabRecord, started: 
     addresses = [netns.node_address(k) for k in range(1, num_nodes + 1)] if base.netns else None
     conf = files.render_slurm_conf(layout, num_nodes, addresses=addresses,
                                    controller_addr=netns.bridge_address() if base.netns else None,
-                                   gpus_per_node=base.num_gpus)
+                                   gpus_per_node=base.num_gpus, preempt_mode=base.preempt_mode)
     layout.conf.write_text(conf)
     write_gres(layout, system, num_nodes, base.num_gpus)
     files.write_system_conf(conf, system.slurm_conf)

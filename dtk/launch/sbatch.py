@@ -38,6 +38,11 @@ class SubmitInputs:
     exclude: tuple[str, ...] = ()
     signal_lead_s: int = 60
     """USR2 this many seconds before the time limit: the workers save and the job requeues."""
+    after_job: str | None = None
+    """A job of the same run that must end first (sbatch --dependency=afterany): the driver's
+    resubmission when a preemption cancels its job (PreemptMode=CANCEL)."""
+    note: str = ""
+    """One line the submission prints about `exclude` (suspect nodes left out, dtk/launch/reputation.py)."""
 
 
 def signal_lead(*, floor_s: int, save_s: float | None, step_s: float | None) -> int:
@@ -117,6 +122,10 @@ def sbatch_flags(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str,
         # A job this one depends on: it stays pending until that one completed successfully
         # (a job that requeues itself keeps its id, so a requeue is no success yet).
         flags["dependency"] = f"afterok:{plan.config.submit.after}"
+    if inputs.after_job:
+        # The same run's job that a preemption cancels: this one starts once it is gone
+        # (and with it the driver that submitted this), whatever it ended as.
+        flags["dependency"] = f"afterany:{inputs.after_job}"
     if plan.config.fault.survive_node_loss:
         flags["no-kill"] = True  # a failed node ends the worker step, not the job: the driver goes on
     return {**flags, **parse_extra(c.sbatch_extra)}

@@ -262,6 +262,9 @@ def _check_ranges(cfg: Config) -> None:
     _positive("fault.signal_lead_floor_s", fault.signal_lead_floor_s)
     if cluster.gpus_per_node < 0:
         raise UserError(f"cluster.gpus_per_node={cluster.gpus_per_node}: expected 0 (a CPU cluster) or more")
+    if cluster.suspect_after < 0:
+        raise UserError(f"cluster.suspect_after={cluster.suspect_after}: expected 0 (never leave a node out) or a"
+                        " number of runs, like 2")
     if cluster.mem_gb is not None:
         _positive("cluster.mem_gb", cluster.mem_gb)
     for key in ("device_memory_gb", "peak_tflops"):

@@ -22,7 +22,7 @@ PARTS = ("queue", "startup", "checkpoint_load", "redone", "productive", "checkpo
 run queued or running (between a stopped or failed job and the next submission); `other`:
 what is left (evaluation, teardown, failure detection, a step in flight when killed)."""
 
-_QUEUE_STARTS = ("submitted", "requeued")
+_QUEUE_STARTS = ("submitted", "requeued", "resubmitted")
 _QUEUE_ENDS = ("stopped", "failed", "finished")  # a pending job cancelled (dtk.stop, scancel) ends its wait
 _START_ENDS = ("failed", "stopped", "finished", "relaunched", "hang_detected", "node_failed", "preempted",
                *_QUEUE_STARTS)

@@ -40,6 +40,8 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
         return "time limit (stopped by the driver before it)"
     if "stopped" in kinds:  # the workers' `preempted` on the stop's SIGTERM is no preemption
         return f"stopped ({kinds['stopped'].get('by') or '?'}), then submitted again"
+    if "resubmitted" in kinds:  # PreemptMode=CANCEL: the driver submitted the run as a new job
+        return f"preempted (job {kinds['resubmitted'].get('after_job')} cancelled), resubmitted as a new job"
     if "preempted" in kinds:
         reason = (kinds.get("requeued") or {}).get("reason") or ""
         signal = kinds["preempted"].get("signal")
