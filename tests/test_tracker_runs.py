@@ -120,3 +120,16 @@ def test_a_preempted_and_requeued_lab_run_is_one_tracker_run_with_every_step_onc
     tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
     assert history == {step: 1 for step in range(1, steps + 1)}
     assert tags["dtk.job_ids"] == job
+
+
+def test_a_run_whose_mlflow_is_unreachable_finishes_with_one_event(tmp_path):
+    from mlflow_support import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proc = dtk("dtk.submit", "tasks_per_node=1", "train.steps=4", "train.global_batch=4", "train.log_every=1",
+               "train.tracker=[mlflow]", f"train.mlflow_uri={closed}", f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = [json.loads(line) for line in (only_run_dir(tmp_path) / "events.jsonl").read_text().splitlines()]
+    unreachable = [e for e in events if e["event"].startswith("tracker_")]
+    assert [(e["event"], e["tracker"]) for e in unreachable] == [("tracker_unreachable", "mlflow")], unreachable
+    assert json.loads((only_run_dir(tmp_path) / "summary.json").read_text())["status"] == "finished"

@@ -33,7 +33,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,7 +81,7 @@ def update_state(path: Path, name: str, **fields: Any) -> None:
         write_json_atomic(path, state)
 
 
-def new_steps(records: list[dict[str, Any]], last_step: int) -> tuple[list[dict[str, Any]], int]:
+def new_steps(records: Iterable[dict[str, Any]], last_step: int) -> tuple[list[dict[str, Any]], int]:
     """The records of steps past `last_step`, in order, each step once (a redone step, or
     one read back from metrics.jsonl and also handed over again, is left out), and the new
     last step."""
@@ -94,22 +94,24 @@ def new_steps(records: list[dict[str, Any]], last_step: int) -> tuple[list[dict[
     return kept, last_step
 
 
-def records_before(metrics: Path, size: int) -> list[dict[str, Any]]:
-    """metrics.jsonl's records in its first `size` bytes (what earlier starts wrote); a torn
-    line (a writer killed mid-write) is skipped."""
+def records_before(metrics: Path, size: int) -> Iterator[dict[str, Any]]:
+    """metrics.jsonl's records in its first `size` bytes (what earlier starts wrote), read
+    as a stream (a weeks-long run's file is large; only the records a tracker lacks are
+    kept); a torn line (a writer killed mid-write) is skipped."""
     if size <= 0:
-        return []
+        return
     with open(metrics, "rb") as fh:
-        data = fh.read(size)
-    out = []
-    for line in data.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            out.append(record)
-    return out
+        read = 0
+        for line in fh:
+            read += len(line)
+            if read > size:
+                return
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                yield record
 
 
 class TrackerSink:
@@ -201,7 +203,7 @@ class TrackerSink:
         self.run_id = run_id
         self.last_step = max(int(known.get("last_step") or 0), held or 0)
         update_state(self.state, self.client.name, run_id=run_id, last_step=self.last_step, job_ids=jobs)
-        return records_before(self.metrics, self.earlier)
+        return new_steps(records_before(self.metrics, self.earlier), self.last_step)[0]
 
     def _log(self, pending: list[dict[str, Any]]) -> None:
         kept, last = new_steps(pending, self.last_step)
