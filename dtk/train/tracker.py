@@ -22,8 +22,9 @@ records after that are the new start's own, handed over as they come).
 
 Unreachable: a failed call is one `tracker_unreachable` event, then retries with backoff
 (1 s doubling to 60 s) while the records wait in the buffer; the first call that works
-again logs them all and is one `tracker_caught_up` event. At the end a sink that works
-drains its buffer; one that fails tries once more and gives up (the next start, if any,
+again logs them all and is one `tracker_caught_up` event. At the end of the run a sink that works
+drains its buffer (up to 60 s; 5 s for a start that stops short, which must exit within its
+signal's lead); one that fails tries once more and gives up (the next start, if any,
 catches up from metrics.jsonl).
 """
 
@@ -40,7 +41,8 @@ from typing import Any, Protocol
 from dtk.rundir import write_json_atomic
 
 BACKOFF_S = (1.0, 60.0)  # first retry delay, doubling up to the cap
-DRAIN_S = 60.0  # the longest the end of a start waits for a tracker that works to take its buffer
+DRAIN_S = 60.0  # the longest the end of the run waits for a tracker that works to take its buffer
+STOPPING_DRAIN_S = 5.0  # the same for a start that stops short (preempted, time limit): the next one catches up
 BATCH = 200  # records per call
 
 
@@ -131,6 +133,7 @@ class TrackerSink:
         self.earlier = metrics.stat().st_size if metrics.exists() else 0  # what earlier starts wrote
         self.queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue()
         self.run_id: str | None = None
+        self.handed = 0  # the newest step handed over
         self.last_step = 0
         self.failing = False
         self.thread = threading.Thread(target=self._run, name=f"dtk-tracker-{client.name}", daemon=True)
@@ -138,13 +141,17 @@ class TrackerSink:
 
     def add(self, records: list[dict[str, Any]]) -> None:
         """Hand records over; never waits."""
+        if records:
+            self.handed = max(self.handed, int(records[-1]["step"]))
         self.queue.put(records)
 
     def close(self) -> None:
-        """The start's end: a tracker that works takes the buffer (up to DRAIN_S), one that
-        fails is tried once more."""
+        """The start's end: a tracker that works takes the buffer (up to DRAIN_S at the
+        run's end; a start that stops short must exit within its signal's lead, and the next
+        start reads what is left back from metrics.jsonl), one that fails is tried once more."""
         self.queue.put(None)
-        self.thread.join(timeout=self.drain_s)
+        ending = self.handed >= self.total_steps
+        self.thread.join(timeout=self.drain_s if ending else min(self.drain_s, STOPPING_DRAIN_S))
 
     def _run(self) -> None:
         pending: list[dict[str, Any]] = []
