@@ -146,9 +146,10 @@ class WandbRun:
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, id=run_id, resume="allow",
             name=self.run_dir.name, notes=str(self.run_dir), dir=str(self.run_dir),
-            config={**self.params, RUN_DIR_TAG: str(self.run_dir)}, tags=[f"job-{j}" for j in job_ids],
-            settings=wandb.Settings(console="off", silent=True),
+            tags=[f"job-{j}" for j in job_ids], settings=wandb.Settings(console="off", silent=True),
         )
+        # A key a later submission changed (outside the run's identity) takes its new value.
+        self.run.config.update({**self.params, RUN_DIR_TAG: str(self.run_dir)}, allow_val_change=True)
         return run_id, None
 
     def log(self, records: list[dict[str, Any]]) -> None:
