@@ -12,6 +12,8 @@
         checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
         logs/start_NN/rank_R.log     worker output per start
         summary.json      written at the end (finished, failed or stopped)
+        tracker.json      rank 0: the id of the run's MLflow / W&B run and the last step logged to it
+        wandb/            W&B's own files (train.tracker=[wandb]), offline runs included
         stop_request.json written by `python -m dtk.stop`; the driver acts on it and removes it
     <run.root>/readmitted_nodes.json   nodes given back to the whole root (dtk/launch/reputation.py)
 
@@ -57,6 +59,8 @@ READMITTED_NODES_LOCK = ".readmitted_nodes.lock"
 SRUN_LOG = "srun.log"  # in a start's log folder: the Slurm step's own output
 HEALTH_DIR = "health"  # a spare node's health check beats, one file per node
 TENSORBOARD_DIR = "tensorboard"
+TRACKER_STATE = "tracker.json"  # per tracker: its run id (reused by every start) and the last step it holds
+WANDB_DIR = "wandb"  # W&B writes <run dir>/wandb/ when given dir=<run dir>
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")

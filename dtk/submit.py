@@ -76,6 +76,7 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     launch. A point whose memory does not fit is refused (one error line, exit 2); in a
     sweep it is skipped with one line and the rest go on."""
     from dtk.data.hdf5 import check_config
+    from dtk.launch.launch import check_trackers
     from dtk.plan.gate import check
 
     search = search_path(config_dirs or [])
@@ -85,6 +86,7 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     composed = [(point, compose(point, search=search)) for point in points]
     for _, cfg in composed:
         refuse_whatif(cfg)
+        check_trackers(cfg.train)
     planned = [(point, cfg, make_plan(cfg, import_path=search.modules, local_gpus=gpus)) for point, cfg in composed]
     for _, _, plan in planned:
         # The one check that reads files: a dataset that is missing or does not fit the

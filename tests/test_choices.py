@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtk.config.choices import DataKind, Dtype, MatmulPrecision, OptimizerName, PipelineSchedule, TpStyle
+from dtk.config.choices import (
+    TRACKER_MODULES,
+    DataKind,
+    Dtype,
+    MatmulPrecision,
+    OptimizerName,
+    PipelineSchedule,
+    TpStyle,
+    Tracker,
+)
 from dtk.config.schema import DATA_SCHEMAS, SchemeConfig
 from dtk.plan.degrees import Axis, Degrees
 
@@ -23,6 +32,7 @@ def test_every_choice_has_its_meaning_in_the_code():
     assert set(MATMUL) | {MatmulPrecision.auto} == set(MatmulPrecision)
     assert set(OPTIMIZERS) == set(OptimizerName)
     assert set(DATA_SCHEMAS) == set(DataKind)
+    assert set(TRACKER_MODULES) == set(Tracker)
 
 
 def test_the_mesh_axes_are_one_list():

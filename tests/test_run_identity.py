@@ -38,7 +38,7 @@ def test_the_identity_of_the_default_config_is_empty_and_so_is_every_scheme():
     ["data.eval_samples=16"], ["model.wrap_classes=[]"], ["model.tp_plan={}"], ["model.split_points=[layers.1]"],
     ["checkpoint.every=7"], ["checkpoint.keep=5"], ["checkpoint.async_save=false"], ["train.log_every=5"],
     ["train.eval_every=10"], ["train.micro_batch=16"], ["train.profile=false"], ["train.tensorboard=true"],
-    ["train.threads=1"], ["tasks_per_node=4"], ["+scheme=fsdp", "scheme.activation_checkpoint=full"],
+    ["train.tracker=[mlflow]"], ["train.threads=1"], ["tasks_per_node=4"], ["+scheme=fsdp", "scheme.activation_checkpoint=full"],
     ["fault.max_restarts=1"], ["dist.timeout_s=60"], ["+task.metrics.acc=a.b"], ["run.root=elsewhere"],
 ])
 def test_keys_that_compute_nothing_keep_the_name(overrides, tmp_path):

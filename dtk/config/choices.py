@@ -122,3 +122,21 @@ class DeviceKind(Choice):
     auto = "auto"
     cuda = "cuda"
     cpu = "cpu"
+
+
+class Tracker(Choice):
+    """An experiment tracker rank 0 logs the metrics to (train.tracker, dtk/train/tracker.py)."""
+
+    tensorboard = "tensorboard"
+    mlflow = "mlflow"
+    wandb = "wandb"
+
+
+TRACKER_MODULES = {Tracker.tensorboard: "tensorboard", Tracker.mlflow: "mlflow", Tracker.wandb: "wandb"}
+"""The package each tracker needs; submit checks it is installed (importlib.util.find_spec)."""
+
+
+def chosen_trackers(tracker: list[Tracker], *, tensorboard: bool) -> tuple[Tracker, ...]:
+    """train.tracker, with `tensorboard` added by the older train.tensorboard=true; each once, in order."""
+    chosen = [Tracker(t) for t in tracker] + ([Tracker.tensorboard] if tensorboard else [])
+    return tuple(dict.fromkeys(chosen))

@@ -24,6 +24,7 @@ from dtk.config.choices import (
     OptimizerName,
     PipelineSchedule,
     TpStyle,
+    Tracker,
 )
 from dtk.config.fabric import DoctorConfig, FabricConfig, PlanConfig  # part of this schema
 from dtk.config.fields import IDENTITY  # marks what a run computes (its name's hash)
@@ -263,8 +264,12 @@ class TrainConfig:
     """Time each step's phases (data, forward, backward, optimizer, comm, checkpoint, straggler) into metrics.jsonl; marks are read once per train.log_every steps. False: no phases, no idle_share, no straggler check."""
     system_every_s: float = 10.0
     """Seconds between host and GPU load samples (CPU, memory, disk and network; GPU utilisation, memory and power through NVML) in system.jsonl, one sampler thread per node. 0: none."""
+    tracker: list[Tracker] = field(default_factory=list)
+    """Experiment trackers rank 0 logs the metrics to, besides metrics.jsonl: any of `tensorboard` (event files in `<run dir>/tensorboard`), `mlflow`, `wandb`, e.g. `train.tracker=[mlflow,wandb]`. One tracker run per dtk run for its whole life, its id in `<run dir>/tracker.json`; an unreachable tracker never stops training (docs/operations.md, Trackers). A tracker whose package is not installed is an error at submit."""
     tensorboard: bool = False
-    """Also write the metrics' scalars as TensorBoard event files in `<run dir>/tensorboard` (needs the tensorboard package)."""
+    """Same as `tensorboard` in train.tracker (the older spelling, kept)."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI: `http://host:5000`, `sqlite:////shared/mlflow.db`, ... None: MLFLOW_TRACKING_URI of the workers' environment (a Slurm job inherits the submitting shell's), else MLflow's own default. The experiment: MLFLOW_EXPERIMENT_NAME, else `dtk`; W&B: WANDB_PROJECT (else `dtk`), WANDB_ENTITY, WANDB_MODE=offline."""
     threads: int = 0
     """torch intra-op threads per worker on CPU. 0: the machine's cores divided by the workers on it."""
     eval_every: int = 0

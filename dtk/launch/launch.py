@@ -8,7 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from dtk.config.choices import TRACKER_MODULES, chosen_trackers
 from dtk.config.compose import to_yaml
+from dtk.config.schema import TrainConfig
 from dtk.errors import UserError
 from dtk.launch import runlock
 from dtk.launch.progress import Progress
@@ -60,6 +62,19 @@ def check_run_root(root: Path) -> None:
     except OSError as exc:
         raise UserError(f"run.root={root}: cannot create a run directory there ({exc.strerror or exc} in {existing});"
                         " choose a folder you can write, on storage every node sees") from None
+
+
+def check_trackers(train: TrainConfig) -> None:
+    """A tracker whose package is not installed, found here and not in rank 0 after the queue
+    wait. find_spec only: the login node imports none of them."""
+    import importlib.util
+
+    for tracker in chosen_trackers(train.tracker, tensorboard=train.tensorboard):
+        module = TRACKER_MODULES[tracker]
+        if importlib.util.find_spec(module) is None:
+            key = "train.tensorboard=true" if tracker not in train.tracker else f"train.tracker includes {tracker}"
+            raise UserError(f"{key}, but the {module} package is not installed here ({sys.executable}):"
+                            f" pip install {module} (or pip install -e .[dev]), or leave {tracker} out")
 
 
 def check_access(plan: Plan) -> None:

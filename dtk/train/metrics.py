@@ -12,7 +12,8 @@ in one transfer. After the profiler's read of the same interval (which waited fo
 device already) that transfer waits for nothing; without the profiler it is the
 interval's one host-device synchronisation.
 
-The records are written to the file (and TensorBoard, and the progress line printed) by a
+The records are written to the file (and TensorBoard, and handed to the trackers'
+threads, and the progress line printed) by a
 thread of their own: the training thread computes them and goes on, and a slow shared file
 system costs it nothing. A write that failed is raised at the next write or at `close`.
 
@@ -99,6 +100,7 @@ class MetricsLog:
         flops_per_token: float | None,
         peak_tflops: float | None,
         tensorboard: Any = None,
+        trackers: tuple[Any, ...] = (),
     ) -> None:
         self.path = path
         self.world_size = world_size
@@ -110,6 +112,7 @@ class MetricsLog:
         self.flops_per_token = flops_per_token
         self.peak_tflops = peak_tflops
         self.tensorboard = tensorboard  # TensorBoardLog or None
+        self.trackers = trackers  # dtk.train.tracker.TrackerSink each: handed the records, never waited for
         self.epochs = EpochClock(samples_per_epoch=samples_per_epoch, global_batch=global_batch)
         self._pending: list[tuple[int, float, Any]] = []
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-metrics") if path else None
@@ -180,6 +183,8 @@ class MetricsLog:
                 self.tensorboard.add(record)
         if self.tensorboard is not None:
             self.tensorboard.flush()
+        for sink in self.trackers:
+            sink.add(records)
         last = records[-1]
         step = last["step"]
         if step % self.log_every == 0 or step == self.total_steps:
@@ -205,3 +210,5 @@ class MetricsLog:
                 self._writer.shutdown(wait=True)
             if self.tensorboard is not None:
                 self.tensorboard.close()
+            for sink in self.trackers:
+                sink.close()

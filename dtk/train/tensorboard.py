@@ -1,4 +1,5 @@
-"""TensorBoard event files next to metrics.jsonl (train.tensorboard=true), same scalars.
+"""TensorBoard event files next to metrics.jsonl (`tensorboard` in train.tracker, or the older
+train.tensorboard=true), same scalars; `scalars` also names the metrics MLflow and W&B get.
 
 Uses torch's own `torch.utils.tensorboard.SummaryWriter`, which needs the `tensorboard`
 package (an optional dependency: `pip install -e .[tensorboard]`). That package is also the

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.config.choices import Tracker, chosen_trackers
+from dtk.config.convert import to_dict
 from dtk.data.loader import StepBatches, build_splits
 from dtk.dist.init import init_process_group, pick_device
 from dtk.dist.mesh import ParallelMesh, build_mesh
@@ -27,7 +29,17 @@ from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.layout import uses_zero1
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
-from dtk.rundir import DATA_SPLIT, EVAL_LOG, HEARTBEAT, PROGRESS, SYSTEM_LOG, RunDir, read_jsonl, write_json_atomic
+from dtk.rundir import (
+    DATA_SPLIT,
+    EVAL_LOG,
+    HEARTBEAT,
+    PROGRESS,
+    SYSTEM_LOG,
+    TRACKER_STATE,
+    RunDir,
+    read_jsonl,
+    write_json_atomic,
+)
 from dtk.train.divergence import Diverged, NanDrill, Rollback, read_skips
 from dtk.train.evaluate import Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
@@ -42,6 +54,8 @@ from dtk.train.startup import StartupClock
 from dtk.train.system import SystemSampler
 from dtk.train.task import LmTask, Task, build_task
 from dtk.train.tensorboard import TensorBoardLog
+from dtk.train.tracker import TrackerSink
+from dtk.train.tracker_clients import clients
 from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
@@ -214,6 +228,15 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     return summary
 
 
+def tracker_sinks(plan: Plan, env: WorkerEnv, run: RunDir) -> tuple[TrackerSink, ...]:
+    """Rank 0's MLflow and W&B sinks (dtk.train.tracker), each logging from a thread of its own."""
+    cfg = plan.config
+    made = clients(chosen_trackers(cfg.train.tracker, tensorboard=False), mlflow_uri=cfg.train.mlflow_uri,
+                   run_dir=run.path, config=to_dict(cfg))
+    return tuple(TrackerSink(c, state=run.path / TRACKER_STATE, metrics=run.metrics, event=run.event,
+                             total_steps=plan.steps, job_id=env.job_id) for c in made)
+
+
 def step_policies(
     plan: Plan, env: WorkerEnv, run: RunDir, *, model: torch.nn.Module, autocast_dtype: torch.dtype | None, task: Task,
     val_dataset, mesh: ParallelMesh, device: torch.device, checkpoints: CheckpointManager, start_step: int,
@@ -238,6 +261,7 @@ def step_policies(
     def eval_batch_stop() -> bool:
         heartbeat.tick()  # each validation batch is progress: a long evaluation is not a hang
         return agreed_stop.poll()
+    trackers = chosen_trackers(cfg.train.tracker, tensorboard=cfg.train.tensorboard)
     metrics = MetricsLog(
         run.metrics if rank0 else None,
         world_size=env.world_size,
@@ -253,7 +277,8 @@ def step_policies(
             override=cfg.cluster.peak_tflops, accelerator=cfg.cluster.accelerator, device=device,
             dtype=resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype"),
         )[0],
-        tensorboard=TensorBoardLog(run.path) if rank0 and cfg.train.tensorboard else None,
+        tensorboard=TensorBoardLog(run.path) if rank0 and Tracker.tensorboard in trackers else None,
+        trackers=tracker_sinks(plan, env, run) if rank0 else (),
     )
     return StepPolicies(
         metrics=metrics,
