@@ -15,8 +15,9 @@
   stays gathered from its forward to its backward) and its reduce-scatter input (one
   block's unsharded gradient). Under a pipeline (pp > 1) torch's schedule reshards a stage
   and reduce-scatters its gradients once, at the step's end: the whole stage's gathered
-  parameters and its unsharded gradients (accumulated in the reduce dtype) are resident at
-  the peak, whatever reshard_after_forward says (dtk.plan.layout.reshards_after_forward:
+  parameters and its unsharded gradients (accumulated in the reduce dtype, in place of the
+  sharded ones: their excess over `grads`) are resident at the peak, whatever
+  reshard_after_forward says (dtk.plan.layout.reshards_after_forward:
   with pp > 1 it keeps them gathered through the step by default); autocast's low-precision weight copies under DDP; pipeline
   receive buffers; the staged checkpoint copy when the device is the CPU. DDP's gradient
   buckets cost nothing extra: dtk's gradients are views into them.
@@ -229,8 +230,10 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
             detail["fsdp_reduce_scatter"] = round(blocks[0] * (p.compute_bytes + extra))
         if d.pp > 1:
             # the pipeline defers the reduce-scatter to the step's end: the stage's gradients
-            # accumulate unsharded, in the reduce dtype (FSDP's unsharded_accumulated_grad)
-            detail["fsdp_unsharded_grads"] = round((root + sum(blocks)) * p.reduce_bytes)
+            # accumulate unsharded, in the reduce dtype (FSDP's unsharded_accumulated_grad),
+            # while the sharded ones (`grads`) do not exist (zero_grad set them to None); at
+            # the end each unit's shard replaces its unsharded gradient. The excess over `grads`:
+            detail["fsdp_unsharded_grads"] = max(0, round((root + sum(blocks)) * p.reduce_bytes) - grads)
     elif p.gathered_bytes < p.param_bytes:
         # autocast keeps a low-precision copy of every matmul weight for the step
         detail["autocast_weights"] = round(sum(h.numel for h in layout.held if h.tensor.matmul) * p.compute_bytes)
