@@ -10,6 +10,9 @@ a forward and backward to learn its shapes."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -53,10 +56,37 @@ def one_process_losses(plan: Plan) -> list[float]:
     return out
 
 
-def pipeline_step_counts(rank: int, world: int, plan_json: str) -> dict:
+COUNTS = {"all_gather": 0, "reduce_scatter": 0}
+"""FSDP's collectives in this process so far (`counting`)."""
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[None]:
+    """Count every unit's all-gather and reduce-scatter: FSDP's own foreach_all_gather and
+    foreach_reduce, as its parameter groups call them."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    gather, reduce = group.foreach_all_gather, group.foreach_reduce
+
+    def counted(name: str, fn):
+        def call(*args, **kwargs):
+            COUNTS[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    group.foreach_all_gather, group.foreach_reduce = counted("all_gather", gather), counted("reduce_scatter", reduce)
+    try:
+        yield
+    finally:
+        group.foreach_all_gather, group.foreach_reduce = gather, reduce
+
+
+def pipeline_step_counts(plan_json: str) -> dict:
+    """Build the planned job's model as a worker does and run STEPS pipeline steps: each
+    step's collectives, whether every unit of a stage is still gathered after each of its
+    forwards, whether all are sharded after the step, and the global loss."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     from dtk.dist.mesh import build_mesh
     from dtk.models.build import ParallelSpec, build_model, materialize
@@ -66,18 +96,7 @@ def pipeline_step_counts(rank: int, world: int, plan_json: str) -> dict:
 
     plan = Plan.from_json(plan_json)
     cfg = plan.config
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    gather, reduce = _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce
-
-    def counted_gather(*args, **kwargs):
-        counts["all_gather"] += 1
-        return gather(*args, **kwargs)
-
-    def counted_reduce(*args, **kwargs):
-        counts["reduce_scatter"] += 1
-        return reduce(*args, **kwargs)
-
-    _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce = counted_gather, counted_reduce
+    counts = COUNTS
     mesh = build_mesh(plan.degrees, "cpu")
     model = parallelize(
         build_model(cfg.model, device="meta", seed=0), mesh=mesh, scheme=cfg.scheme,
@@ -85,6 +104,7 @@ def pipeline_step_counts(rank: int, world: int, plan_json: str) -> dict:
         materialize=lambda parts, on: materialize(parts, model_cfg=cfg.model, device=on, seed=0),
         loss_fn=TokenCrossEntropy(), num_microbatches=plan.grad_accum, sharded_logits=False,
     )
+
     def groups(module):  # the FSDP units' parameter groups (a stage's root may have no parameters of its own)
         states = (m._get_fsdp_state() for m in module.modules() if isinstance(m, FSDPModule))
         return [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
@@ -132,9 +152,10 @@ def all_cases(rank: int, world: int, plans: dict[str, str]) -> dict[str, dict]:
     import torch.distributed as dist
 
     out = {}
-    for name, plan_json in plans.items():
-        out[name] = pipeline_step_counts(rank, world, plan_json)
-        dist.barrier()
+    with counting():
+        for name, plan_json in plans.items():
+            out[name] = pipeline_step_counts(plan_json)
+            dist.barrier()
     return out
 
 
