@@ -17,9 +17,9 @@
   and reduce-scatters its gradients once, at the step's end: the whole stage's gathered
   parameters and its unsharded gradients (accumulated in the reduce dtype, in place of the
   sharded ones: their excess over `grads`) are resident at the peak, whatever
-  reshard_after_forward says (dtk.plan.layout.reshards_after_forward:
-  with pp > 1 it keeps them gathered through the step by default); autocast's low-precision weight copies under DDP; pipeline
-  receive buffers; the staged checkpoint copy when the device is the CPU. DDP's gradient
+  reshard_after_forward says (dtk.plan.layout.reshards_after_forward keeps them gathered
+  through the step by default there). Autocast's low-precision weight copies under DDP;
+  pipeline receive buffers; the staged checkpoint copy when the device is the CPU. DDP's gradient
   buckets cost nothing extra: dtk's gradients are views into them.
 - margin: FRAGMENTATION of the rest for the caching allocator, plus a fixed runtime
   allowance per process (CUDA context, NCCL and cuBLAS workspaces; on the CPU the Python
