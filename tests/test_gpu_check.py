@@ -131,7 +131,7 @@ def test_peak_memory_figure_reads_what_the_workers_recorded_against_the_plan():
     gib = 2**30
     planned = RankBytes(rank=0, params=4 * gib, grads=4 * gib, optimizer=8 * gib, activations=3 * gib, buffers=gib,
                         margin=2 * gib, host=0)
-    ranks = [rank_record(planned, {"total": round(measured * gib)}, rank=r, device="cuda", reshard_after_forward=True,
+    ranks = [rank_record(planned, {"total": round(measured * gib)}, rank=r, device="cuda",
                          activations_estimated=True) for r, measured in enumerate((19.0, 25.0))]
     summary = {"peak_memory_gib": 19.0, "memory": summarize(ranks, device="cuda")}
     line = gpu_check.memory_figure(summary, {"per_device_bytes": {"total": 22 * gib}})

@@ -5,6 +5,8 @@ are in tests/test_spine.py (a 2-process run's summary.json) and tests/test_plan_
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dtk.config.compose import compose
@@ -35,14 +37,15 @@ def _bytes(rank: int, **kinds: int) -> RankBytes:
 
 def test_what_each_device_measures_is_compared():
     b = _bytes(0)
-    assert comparable(b, "cuda", reshard_after_forward=True) == 100 + 100 + 200 + 300 + 50  # no margin
-    assert comparable(b, "cpu", reshard_after_forward=True) == 100 + 100 + 200 + 250  # kept for backward
-    assert comparable(b, "cpu", reshard_after_forward=False) == 100 + 100 + 200 + 250 + 40  # gathered all step
+    assert comparable(b, "cuda") == 100 + 100 + 200 + 300 + 50  # no margin
+    assert comparable(b, "cpu") == 100 + 100 + 200 + 250  # kept for backward
+    kept = dataclasses.replace(b, gathered_kept=40)  # reshard_after_forward=false, or a pipeline
+    assert comparable(kept, "cpu") == 100 + 100 + 200 + 250 + 40  # gathered all step
 
 
 def test_a_gap_above_the_limit_on_any_rank_is_a_mismatch_event():
     def record(rank: int, measured: int) -> dict:
-        return rank_record(_bytes(rank), {"total": measured}, rank=rank, device="cpu", reshard_after_forward=True,
+        return rank_record(_bytes(rank), {"total": measured}, rank=rank, device="cpu",
                            activations_estimated=True)
 
     planned = 650

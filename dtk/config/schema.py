@@ -222,8 +222,8 @@ class SchemeConfig:
     """DDP gradient bucket size in MiB."""
     shard_optimizer: bool = False
     """ZeRO-1: shard the optimizer state over the data-parallel ranks (with data_parallel=ddp)."""
-    reshard_after_forward: bool = True
-    """FSDP: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
+    reshard_after_forward: bool | None = None
+    """FSDP: `true` frees a unit's gathered parameters after its forward (ZeRO-3), `false` keeps them until its backward (ZeRO-2: one all-gather per micro-batch instead of two). None: true, except with pp > 1, where a stage's parameters stay gathered through the pipeline step (resharding would all-gather them again for every micro-batch)."""
     cpu_offload: bool = False
     """FSDP: keep parameter shards, gradients and optimizer state in host memory."""
     sequence_parallel: bool = False

@@ -25,7 +25,11 @@ def apply_fsdp(
     device: torch.device,
 ) -> nn.Module:
     """Shard each block of `wrap_classes` as its own unit (one all-gather per block in
-    forward and in backward), then the rest of the model as the root unit."""
+    forward and in backward), then the rest of the model as the root unit.
+    `reshard_after_forward` is the planner's answer for the job
+    (dtk.plan.layout.reshards_after_forward: false under a pipeline unless set); torch's
+    pipeline stage leaves the units gathered through a step's backwards and reshards and
+    reduce-scatters them once, at the step's end (PipelineStage.perform_reduce_grad)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     blocks = wrap_units(module, wrap_classes)

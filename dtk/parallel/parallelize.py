@@ -13,7 +13,10 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
     3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
     5. FSDP                 shard each block over dp_shard (HSDP: replicate over dp_replicate),
-                            with the dtypes of step 0 as its mixed-precision policy
+                            with the dtypes of step 0 as its mixed-precision policy; with
+                            pp > 1 kept gathered through the pipeline step unless
+                            scheme.reshard_after_forward says otherwise (the planner's rule,
+                            dtk.plan.layout.reshards_after_forward)
     6. materialize          storage and initial values, by the caller's `materialize` (after
                             sharding: no rank ever holds the whole model; before DDP, which
                             broadcasts real weights); with FSDP's CPU offload the shards on
@@ -41,7 +44,7 @@ from dtk.models.build import ParallelSpec
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
 from dtk.plan.degrees import Axis
-from dtk.plan.layout import uses_ddp, uses_fsdp
+from dtk.plan.layout import reshards_after_forward, uses_ddp, uses_fsdp
 
 
 @dataclass
@@ -135,7 +138,7 @@ def parallelize(
                 part,
                 mesh=fsdp_mesh,
                 wrap_classes=spec.wrap_classes,
-                reshard_after_forward=scheme.reshard_after_forward,
+                reshard_after_forward=reshards_after_forward(scheme, degrees),
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
                 cpu_offload=scheme.cpu_offload,

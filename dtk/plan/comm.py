@@ -16,8 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from dtk.config.choices import ActivationCheckpoint
+from dtk.config.schema import SchemeConfig
 from dtk.plan.degrees import Axis, Degrees
-from dtk.plan.layout import axis_groups, coords, rank_layout, uses_fsdp, uses_zero1
+from dtk.plan.layout import axis_groups, coords, rank_layout, reshards_after_forward, uses_fsdp, uses_zero1
 from dtk.plan.memory import Job, job_dims
 from dtk.plan.shape import ModelShape
 
@@ -58,6 +59,24 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
+def fsdp_collectives(scheme: SchemeConfig, d: Degrees, num_micro: int) -> tuple[int, int, str]:
+    """(all-gathers, reduce-scatters) of each FSDP unit per optimizer step, and in words.
+    Without a pipeline each micro-batch gathers in forward, again in backward when the unit
+    reshards after forward, and reduce-scatters its gradient. A pipeline step (pp > 1) keeps
+    the stage gathered through all its micro-batches by default (one all-gather), and torch's
+    schedule reduce-scatters once, at the step's end; resharding after forward there gathers
+    in every micro-batch's forward and backward (an upper bound: 1F1B's forward right after
+    a backward finds the unit still gathered)."""
+    resharding = reshards_after_forward(scheme, d)
+    if d.pp > 1:
+        if not resharding:
+            return 1, 1, "FSDP all-gather + reduce-scatter once per pipeline step"
+        return 2 * num_micro, 1, f"FSDP all-gather x2 per micro-batch ({num_micro}) + reduce-scatter once per step"
+    gathers = 2 if resharding else 1  # forward, and again for backward
+    return (gathers * num_micro, num_micro,
+            f"FSDP all-gather x{gathers} + reduce-scatter per micro-batch ({num_micro})")
+
+
 def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffic]:
     """Bytes per step per axis for rank 0 (the first pipeline stage, the largest shard)."""
     d, p, scheme = job.degrees, job.precision, job.scheme
@@ -71,10 +90,9 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
             out.append(AxisTraffic(axis, size, round(nbytes), what, crosses_nodes(d, axis, tasks_per_node)))
 
     if uses_fsdp(scheme, d):
-        gathers = 2 if scheme.reshard_after_forward else 1  # forward, and again for backward
-        per_micro = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + p.reduce_bytes)
-        add("dp_shard", d.dp_shard, job.num_micro * per_micro,
-            f"FSDP all-gather x{gathers} + reduce-scatter per micro-batch ({job.num_micro})")
+        gathers, reduces, what = fsdp_collectives(scheme, d, job.num_micro)
+        nbytes = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + reduces * p.reduce_bytes)
+        add("dp_shard", d.dp_shard, nbytes, what)
         shard = unsharded / d.dp_shard
         add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
             "HSDP gradient all-reduce of the shards, once per step")

@@ -90,6 +90,18 @@ def uses_zero1(scheme: SchemeConfig, d: Degrees) -> bool:
     return scheme.shard_optimizer and uses_ddp(scheme, d)
 
 
+def reshards_after_forward(scheme: SchemeConfig, d: Degrees) -> bool:
+    """Whether FSDP frees a unit's gathered parameters after its forward (ZeRO-3):
+    `scheme.reshard_after_forward` when set; unset, yes except with pp > 1 (torchtitan's
+    "default" policy). A pipeline step runs every micro-batch's forward and backward, and
+    torch's pipelining defers each stage's reshard and reduce-scatter to the step's end;
+    resharding after forward would only all-gather the stage again for each micro-batch.
+    dtk.parallel.parallelize applies it, the budget counts its memory and traffic."""
+    if scheme.reshard_after_forward is not None:
+        return scheme.reshard_after_forward
+    return d.pp == 1
+
+
 def stage_units(units: tuple[tuple[str, bool], ...], split_points: tuple[str, ...], num_stages: int) -> list[list[str]]:
     """Unit paths of each pipeline stage: at the split points, else the blocks divided evenly
     (the stage starts at block s x blocks // stages). dtk.parallel.pipeline cuts the model

@@ -13,8 +13,13 @@
 - buffers: FSDP's gathered parameters (in the compute dtype: the root unit and the last
   block stay gathered, two blocks in flight; with reshard_after_forward=false every unit
   stays gathered from its forward to its backward) and its reduce-scatter input (one
-  block's unsharded gradient); autocast's low-precision weight copies under DDP; pipeline
-  receive buffers; the staged checkpoint copy when the device is the CPU. DDP's gradient
+  block's unsharded gradient). Under a pipeline (pp > 1) torch's schedule reshards a stage
+  and reduce-scatters its gradients once, at the step's end: the whole stage's gathered
+  parameters and its unsharded gradients (accumulated in the reduce dtype, in place of the
+  sharded ones: their excess over `grads`) are resident at the peak, whatever
+  reshard_after_forward says (dtk.plan.layout.reshards_after_forward keeps them gathered
+  through the step by default there). Autocast's low-precision weight copies under DDP;
+  pipeline receive buffers; the staged checkpoint copy when the device is the CPU. DDP's gradient
   buckets cost nothing extra: dtk's gradients are views into them.
 - margin: FRAGMENTATION of the rest for the caching allocator, plus a fixed runtime
   allowance per process (CUDA context, NCCL and cuBLAS workspaces; on the CPU the Python
@@ -37,7 +42,16 @@ from typing import Any
 from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import Activations, Dims, rank_activations
 from dtk.plan.degrees import Degrees
-from dtk.plan.layout import RankLayout, coords, rank_layout, rank_of, uses_fsdp, uses_zero1, zero1_owner
+from dtk.plan.layout import (
+    RankLayout,
+    coords,
+    rank_layout,
+    rank_of,
+    reshards_after_forward,
+    uses_fsdp,
+    uses_zero1,
+    zero1_owner,
+)
 from dtk.plan.shape import ModelShape
 
 FRAGMENTATION = 0.10
@@ -137,6 +151,8 @@ class RankBytes:
     activations_saved: int = 0
     model_states: int = 0
     """params + grads + optimizer + parameters gathered for the whole step (ZeRO-2): the ZeRO paper's figure."""
+    gathered_kept: int = 0
+    """FSDP's gathered parameters of every unit, held at the step's peak (`keeps_gathered`); 0 otherwise."""
 
     @property
     def total(self) -> int:
@@ -200,7 +216,7 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
             units[h.tensor.unit] = units.get(h.tensor.unit, 0) + h.unsharded_numel
         blocks = sorted((n for u, n in units.items() if _is_block(shape, u)), reverse=True)
         root = sum(n for u, n in units.items() if not _is_block(shape, u))
-        if not job.scheme.reshard_after_forward:
+        if keeps_gathered(job.scheme, d):
             gathered_whole_step = round((root + sum(blocks)) * p.gathered_bytes)
             detail["fsdp_gather"] = gathered_whole_step
         elif shape.layers:
@@ -212,6 +228,12 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
             # one block's unsharded gradient, and its copy in the reduce dtype when that differs
             extra = p.reduce_bytes if p.reduce_bytes != p.compute_bytes else 0
             detail["fsdp_reduce_scatter"] = round(blocks[0] * (p.compute_bytes + extra))
+        if d.pp > 1:
+            # the pipeline defers the reduce-scatter to the step's end: the stage's gradients
+            # accumulate unsharded, in the reduce dtype (FSDP's unsharded_accumulated_grad),
+            # while the sharded ones (`grads`) do not exist (zero_grad set them to None); at
+            # the end each unit's shard replaces its unsharded gradient. The excess over `grads`:
+            detail["fsdp_unsharded_grads"] = max(0, round((root + sum(blocks)) * p.reduce_bytes) - grads)
     elif p.gathered_bytes < p.param_bytes:
         # autocast keeps a low-precision copy of every matmul weight for the step
         detail["autocast_weights"] = round(sum(h.numel for h in layout.held if h.tensor.matmul) * p.compute_bytes)
@@ -236,7 +258,16 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
     return RankBytes(
         rank=rank, params=params, grads=grads, optimizer=optimizer, activations=acts.total, buffers=buffers,
         margin=margin, host=host, detail=detail, activations_saved=acts.saved, model_states=model_states,
+        gathered_kept=gathered_whole_step,
     )
+
+
+def keeps_gathered(scheme: SchemeConfig, d: Degrees) -> bool:
+    """Whether every FSDP unit's gathered parameters are resident at the step's peak: with
+    reshard_after_forward off (the rule's answer), and under any pipeline, whose backward
+    leaves each unit gathered until the step's end (torch's pipelining turns FSDP's reshard
+    after backward off for all but the last)."""
+    return not reshards_after_forward(scheme, d) or d.pp > 1
 
 
 def _is_block(shape: ModelShape, unit: str) -> bool:

@@ -13,8 +13,8 @@ are not used here). What is compared is what each device measures:
 - on the CPU, the bytes of live tensors: the states (parameters, gradients, optimizer
   state, counted from the tensors) plus the peak of the tensors kept for backward during
   one step (dtk.train.measure.LiveActivations). Predicted: the states plus the activations
-  kept for backward (`activations_saved`), plus FSDP's gathered parameters when they stay
-  gathered from forward to backward (reshard_after_forward=false).
+  kept for backward (`activations_saved`), plus FSDP's gathered parameters when every unit's
+  are held at the peak (`gathered_kept`: reshard_after_forward=false, or a pipeline).
 
 A gap above MISMATCH (either way) on any rank is a `plan_mismatch` event.
 """
@@ -58,19 +58,18 @@ def rank_prediction(cfg: Config, plan: Plan, shape: ModelShape, *, rank: int, de
     return rank_bytes(shape, ctx.job(chosen_variant(ctx, plan)), rank)
 
 
-def comparable(b: RankBytes, device: str, *, reshard_after_forward: bool) -> int:
+def comparable(b: RankBytes, device: str) -> int:
     """The part of a prediction that the device's measurement sees (see the module doc)."""
     states = b.params + b.grads + b.optimizer
     if device == "cuda":
         return states + b.activations + b.buffers
-    gathered = 0 if reshard_after_forward else b.detail.get("fsdp_gather", 0)
-    return states + b.activations_saved + gathered
+    return states + b.activations_saved + b.gathered_kept
 
 
 def rank_record(b: RankBytes, measured: dict[str, int | None], *, rank: int, device: str,
-                reshard_after_forward: bool, activations_estimated: bool) -> dict[str, Any]:
+                activations_estimated: bool) -> dict[str, Any]:
     """One rank's prediction against its measurement, for summary.json."""
-    predicted = comparable(b, device, reshard_after_forward=reshard_after_forward)
+    predicted = comparable(b, device)
     total = measured.get("total")
     return {
         "rank": rank,

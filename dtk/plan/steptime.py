@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dtk.plan.comm import traffic
+from dtk.plan.comm import fsdp_collectives, traffic
 from dtk.plan.layout import rank_layout, uses_fsdp
 from dtk.plan.memory import Job
 from dtk.plan.shape import ModelShape
@@ -170,8 +170,8 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
         layout = rank_layout(shape, job.scheme, d, 0, job.split_points)
         shard = sum(h.numel for h in layout.held)
         p = job.precision
-        gathers = 2 if job.scheme.reshard_after_forward else 1
-        copies = job.num_micro * shard * (gathers * p.param_bytes + p.grad_bytes)
+        gathers, reduces, _ = fsdp_collectives(job.scheme, d, job.num_micro)  # each copies the shard across
+        copies = shard * (gathers * p.param_bytes + reduces * p.grad_bytes)
         states = shard * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * 2  # read and write back
         offload = copies / (sp.host_gbps * 1e9) + states / (HOST_OPTIMIZER_GBPS * 1e9)
     return StepTime(compute, comm, bubble, offload, tokens, tokens * model_fpt, d.world, hw.peak_tflops, axes)

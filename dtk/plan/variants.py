@@ -102,15 +102,21 @@ def _typed_layout(items: tuple[tuple[str, Any], ...]) -> SchemeConfig:
     return typed(SchemeConfig, dict(items), prefix="scheme.")
 
 
+_NOT_FAST = object()
+
+
 def _fast(key: str, value: Any) -> Any:
-    """`value` as the field's type, or None when it is not plainly one (OmegaConf decides)."""
+    """`value` as the field's type, or _NOT_FAST when it is not plainly one (OmegaConf decides).
+    A field whose default is None (reshard_after_forward: unset) takes None or a bool."""
     default = getattr(_DEFAULT, key)
     if isinstance(default, Enum):
         try:
             return type(default)(value)
         except ValueError:
-            return None
-    return value if type(value) is type(default) else None
+            return _NOT_FAST
+    if default is None:
+        return value if value is None or type(value) is bool else _NOT_FAST
+    return value if type(value) is type(default) else _NOT_FAST
 
 
 def checked_scheme(scheme: dict[str, Any]) -> SchemeConfig:
@@ -119,7 +125,7 @@ def checked_scheme(scheme: dict[str, Any]) -> SchemeConfig:
     closed-set or boolean options: the rest is typed once and those set on a copy."""
     fast = {k: scheme[k] for k in SIZE_KEYS if k in scheme and type(scheme[k]) is int}
     for k in FAST_KEYS:
-        if k in scheme and (v := _fast(k, scheme[k])) is not None:
+        if k in scheme and (v := _fast(k, scheme[k])) is not _NOT_FAST:
             fast[k] = v
     rest = tuple(sorted((k, v) for k, v in scheme.items() if k not in fast))
     return dataclasses.replace(_typed_layout(rest), **fast)
@@ -175,6 +181,6 @@ def scheme_key(scheme: dict[str, Any]) -> str:
     """Which of SCHEME_KEYS a composed scheme is (its name; fsdp that keeps gathered
     parameters is zero2, as +scheme=zero2 is)."""
     name = scheme["name"]
-    if name == "fsdp" and not scheme["reshard_after_forward"]:
+    if name == "fsdp" and scheme["reshard_after_forward"] is False:
         return "zero2"
     return name

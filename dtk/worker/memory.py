@@ -44,7 +44,6 @@ class Prediction:
             return {"rank": self.rank, "error": self.error}
         assert self.shape is not None and self.plan.config.scheme is not None, "set when there is no error"
         return rank_record(self.bytes, measured.result(), rank=self.rank, device=self.device.type,
-                           reshard_after_forward=self.plan.config.scheme.reshard_after_forward,
                            activations_estimated=self.shape.has_activation_shape)
 
 
