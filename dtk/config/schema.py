@@ -28,9 +28,7 @@ from dtk.config.choices import (
 )
 from dtk.config.fabric import DoctorConfig, FabricConfig, PlanConfig  # part of this schema
 from dtk.config.fields import IDENTITY  # marks what a run computes (its name's hash)
-from dtk.config.sections import (  # the data and task sections, part of this schema
-    DATA_SCHEMAS as DATA_SCHEMAS,
-)
+from dtk.config.sections import DATA_SCHEMAS as DATA_SCHEMAS  # the data and task sections, part of this schema
 from dtk.config.sections import Hdf5DataConfig, SyntheticDataConfig, TaskConfig, UserDataConfig
 
 
