@@ -83,9 +83,9 @@ class Run:
             heartbeat: float | None = (path / HEARTBEAT).stat().st_mtime
         except OSError:
             heartbeat = None
-        entries = _json(path / EXCLUDED_NODES, [])
+        entries = reputation.read_json(path / EXCLUDED_NODES, [])
         exclusions = [e["node"] for e in entries if isinstance(e, dict) and "node" in e and "readmitted" not in e]
-        return Run(path, events, _json(path / PLAN_JSON, {}), _json(path / SUMMARY, {}), exclusions, heartbeat,
+        return Run(path, events, reputation.read_json(path / PLAN_JSON, {}), reputation.read_json(path / SUMMARY, {}), exclusions, heartbeat,
                    entries)
 
     @property
@@ -100,14 +100,6 @@ class Run:
         for a plan without it, whose detectors that need it then say nothing."""
         value = ((self.plan.get("config") or {}).get("fault") or {}).get(key)
         return float(value) if isinstance(value, (int, float)) else None
-
-
-def _json(path: Path, empty: Any) -> Any:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return empty
-    return value if isinstance(value, type(empty)) else empty
 
 
 def runs_under(root: Path) -> list[Run]:
@@ -228,7 +220,7 @@ def job_state(job_id: str) -> str | None:
 def check(root: Path, *, now: float, job_state: JobState = job_state) -> list[Alert]:
     """The alerts whose condition is new since the previous check; the state file is updated."""
     state_file = root / STATE
-    active = _json(state_file, {}).get("active", {})
+    active = reputation.read_json(state_file, {}).get("active", {})
     current = detect(root, now=now, job_state=job_state)
     new = [a for a in current if a.key not in active]
     try:

@@ -28,7 +28,8 @@ DEFAULT_AFTER = 2
 for a root whose runs' plans do not say."""
 
 
-def _json(path: Path, empty: Any) -> Any:
+def read_json(path: Path, empty: Any) -> Any:
+    """The JSON in `path`, or `empty` where it is missing, unreadable or of another type."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -38,7 +39,7 @@ def _json(path: Path, empty: Any) -> Any:
 
 def read_readmitted(root: Path) -> dict[str, dict[str, Any]]:
     """node -> its last readmission to the root ({time, by, reason})."""
-    found = _json(Path(root) / READMITTED_NODES, {})
+    found = read_json(Path(root) / READMITTED_NODES, {})
     return {n: r for n, r in found.items() if isinstance(r, dict) and isinstance(r.get("time"), (int, float))}
 
 
@@ -76,7 +77,7 @@ def run_dirs(root: Path) -> list[Path]:
 
 
 def exclusions_under(root: Path) -> dict[str, list[dict[str, Any]]]:
-    return {p.name: _json(p / EXCLUDED_NODES, []) for p in run_dirs(root)}
+    return {p.name: read_json(p / EXCLUDED_NODES, []) for p in run_dirs(root)}
 
 
 def threshold(plans: Iterable[dict[str, Any]]) -> int:
@@ -89,7 +90,7 @@ def threshold(plans: Iterable[dict[str, Any]]) -> int:
 
 
 def root_threshold(root: Path) -> int:
-    return threshold(_json(p / PLAN_JSON, {}) for p in run_dirs(root))
+    return threshold(read_json(p / PLAN_JSON, {}) for p in run_dirs(root))
 
 
 def suspects(root: Path, *, after: int | None = None) -> dict[str, list[str]]:
