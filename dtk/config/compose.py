@@ -8,8 +8,11 @@ last consumer: each stage is handed the slice it needs (``cfg.optim``, ``cfg.sch
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import copy
 import dataclasses
+import hashlib
 import itertools
 import os
 import sys
@@ -137,7 +140,6 @@ def _hydra(search: SearchPath) -> Iterator[None]:
 def compose(overrides: list[str], *, search: SearchPath | None = None) -> Config:
     """Compose, resolve and type the configuration; user mistakes raise UserError with one line.
     `search` defaults to `search_path()`: the environment's and the current folder's."""
-    from hydra import compose as hydra_compose
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -148,7 +150,7 @@ def compose(overrides: list[str], *, search: SearchPath | None = None) -> Config
     register()
     try:
         with _hydra(search if search is not None else search_path()):
-            cfg = hydra_compose(CONFIG_NAME, overrides=list(overrides))
+            cfg = _composed(list(overrides), search if search is not None else search_path())
         _reject_unknown_keys(cfg)
         typed = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
@@ -159,6 +161,70 @@ def compose(overrides: list[str], *, search: SearchPath | None = None) -> Config
         raise UserError(_unchosen_group(overrides, search or search_path())) from None
     assert isinstance(typed, Config)
     return finish(typed)
+
+
+# Composed group choices (before value overrides), newest last; see _composed.
+_BASES: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_BASES_KEPT = 32
+
+
+def _composed(overrides: list[str], search: SearchPath) -> Any:
+    """Hydra's compose of `overrides` (inside `_hydra`), with the defaults tree built once per
+    distinct set of group choices in a process: a sweep's points, a handover's retries and a
+    test suite mostly differ in values only, and the tree is most of a compose's time.
+
+    Hydra composes in two steps: the group overrides (`model=hf`, `+scheme=fsdp`, and any
+    `hydra.` key, which may move the search path) choose and merge the config files, then it
+    applies the value overrides (`train.steps=5`, `+extra.x=1`, `~key`) to the result. The
+    first step is kept, keyed by those overrides, the config folders and the bytes of every
+    file in them (an edited yaml composes afresh); the second is Hydra's own code, run on a
+    copy of it each time, so the result and the errors are Hydra's."""
+    from hydra import compose as hydra_compose
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from hydra.types import RunMode
+    from omegaconf.errors import OmegaConfBaseException
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    hydra = GlobalHydra.instance().hydra
+    assert hydra is not None, "_hydra() initialised it"
+    repo = hydra.config_loader.repository  # type: ignore[attr-defined]
+
+    def chooses(ov: Any) -> bool:  # as hydra's defaults_list.Overrides sorts them
+        key = ov.key_or_group
+        return (key == "hydra" or key.startswith(("hydra.", "hydra/")) or ov.is_sweep_override()
+                or (not isinstance(ov.value(), dict) and repo.group_exists(key)))
+
+    groups = [str(ov.input_line) for ov in parsed if chooses(ov)]
+    values = [ov for ov in parsed if not chooses(ov)]
+    key = (tuple(groups), str(config_dir()), search.config, _fingerprint((config_dir(), *search.config)))
+    if key not in _BASES:
+        _BASES[key] = hydra_compose(CONFIG_NAME, overrides=groups)
+        while len(_BASES) > _BASES_KEPT:
+            _BASES.popitem(last=False)
+    _BASES.move_to_end(key)
+    cfg = copy.deepcopy(_BASES[key])
+    ConfigLoaderImpl.validate_sweep_overrides_legal(values, run_mode=RunMode.RUN, from_shell=False)
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as exc:  # as Hydra's load_configuration wraps it
+        raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from exc
+    return cfg
+
+
+def _fingerprint(folders: tuple[Path, ...]) -> tuple:
+    """Every file under the config folders, with a digest of its bytes."""
+    found = []
+    for folder in folders:
+        for root, dirs, files in os.walk(folder):
+            dirs.sort()
+            for name in sorted(files):
+                path = Path(root, name)
+                with contextlib.suppress(OSError):
+                    found.append((str(path), hashlib.sha1(path.read_bytes()).hexdigest()))
+    return tuple(found)
 
 
 def _bad_group_value(overrides: list[str], search: SearchPath, exc: ValueError) -> str:
