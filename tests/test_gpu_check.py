@@ -13,6 +13,8 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -30,6 +32,7 @@ def run_script(tmp_path: Path, path: str, **env_vars: str) -> subprocess.Complet
                           timeout=120)
 
 
+@pytest.mark.slow  # the script's preflight imports torch and dtk's dependencies in a process
 def test_without_nvidia_smi_the_check_is_one_error_line_and_exit_2(tmp_path):
     proc = run_script(tmp_path, "/usr/bin:/bin")
     assert proc.returncode == 2
@@ -40,6 +43,7 @@ def test_without_nvidia_smi_the_check_is_one_error_line_and_exit_2(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+@pytest.mark.slow  # the script's preflight imports torch and dtk's dependencies in a process
 def test_an_nvidia_smi_that_lists_no_gpu_is_one_error_line_and_exit_2(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -51,6 +55,7 @@ def test_an_nvidia_smi_that_lists_no_gpu_is_one_error_line_and_exit_2(tmp_path):
     assert proc.stderr.splitlines() == ["error: gpu_check needs an NVIDIA GPU: nvidia-smi lists none"]
 
 
+@pytest.mark.slow  # the script's preflight imports torch and dtk's dependencies in a process
 def test_a_gpu_torch_cannot_see_is_one_error_line_and_exit_2(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -64,6 +69,7 @@ def test_a_gpu_torch_cannot_see_is_one_error_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: gpu_check needs a CUDA build of torch"), proc.stderr
 
 
+@pytest.mark.slow  # the script's preflight imports torch and dtk's dependencies in a process
 def test_every_missing_piece_is_a_line_of_its_own(tmp_path):
     """A Python without dtk's dependencies (a bare venv), a C compiler that is not there and
     no GPU: one line per piece, all of them, and nothing run."""
@@ -81,6 +87,7 @@ def test_every_missing_piece_is_a_line_of_its_own(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+@pytest.mark.slow  # the script's preflight imports torch and dtk's dependencies in a process
 def test_missing_python_headers_are_a_line(tmp_path):
     """Triton builds its launcher against the interpreter's include folder: without Python.h
     there, torch.compile fails at its first GPU kernel, so the preflight says so."""

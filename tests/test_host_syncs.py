@@ -84,6 +84,7 @@ def run_loop(tmp_path: Path, *, log_every: int, profile: bool) -> tuple[SyncCoun
     return counter, records
 
 
+@pytest.mark.slow  # trains the loop 4 times (32 steps in all): seconds
 @pytest.mark.parametrize("profile", [True, False], ids=["profiled", "unprofiled"])
 def test_the_loop_syncs_at_most_once_per_logging_interval(tmp_path, profile):
     counter, records = run_loop(tmp_path / "a", log_every=LOG_EVERY, profile=profile)

@@ -35,7 +35,7 @@ from dtk.train.task import LmTask
 from dtk.train.trainer import Trainer
 from multirank import run_on_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # the module's runs train 2 gloo ranks: seconds
 WORLD = 2
 STEPS, LOG_EVERY, BATCH, SEQ, VOCAB = 8, 4, 8, 32, 64
 DEVICE_S = 0.03  # every forward on every rank: the device's share of a step

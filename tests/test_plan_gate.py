@@ -80,6 +80,7 @@ wrap_classes: [ResidualMLP]
 """
 
 
+@pytest.mark.slow  # counts the user model on the meta device: a torch import in a subprocess
 def test_a_user_model_is_counted_on_the_meta_device_in_a_subprocess_with_a_time_limit(tmp_path):
     from dtk.config.convert import model_config
     from dtk.plan.count_model import NotCounted, count_user_model

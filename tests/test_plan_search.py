@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import dtk
+from conftest import run_main
 from dtk.config.compose import compose
 from dtk.errors import UserError
 from dtk.plan.budget import estimate
@@ -104,7 +104,7 @@ def test_every_recommended_command_validates_when_typed(model, nodes):
 
 
 def test_plan_json_has_the_recommendation_and_its_alternatives(tmp_path):
-    proc = dtk("dtk.plan", *H100, "nodes=8", *LLAMA_70B, "--json", cwd=tmp_path)
+    proc = run_main("dtk.plan", *H100, "nodes=8", *LLAMA_70B, "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["predicted_step_s"] is None  # the job as given (ddp) does not fit
@@ -117,7 +117,7 @@ def test_plan_json_has_the_recommendation_and_its_alternatives(tmp_path):
         assert set(alt) >= {"overrides", "degrees", "predicted_step_s", "reason"}
         assert alt["predicted_step_s"] >= rec["predicted_step_s"] * 0.97 or "nodes" in alt["reason"]
     # the job as given, when it fits, has its own prediction
-    proc = dtk("dtk.plan", *H100, "nodes=8", *LLAMA_70B, *rec["overrides"], "--json", cwd=tmp_path)
+    proc = run_main("dtk.plan", *H100, "nodes=8", *LLAMA_70B, *rec["overrides"], "--json", cwd=tmp_path)
     own = json.loads(proc.stdout)
     assert own["fits"] is True and own["predicted_step_s"] == pytest.approx(rec["predicted_step_s"])
 
@@ -136,7 +136,7 @@ def test_plan_md_records_the_recommendation_its_step_and_the_alternatives():
 
 
 def test_submit_refuses_whatif_keys_it_would_not_train(tmp_path):
-    proc = dtk("dtk.submit", "cluster=lab", "plan.params=70e9", "plan.heads=64", "+scheme=tp", "submit.dry_run=true",
-               f"run.root={tmp_path}", cwd=tmp_path)
+    proc = run_main("dtk.submit", "cluster=lab", "plan.params=70e9", "plan.heads=64", "+scheme=tp", "submit.dry_run=true",
+                    f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: plan.params=7e+10 plan.heads=64: what-if keys")
     assert "\n" not in proc.stderr.strip() and not list(tmp_path.iterdir())
