@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import dtk, only_run_dir
+from conftest import dtk, only_run_dir, run_main
 from dtk.config.compose import compose
 from dtk.handover import main as handover_main
 from dtk.plan.plan import Plan, make_plan
@@ -17,14 +17,14 @@ ARTIFACTS = ("README.md", "plan.md", "config/config.yaml", "config/plan.json", "
 
 
 def test_mistakes_are_one_error_line_and_write_nothing(tmp_path):
-    proc = dtk("dtk.handover", str(tmp_path), "--out", str(tmp_path / "h"))
+    proc = dtk("dtk.handover", str(tmp_path), "--out", str(tmp_path / "h"))  # the real entry point, python -m dtk.handover
     assert proc.returncode == 2 and proc.stderr.startswith("error: RUN_DIR=") and "no plan.json" in proc.stderr
     assert not (tmp_path / "h").exists()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "plan.json").write_text("{}")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    proc = dtk("dtk.handover", str(tmp_path / "run"), "--out", str(tmp_path / "full"))
+    proc = run_main("dtk.handover", str(tmp_path / "run"), "--out", str(tmp_path / "full"))
     assert proc.returncode == 2 and "--out" in proc.stderr and "not an empty folder" in proc.stderr
 
 
@@ -101,7 +101,7 @@ def test_an_empty_out_folder_keeps_its_owner_group_and_mode_and_nothing_beside_i
     new = tmp_path / "team" / "new"
     assert handover_main([str(run), "--out", str(new)]) == 0
     assert new.stat().st_mode & 0o777 == 0o777 & ~_umask()  # a folder of its own: the usual mode, not 0700
-    assert dtk("dtk.handover", str(run), "--out", str(tmp_path / "nowhere" / "h")).stderr.startswith(
+    assert run_main("dtk.handover", str(run), "--out", str(tmp_path / "nowhere" / "h")).stderr.startswith(
         f"error: --out {tmp_path / 'nowhere' / 'h'}: no folder")
 
 
@@ -121,10 +121,10 @@ def test_the_handover_folder_is_a_baseline_and_its_config_folder_is_not_one(tmp_
     report = (out / "report" / "report.txt").read_text()
     assert "  report/loss.png" in report and str(tmp_path) + "/." not in report  # no temporary folder's paths
     again, _ = _recorded_run(tmp_path / "again", ["train.steps=4"], steps=4)
-    proc = dtk("dtk.report", str(again), "--baseline", str(out), "--no-plots")
+    proc = run_main("dtk.report", str(again), "--baseline", str(out), "--no-plots")
     assert proc.returncode == 0, proc.stderr
     assert "against baseline" in proc.stdout and "step time (s)" in proc.stdout and "same" in proc.stdout
-    proc = dtk("dtk.report", str(again), "--baseline", str(out / "config"), "--no-plots")
+    proc = run_main("dtk.report", str(again), "--baseline", str(out / "config"), "--no-plots")
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: --baseline {out / 'config'}: holds no logged step")
     assert len(proc.stderr.splitlines()) == 1
 
@@ -137,7 +137,7 @@ def test_a_run_of_the_users_own_project_is_repeated_from_the_handover_folder(tmp
     from dtk.config.compose import search_path
 
     project = tmp_path / "proj"
-    assert dtk("dtk.init", str(project)).returncode == 0
+    assert run_main("dtk.init", str(project)).returncode == 0
     git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
