@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dtk
+from conftest import dtk, run_main
 from dtk import audit
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.delete import delete_checkpoint
@@ -121,15 +121,15 @@ def test_delete_removes_the_folder_and_records_who(tmp_path):
 
 def test_checkpoint_delete_command_and_status_show_the_audit(tmp_path):
     run = make_run(tmp_path)
-    proc = dtk("dtk.checkpoint", "delete", str(run), "--step", "10")
+    proc = dtk("dtk.checkpoint", "delete", str(run), "--step", "10")  # the real entry point
     assert proc.returncode == 0, proc.stderr
-    proc = dtk("dtk.checkpoint", "delete", str(run), "--step", "30")
+    proc = run_main("dtk.checkpoint", "delete", str(run), "--step", "30")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --step 30 is the newest verified")
-    proc = dtk("dtk.status", str(run), "--json")
+    proc = run_main("dtk.status", str(run), "--json")
     assert proc.returncode == 0, proc.stderr
     (entry,) = json.loads(proc.stdout)["audit"]
     assert entry["action"] == "delete_checkpoint" and entry["step"] == 10
-    shown = dtk("dtk.status", str(run)).stdout
+    shown = run_main("dtk.status", str(run)).stdout
     assert "audit" in shown and "delete_checkpoint" in shown and f"{pwd.getpwuid(os.getuid()).pw_name}(" in shown
 
 

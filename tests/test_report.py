@@ -225,12 +225,12 @@ def test_a_sweep_names_each_run_by_the_keys_that_differ(tmp_path):
                      {"optim": {"lr": 1e-3, "beta1": 0.9}, "run": {"name": "transformer-1a"}})
     b = _with_config(write_run(tmp_path / "transformer-2b", {1: 5.0, 2: 4.1}),
                      {"optim": {"lr": 3e-3, "beta1": 0.9}, "run": {"name": "transformer-2b"}})
-    proc = dtk("dtk.report", str(a), str(b))
+    proc = run_main("dtk.report", str(a), str(b))
     assert proc.returncode == 0, proc.stderr
     assert f"run          {a}  (optim.lr=0.001)" in proc.stdout
     assert "repeatability of optim.lr=0.003 against optim.lr=0.001: diverged" in proc.stdout
     assert _png(a / "report" / "loss.png")[1] == "curves=2: optim.lr=0.001, optim.lr=0.003"
-    alone = json.loads(dtk("dtk.report", str(a), "--json", "--no-plots").stdout)["runs"][0]
+    alone = json.loads(run_main("dtk.report", str(a), "--json", "--no-plots").stdout)["runs"][0]
     assert alone["label"] == "transformer-1a"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import dtk, run_main
+from conftest import run_main
 from dtk.report.starts import history
 
 
@@ -116,9 +116,9 @@ REDO_METRICS = [rec(1.0 + s, s, 0) for s in range(1, 26)] + [rec(33.0 + s, s, 1)
 def test_status_and_report_show_the_step_of_the_start_that_runs_not_the_dead_ones(tmp_path):
     run = tmp_path / "run"
     _write(run, REDO_EVENTS, REDO_METRICS)
-    info = json.loads(dtk("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"}).stdout)
+    info = json.loads(run_main("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"}).stdout)
     assert info["step"] == 22 and info["loss"] == 1.0 / 22
-    out = json.loads(dtk("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]
+    out = json.loads(run_main("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]
     assert out["step"] == 22 and out["final_loss"] == 1.0 / 22
 
 
@@ -127,10 +127,10 @@ def test_report_does_not_call_a_run_failed_that_was_started_again(tmp_path):
     events = [ev(0.0, "submitted"), ev(1.0, "started", restart=0), ev(5.0, "failed", error="boom"),
               ev(9.0, "submitted"), ev(10.0, "started", restart=1)]
     _write(run, events, [rec(2.0, 1, 0), rec(11.0, 1, 1)], summary={"status": "failed", "final_step": 1})
-    out = json.loads(dtk("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]
+    out = json.loads(run_main("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]
     assert out["status"] == "running or stopped (started again after it failed)"
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events[:3]))
-    assert json.loads(dtk("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]["status"] == "failed"
+    assert json.loads(run_main("dtk.report", str(run), "--json", "--no-plots").stdout)["runs"][0]["status"] == "failed"
 
 
 def test_a_resume_after_dtk_stop_is_named_a_stop_not_a_preemption():
@@ -153,7 +153,7 @@ def test_the_memory_line_puts_the_largest_rank_beside_its_own_plan(tmp_path):
     older = {**memory, "predicted_bytes": 2000}  # as an older dtk wrote it: the largest plan of any rank
     _write(run, [ev(0.0, "submitted"), ev(1.0, "finished")], [rec(1.0, 1, 0)],
            summary={"status": "finished", "final_step": 1, "final_loss": 1.0, "memory": older})
-    info = json.loads(dtk("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"}).stdout)
+    info = json.loads(run_main("dtk.status", str(run), "--json", env={"PATH": "/nonexistent"}).stdout)
     assert (info["memory"]["predicted_bytes"], info["memory"]["measured_bytes"], info["memory"]["rank"]) == (900, 1000, 0)
 
 
