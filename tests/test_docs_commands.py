@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dtk, run_main
+from conftest import REPO, run_main
 
 DOCS = ("operations.md", "acceptance.md", "recovery.md", "access.md")
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]{2,}\b|<[^>]+>|\$")
@@ -90,7 +90,7 @@ def test_a_dollar_example_prints_what_the_document_shows(doc, command, printed, 
     assert printed, f"{doc}: `$ {command}` shows no printed line"
     m = re.fullmatch(r"python -m (dtk[\w.]*)(.*)", command)
     assert m, f"{doc}: `$ {command}`: only python -m dtk... examples are run here"
-    proc = dtk(m.group(1), *shlex.split(m.group(2)), cwd=tmp_path)  # an empty folder: runs/ would land here
+    proc = run_main(m.group(1), *shlex.split(m.group(2)), cwd=tmp_path)  # an empty folder: runs/ would land here
     got = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     assert got == printed, f"{doc}: `$ {command}` printed:\n" + "\n".join(got)
     if printed[0].startswith("error:"):
