@@ -86,3 +86,14 @@ def test_an_edited_yaml_composes_afresh(tmp_path):
     (conf / "cluster").mkdir()
     (conf / "cluster" / "mine.yaml").write_text("defaults:\n  - cluster_schema\n  - _self_\nkind: slurm\n")
     assert compose(["cluster=mine"], search=search).cluster.kind == "slurm"  # a new option is seen
+
+
+def test_a_yaml_edited_in_a_hydra_searchpath_folder_composes_afresh(tmp_path):
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    mine = conf / "model" / "mine.yaml"
+    given = [f"hydra.searchpath=[file://{conf}]", "model=mine"]
+    mine.write_text("defaults:\n  - transformer_schema\n  - _self_\ndim: 48\n")
+    assert compose(given, search=SearchPath()).model.kwargs["dim"] == 48
+    mine.write_text("defaults:\n  - transformer_schema\n  - _self_\ndim: 64\n")
+    assert compose(given, search=SearchPath()).model.kwargs["dim"] == 64

@@ -199,7 +199,11 @@ def _composed(overrides: list[str], search: SearchPath) -> Any:
 
     groups = [str(ov.input_line) for ov in parsed if chooses(ov)]
     values = [ov for ov in parsed if not chooses(ov)]
-    key = (tuple(groups), str(config_dir()), search.config, _fingerprint((config_dir(), *search.config)))
+    # `hydra.searchpath=[file://DIR]` adds folders as well: their files are part of the key too.
+    listed = [ov.value() for ov in parsed if ov.key_or_group == "hydra.searchpath"]
+    named = [Path(str(p).removeprefix("file://")) for given in listed if isinstance(given, list)
+             for p in given if str(p).startswith(("file://", "/"))]
+    key = (tuple(groups), str(config_dir()), search.config, _fingerprint((config_dir(), *search.config, *named)))
     if key not in _BASES:
         _BASES[key] = hydra_compose(CONFIG_NAME, overrides=groups)
         while len(_BASES) > _BASES_KEPT:
