@@ -17,6 +17,28 @@ import psutil
 
 from dtk import lab
 
+REPO = Path(__file__).resolve().parents[1]
+END = "<!-- end procedure -->"
+CONDITIONAL = "only when sinfo shows a *"  # the node-failure step for a node whose slurmd does not answer
+
+
+def procedure(name: str = "node-failure") -> list[tuple[str, str]]:
+    """(command, comment) for each line of a procedure block of docs/recovery.md
+    (tests/test_recovery_doc.py and the node-failure drill of tests/test_faults.py follow them)."""
+    text = (REPO / "docs" / "recovery.md").read_text()
+    block = text.split(f"<!-- procedure: {name} -->", 1)[1].split(END, 1)[0]
+    steps = []
+    for line in block.splitlines():
+        if line.startswith("    ") and line.strip():
+            command, _, comment = line.strip().partition("  #")
+            steps.append((command.strip(), comment.strip()))
+    return steps
+
+
+def node_state(node: str) -> str:
+    """Slurm's state of a node (`sinfo %T`): idle, allocated, down, down*, drained, ..."""
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
 
 def unavailable_reason() -> str | None:
     """Why the lab cannot run on this machine, or None when it can."""

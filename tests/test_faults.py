@@ -14,12 +14,14 @@ import json
 import math
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, dtk, losses, only_run_dir
+from lab_support import CONDITIONAL, node_state, procedure
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -166,15 +168,18 @@ def test_time_limit_saves_before_each_limit_and_resumes_where_it_saved(lab, tmp_
     assert all(e["signal_lead_s"] == 40 for e in named(run, "submitted"))
 
 
-def node_fail_drill(tmp_path: Path, *extra: str, grow: bool = False) -> tuple[Path, dict, str]:
+def node_fail_drill(tmp_path: Path, *extra: str, grow: bool = False, during=None) -> tuple[Path, dict, str]:
     """Submit, set a node of the run DOWN once it trains, wait for the end; the node is
     resumed afterwards whatever happened. `grow`: the job may grow back (a requeue) when the
-    failed node returns to service before the end."""
+    failed node returns to service before the end. `during(run, node)` runs after the drill,
+    while the job runs on."""
     job, run = submit(tmp_path, *extra)
     wait_for(lambda: step_reached(run, 60), 120, "step 60")
     victim = named(run, "started")[0]["nodes"][-1]
     try:
         drill("node-fail", run)
+        if during is not None:
+            during(run, victim)
         summary = finish(job, run)
     finally:
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
@@ -183,8 +188,29 @@ def node_fail_drill(tmp_path: Path, *extra: str, grow: bool = False) -> tuple[Pa
     return run, summary, victim
 
 
+def follow_node_failure_procedure(run: Path, victim: str) -> None:
+    """docs/recovery.md's node-failure procedure, each command as written (RUN_DIR and NODE
+    filled in, `python` being dtk's python): each must succeed; the conditional step only
+    where the document says it applies (a node whose slurmd is gone, which sinfo shows)."""
+    (failed,) = wait_for(lambda: named(run, "node_failed"), 120, "the node_failed event")
+    node = failed["nodes"][0]
+    assert node == victim
+    for command, comment in procedure():
+        line = command.replace("RUN_DIR", str(run)).replace("NODE", node)
+        line = re.sub(r"^python -m ", f"{sys.executable} -m ", line)
+        if CONDITIONAL in comment:
+            # The drill sets NODE down with its slurmd alive: the step for a node whose
+            # slurmd is gone does not apply, as sinfo shows (no *).
+            assert "*" not in node_state(node), node_state(node)
+            continue
+        done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
+
+
 def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, reference):
-    run, _, victim = node_fail_drill(tmp_path, "spare_nodes=1")
+    """The failed node's place goes to the spare; meanwhile docs/recovery.md's node-failure
+    procedure is followed on the run, command by command (its only real run)."""
+    run, _, victim = node_fail_drill(tmp_path, "spare_nodes=1", during=follow_node_failure_procedure)
     (failed,) = named(run, "node_failed")
     assert failed["nodes"] == [victim]
     excluded = [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
@@ -193,6 +219,8 @@ def test_node_failure_continues_on_the_spare_without_requeue(lab, tmp_path, refe
     assert len(started) == 2 and victim not in started[1]["nodes"] and len(started[1]["nodes"]) == 2
     assert named(run, "resumed")[-1]["step"] == failed["resume_from"]
     assert losses(run)[STEPS] == reference[STEPS]
+    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
+    assert status["state"] == "finished" and status["step"] == STEPS, status
 
 
 def test_node_failure_without_spare_continues_on_one_node(lab, tmp_path, reference):

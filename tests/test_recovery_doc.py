@@ -1,10 +1,10 @@
-"""docs/recovery.md's node-failure procedure, followed command by command on the lab.
+"""docs/recovery.md's procedures: lists of commands, followed command by command on the lab.
 
-A run with a spare node trains; a node-failure drill sets one of its nodes DOWN; then each
-command of the document's procedure block runs as written (RUN_DIR and NODE filled in,
-`python` being dtk's python) and must succeed, the conditional resume only where the
-document says it applies (a node whose slurmd is gone); the resume line is typed as written
-whether the node came back by itself or not; and the run finishes.
+The planned-restart procedure runs here. The node-failure procedure is followed inside the
+real node-failure drill of tests/test_faults.py
+(test_node_failure_continues_on_the_spare_without_requeue), which is the same run (a spare
+node, a node set DOWN): one run shows both the recovery and that the document's commands
+work on it, the conditional resume only where the document says it applies.
 """
 
 from __future__ import annotations
@@ -19,23 +19,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, only_run_dir
+from lab_support import CONDITIONAL, procedure
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
-END = "<!-- end procedure -->"
-CONDITIONAL = "only when sinfo shows a *"  # NODE's slurmd does not answer
-
-
-def procedure(name: str = "node-failure") -> list[tuple[str, str]]:
-    """(command, comment) for each line of a procedure block of docs/recovery.md."""
-    text = (REPO / "docs" / "recovery.md").read_text()
-    block = text.split(f"<!-- procedure: {name} -->", 1)[1].split(END, 1)[0]
-    steps = []
-    for line in block.splitlines():
-        if line.startswith("    ") and line.strip():
-            command, _, comment = line.strip().partition("  #")
-            steps.append((command.strip(), comment.strip()))
-    return steps
 
 
 def test_the_procedures_are_lists_of_commands():
@@ -77,44 +63,6 @@ def last_step(run: Path) -> int:
     if not (run / "metrics.jsonl").exists():
         return 0
     return max((json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()), default=0)
-
-
-def node_state(node: str) -> str:
-    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout.strip()
-
-
-def test_node_failure_procedure_of_the_recovery_doc(lab, tmp_path):
-    proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "spare_nodes=1", "train.global_batch=32",
-               "train.steps=240", "checkpoint.every=20", "train.log_every=40", f"run.root={tmp_path}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    run = only_run_dir(tmp_path)
-    node = None
-    try:
-        wait_for(lambda: last_step(run) >= 40, 180, "step 40")
-        drilled = dtk("dtk.drill", "node-fail", str(run))
-        assert drilled.returncode == 0, drilled.stderr
-        failed = wait_for(lambda: events(run, "node_failed"), 120, "the node_failed event")
-        node = failed[0]["nodes"][0]
-        for command, comment in procedure():
-            line = command.replace("RUN_DIR", str(run)).replace("NODE", node)
-            line = re.sub(r"^python -m ", f"{sys.executable} -m ", line)
-            if CONDITIONAL in comment:
-                # The drill sets NODE down with its slurmd alive: the step for a node whose
-                # slurmd is gone does not apply, as sinfo shows (no *).
-                assert "*" not in node_state(node), node_state(node)
-                continue
-            done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=REPO, timeout=60)
-            assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
-        wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
-                 300, f"job {job} to end")
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-        if node is not None and node_state(node).startswith(("down", "drain")):
-            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
-    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
-    assert status["state"] == "finished" and status["step"] == 240, status
-    assert node in [e["node"] for e in json.loads((run / "excluded_nodes.json").read_text())]
 
 
 def job_state(job: str) -> str:
