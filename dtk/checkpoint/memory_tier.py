@@ -125,12 +125,14 @@ class MemoryTier:
             incoming = torch.zeros(1, dtype=torch.int64)
             works = [dist.isend(size, partner, group=self.group), dist.irecv(incoming, source, group=self.group)]
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
             received = torch.empty(int(incoming.item()), dtype=torch.uint8)
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             works = [dist.isend(payload, partner, group=self.group), dist.irecv(received, source, group=self.group)]
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
             got = received.numpy().tobytes()
             ms.write_shard(self.store, step, "replica", source, got, zlib.crc32(got))
         crcs = self._gather(crc)  # past this, every rank's shard and replica of the step is written
