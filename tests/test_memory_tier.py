@@ -18,6 +18,8 @@ import pytest
 from conftest import REPO, dtk
 from dtk.checkpoint import memory_store as ms
 from dtk.driver.record import read_progress
+from dtk.report.goodput import account
+from dtk.report.runs import load_run
 from dtk.rundir import MEMORY_STORE_ENV, RunDir, memory_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -115,6 +117,10 @@ def test_a_killed_worker_restores_from_memory_redoes_at_most_two_steps_and_match
     assert not run.checkpoint_steps() or max(s for s, _, _ in run.checkpoint_steps()) == STEPS  # only the final save
     assert losses(run) == reference
     assert not memory_store(run.path).exists(), "a finished run leaves its store behind"
+    status = dtk("dtk.status", str(run.path), cwd=tmp_path)
+    assert status.returncode == 0 and f"from step {snap} (memory)" in status.stdout, status.stdout + status.stderr
+    starts = account(run.events_list(), load_run(run.path).metric_lines)["starts"]
+    assert [s["tier"] for s in starts] == [None, "memory"]
 
 
 def test_a_corrupt_shard_falls_back_to_disk_with_the_reason(reference, tmp_path):
