@@ -10,9 +10,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from test_faults import STEPS, job_field, named, node_fail_drill, wait_for
 
 from conftest import losses
-from test_faults import STEPS, job_field, named, node_fail_drill, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
