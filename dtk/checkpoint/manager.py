@@ -74,6 +74,7 @@ class CheckpointManager:
         # checkpoint.memory_every: the in-memory tier (dtk.checkpoint.memory_tier), built by the worker
         self.memory_every = checkpoint.memory_every
         self._resumed_once = False
+        self._last_snapshot: int | None = None
         self.memory = memory(parts, scheduler, self.identity) if memory is not None and self.memory_every else None
 
     def _guard_state(self, parts: ckpt.Parts) -> None:
@@ -313,11 +314,18 @@ class CheckpointManager:
             self.save(step)
         if self.memory is not None and step % self.memory_every == 0 and step != self.total_steps:
             self.memory.snapshot(step)
+            self._last_snapshot = step
 
     @property
     def last_started(self) -> int | None:
         """The step of the newest save started (or loaded) by this process; every rank agrees."""
         return self._last_step
+
+    @property
+    def last_kept(self) -> int | None:
+        """The newest step a save or a memory snapshot started at (every rank agrees): a relaunch
+        may resume there, so the metrics of the steps before it are written then."""
+        return max((s for s in (self._last_step, self._last_snapshot) if s is not None), default=None)
 
     @property
     def saving(self) -> bool:

@@ -323,7 +323,7 @@ def step_policies(
             total_steps=plan.steps,
             metrics=metrics,
             saving=lambda: checkpoints.saving,
-            checkpointed=lambda: checkpoints.last_started,
+            checkpointed=lambda: checkpoints.last_kept,
         ),
     )
 
