@@ -111,9 +111,10 @@ def describe(start: dict[str, Any]) -> str:
     nodes = ",".join(start.get("nodes") or [])
     line = (f"start {start.get('restart')}  job {start.get('job_id')} on {nodes} (world {start.get('world_size')})"
             f"  cause: {start['cause']}; from step {start['resumed_from']}")
-    if start.get("tier"):
-        line += f" ({start['tier']}" + (f"; memory tier not used: {start['memory_fallback']}" if start.get("memory_fallback")
-                                        else "") + ")"
+    if start.get("tier") in ("memory", "peer"):  # a disk resume as before; --json has every start's tier
+        line += f" ({start['tier']})"
+    elif start.get("memory_fallback"):
+        line += f" (disk; memory tier not used: {start['memory_fallback']})"
     if "steps_redone" in start:
         down = f"{start['downtime_s']:.1f} s" if start.get("downtime_s") is not None else "not yet trained"
         line += f", {start['steps_redone']} steps redone, down {down}"
