@@ -87,3 +87,17 @@ def test_prune_keeps_the_two_newest_complete_steps_and_a_newer_one_in_flight(tmp
     assert sorted(ms.holdings(tmp_path)) == [6, 8, 10]
     data, crc = ms.read_shard(tmp_path, 8, "own", 0)
     assert (data, crc) == (b"x", 1)
+
+
+def test_submit_refuses_a_memory_tier_that_does_not_fit_the_nodes_ram(tmp_path):
+    from conftest import run_main
+
+    job = ["cluster=lab", "cluster.accelerator=h100-80gb", "dist.device=cuda", "tasks_per_node=2", "cluster.mem_gb=8",
+           "model.dim=1024", "model.num_layers=16", "model.num_heads=16", "submit.dry_run=true",
+           f"run.root={tmp_path / 'runs'}"]
+    proc = run_main("dtk.submit", *job, "checkpoint.memory_every=5", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip()
+    assert line.startswith("error: checkpoint.memory_every=5: the in-memory snapshot tier needs ") and "\n" not in line
+    assert "(cluster.mem_gb=8)" in line
+    assert run_main("dtk.submit", *job, "checkpoint.memory_every=0", cwd=tmp_path).returncode == 0

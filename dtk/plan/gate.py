@@ -82,7 +82,7 @@ def memory_tier_refusal(cfg: Config, mp: MemoryPlan) -> str | None:
         return None
     return (f"checkpoint.memory_every={cfg.checkpoint.memory_every}: the in-memory snapshot tier needs {gb(tier)} GB"
             f" of host memory per node (own shard + replica, two steps), {gb(need)} GB with the workers' own, more"
-            f" than {gb(node)} GB ({source}); use more nodes or checkpoint.memory_every=0")
+            f" than {gb(node)} GB ({source}); shard the state (+scheme=fsdp) or checkpoint.memory_every=0")
 
 
 def check(cfg: Config, plan: Plan, config_dirs: tuple[Path, ...] = ()) -> Checked:
