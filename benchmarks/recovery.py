@@ -125,7 +125,7 @@ def one(kind: str, root: Path, args) -> dict:
     steps = args.steps * 5 if kind == "timelimit" else args.steps
     proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32",
                f"train.steps={steps}", f"checkpoint.every={args.every}", "fault.hang_timeout_s=10",
-               *extra, f"run.root={root}")
+               f"checkpoint.memory_every={args.memory_every}", *extra, f"run.root={root}")
     if proc.returncode != 0:
         raise SystemExit(proc.stdout + proc.stderr)
     job = proc.stdout.split("submitted job ", 1)[1].split()[0]
@@ -169,6 +169,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--at", type=int, default=100, help="drill once this step is logged")
     p.add_argument("--every", type=int, default=20, help="checkpoint interval (steps)")
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="checkpoint.memory_every: the in-memory snapshot tier's interval (0: off)")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
     from dtk import lab
@@ -182,7 +184,8 @@ def main() -> None:
                 results.append(one(kind, Path(tmp), args))
             print(f"{kind} #{r}: " + " ".join(f"{k} {v:.3g}" for k, v in results[-1].items()), flush=True)
         rows.append((kind, {k: statistics.median(res[k] for res in results) for k in results[0]}))
-    print(f"\nmedians of {args.repeats} (checkpoint every {args.every} steps):")
+    print(f"\nmedians of {args.repeats} (checkpoint every {args.every} steps, memory snapshots every"
+          f" {args.memory_every or 'off'}):")
     print(f"{'drill':<10} {'detect_s':>9} {'recovery_s':>11} {'lost':>5} {'step_s':>7} {'save_s':>7}")
     for kind, m in rows:
         print(f"{kind:<10} {m['detect_s']:>9.1f} {m['recovery_s']:>11.1f} {m['lost']:>5.0f}"

@@ -109,6 +109,27 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+MEMORY_STORE_ENV = "DTK_MEMORY_STORE_ROOT"  # the in-memory snapshot tier's root; tests point it elsewhere
+"""Unset: /dev/shm. The tier's store of a run on a node is <root>/dtk-<uid>/<run key>/<node>/."""
+
+
+def memory_store(run_path: Path) -> Path:
+    """This run's in-memory snapshot store (all nodes' folders below it; each node sees its own
+    /dev/shm): keyed by a hash of the run directory's absolute path, so a node's store never
+    holds another run's state (the run lock keeps two jobs out of one run directory)."""
+    import hashlib
+
+    root = Path(os.environ.get(MEMORY_STORE_ENV) or "/dev/shm") / f"dtk-{os.getuid()}"
+    return root / hashlib.sha256(str(Path(run_path).resolve()).encode()).hexdigest()[:16]
+
+
+def remove_memory_store(run_path: Path) -> None:
+    """Delete this node's part of the run's snapshot store (a finished, stopped or ended run)."""
+    import shutil
+
+    shutil.rmtree(memory_store(run_path), ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path

@@ -39,6 +39,7 @@ class CheckpointManager:
         global_batch: int,
         total_steps: int,
         identity: dict[str, Any],
+        memory: Callable[[ckpt.Parts, Any, dict[str, Any]], Any] | None = None,
         busy: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.run = run
@@ -70,6 +71,11 @@ class CheckpointManager:
         self._last_step: int | None = None  # the step of the newest save started by this process
         self._inflight: int | None = None  # the step of the save not yet known committed or failed
         self._rejected: set[int] = set()  # committed folders that failed verification on resume
+        # checkpoint.memory_every: the in-memory tier (dtk.checkpoint.memory_tier), built by the worker
+        self.memory_every = checkpoint.memory_every
+        self._resumed_once = False
+        self._last_snapshot: int | None = None
+        self.memory = memory(parts, scheduler, self.identity) if memory is not None and self.memory_every else None
 
     def _guard_state(self, parts: ckpt.Parts) -> None:
         """An async save copies the state in the background while training goes on: what
@@ -105,6 +111,14 @@ class CheckpointManager:
         # (dtk.launch.launch.check_run_dir), and the run lock keeps other jobs out: what is
         # found here was written by this submission's own earlier starts, so it resumes.
         found = self.comm.broadcast(self.run.checkpoint_steps() if self.rank == 0 else None)
+        memory_fallback = None
+        if self.memory is not None and not self._resumed_once:  # a rollback's resume goes to the disk
+            self._resumed_once = True
+            disk_step = max((step for step, _, committed in found if committed), default=0)
+            choice, seconds = self.memory.restore(disk_step=disk_step)
+            if choice.step is not None:
+                return self._restored(choice, seconds)
+            memory_fallback = choice.reason
         reasons = []
         for step, path, committed in reversed(found):
             t0 = time.perf_counter()
@@ -139,6 +153,8 @@ class CheckpointManager:
                     # it reads it (files it did not read whole after it): where a slow start went
                     verify_seconds=round(verified_t - t0, 6),
                     load_seconds=round(time.perf_counter() - verified_t, 6),
+                    tier="disk",
+                    **({"memory_fallback": memory_fallback} if memory_fallback else {}),
                 )
             return state["step"]
         if reasons:
@@ -148,6 +164,18 @@ class CheckpointManager:
                 " or start a new run (another run.name)"
             )
         return 0
+
+    def _restored(self, choice: Any, seconds: float) -> int:
+        """The bookkeeping of a start from the memory tier (dtk.checkpoint.memory_tier)."""
+        step = choice.step
+        self.rng_restored = True  # the world size is the snapshot's: every rank's own streams
+        self._last_save_t = time.monotonic()
+        if self.rank == 0:
+            peers = sorted(r for r, tier in choice.tiers.items() if tier == "peer")
+            self.run.event("checkpoint_loaded", step=step, tier="peer" if peers else "memory", peer_ranks=peers,
+                           from_world_size=self.world_size, samples_consumed=step * self.global_batch,
+                           seconds=round(seconds, 6))
+        return step
 
     def _load(self, path, manifest: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         try:
@@ -284,11 +312,20 @@ class CheckpointManager:
         """The checkpoint policy: a save when the step interval or the minutes ask for one."""
         if self.due(step) or self._minutes_due():
             self.save(step)
+        if self.memory is not None and step % self.memory_every == 0 and step != self.total_steps:
+            self.memory.snapshot(step)
+            self._last_snapshot = step
 
     @property
     def last_started(self) -> int | None:
         """The step of the newest save started (or loaded) by this process; every rank agrees."""
         return self._last_step
+
+    @property
+    def last_kept(self) -> int | None:
+        """The newest step a save or a memory snapshot started at (every rank agrees): a relaunch
+        may resume there, so the metrics of the steps before it are written then."""
+        return max((s for s in (self._last_step, self._last_snapshot) if s is not None), default=None)
 
     @property
     def saving(self) -> bool:
@@ -305,3 +342,5 @@ class CheckpointManager:
             self._settle()
         finally:
             self._saver.close()
+            if self.memory is not None:  # durable on disk (finished, stopped): the store goes
+                self.memory.close(discard=self.verified_step is not None and self.verified_step == self._last_step)

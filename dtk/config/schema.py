@@ -14,7 +14,6 @@ from omegaconf import MISSING
 from dtk.config.access import AccessConfig
 from dtk.config.choices import (
     ActivationCheckpoint,
-    AsyncMode,
     Backend,
     ClusterKind,
     DataParallel,
@@ -29,6 +28,7 @@ from dtk.config.choices import (
 from dtk.config.fabric import DoctorConfig, FabricConfig, PlanConfig  # part of this schema
 from dtk.config.fields import IDENTITY  # marks what a run computes (its name's hash)
 from dtk.config.sections import DATA_SCHEMAS as DATA_SCHEMAS  # the data and task sections, part of this schema
+from dtk.config.sections import CheckpointConfig as CheckpointConfig  # part of this schema
 from dtk.config.sections import Hdf5DataConfig, SyntheticDataConfig, TaskConfig, UserDataConfig
 
 
@@ -180,24 +180,6 @@ class OptimConfig:
     """Cosine decay ends at `lr x min_lr_ratio` on the last step."""
     grad_clip: float = field(default=1.0, metadata=IDENTITY)
     """Clip the global gradient norm to this value; 0 disables clipping."""
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 50
-    """Save every this many optimizer steps (and always at the last step). 0: only at the end."""
-    keep: int = 2
-    """Keep the newest this many complete checkpoints; older ones are deleted."""
-    resume: bool = True
-    """Resume from the newest checkpoint of the run directory that verifies (manifest and checksums); stop if some exist and none does. false: start over, refused where the run already holds committed checkpoints (use another run.name); restarts of the same submission still resume its own."""
-    every_minutes: float = 0.0
-    """Also save when this many minutes passed since the last save (ranks agree on the step). 0: off."""
-    async_save: bool = True
-    """Stage to CPU memory and write in the background while training continues; the next save waits for it."""
-    async_mode: AsyncMode = AsyncMode.thread
-    """Who writes an async save: `thread` (a thread of the training process; files checksummed while written) or `process` (DCP's checkpoint process per rank, off the training process's GIL; rank 0 reads the files back for the manifest's CRCs)."""
-    max_failures: int = 3
-    """The run stops with an error line once this many saves in a row failed (no space, an I/O error, a read-only mount); before that training goes on, each failure is a `checkpoint_failed` event and the next interval tries again."""
 
 
 @dataclass

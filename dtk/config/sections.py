@@ -1,5 +1,5 @@
-"""The schemas of the `data` and `task` sections: what a step reads and what it computes
-(part of dtk/config/schema.py, which imports them; kept here to keep each module short)."""
+"""The schemas of the `data`, `task` and `checkpoint` sections: what a step reads and computes, and
+how it is kept (part of dtk/config/schema.py, which imports them; kept here to keep each module short)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from dtk.config.choices import DataKind, TaskForm
+from dtk.config.choices import AsyncMode, DataKind, TaskForm
 from dtk.config.fields import IDENTITY
 
 
@@ -86,3 +86,23 @@ DATA_SCHEMAS: dict[DataKind, type] = {
     DataKind.hdf5: Hdf5DataConfig,
     DataKind.user: UserDataConfig,
 }
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50
+    """Save every this many optimizer steps (and always at the last step). 0: only at the end."""
+    keep: int = 2
+    """Keep the newest this many complete checkpoints; older ones are deleted."""
+    resume: bool = True
+    """Resume from the newest checkpoint of the run directory that verifies (manifest and checksums); stop if some exist and none does. false: start over, refused where the run already holds committed checkpoints (use another run.name); restarts of the same submission still resume its own."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (ranks agree on the step). 0: off."""
+    async_save: bool = True
+    """Stage to CPU memory and write in the background while training continues; the next save waits for it."""
+    async_mode: AsyncMode = AsyncMode.thread
+    """Who writes an async save: `thread` (a thread of the training process; files checksummed while written) or `process` (DCP's checkpoint process per rank, off the training process's GIL; rank 0 reads the files back for the manifest's CRCs)."""
+    memory_every: int = 0
+    """In-memory snapshot tier: every this many optimizer steps each rank copies its own state to its node's /dev/shm and a replica to a rank on the next node (off the training thread after a copy); a relaunch after a crash, hang or node loss restores from it when it is newer than the disk checkpoint (`tier` memory or peer in `checkpoint_loaded`), else from disk. 0: off (costs nothing). Host memory: own shard + replica, two steps kept. Measured on the built-in model (2 CPU threads): 1.0 ms of the training thread per snapshot, 3.6% of one 27 ms step, so every 2 steps blocks 1.8% and every 5 0.7% (benchmarks/memory_tier.py, docs/benchmarks.md)."""
+    max_failures: int = 3
+    """The run stops with an error line once this many saves in a row failed (no space, an I/O error, a read-only mount); before that training goes on, each failure is a `checkpoint_failed` event and the next interval tries again."""

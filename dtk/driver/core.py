@@ -27,7 +27,7 @@ from dtk.driver.decide import Decision, Kind, Outcome, decide
 from dtk.driver.record import last_completed_step, latest_checkpoint_step
 from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
-from dtk.rundir import HEARTBEAT, RunDir
+from dtk.rundir import HEARTBEAT, RunDir, remove_memory_store
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,15 @@ class DriverCore:
 
     # --- the loop -------------------------------------------------------------------------
     def drive(self) -> int:
-        """Start, watch and decide until an action returns the run's exit code."""
+        """Start, watch and decide until an action returns the run's exit code. However it ends,
+        the allocation's end takes this node's part of the memory tier's store with it (the
+        workers remove theirs at a finish or stop; a new run's first start clears stale ones)."""
+        try:
+            return self._drive()
+        finally:
+            remove_memory_store(self.run.path)
+
+    def _drive(self) -> int:
         self.recovery_from = self.recovery_from_previous_job()
         while True:
             early = self.before_start()

@@ -60,6 +60,31 @@ def refusal(mp: MemoryPlan) -> str:
     return text + "; submit.force=true submits anyway (python -m dtk.plan shows the whole budget)"
 
 
+def memory_tier_refusal(cfg: Config, mp: MemoryPlan) -> str | None:
+    """checkpoint.memory_every: why the tier's host memory (own shard + a partner's replica, the two
+    newest steps) does not fit a node's RAM with what the workers hold there; None when it fits."""
+    if not cfg.checkpoint.memory_every or mp.chosen is None:
+        return None
+    import os
+
+    from dtk.plan.search import HOST_NODE_BYTES
+
+    b, ctx = mp.chosen.bytes, mp.ctx
+    if cfg.cluster.mem_gb:
+        node, source = cfg.cluster.mem_gb * 2**30, f"cluster.mem_gb={cfg.cluster.mem_gb}"
+    elif cfg.cluster.kind == "local":
+        node, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    else:
+        node, source = HOST_NODE_BYTES, "a node's host memory assumed (cluster.mem_gb unset)"
+    tier = ctx.tasks_per_node * 4 * (b.params + b.optimizer)
+    need = ctx.tasks_per_node * (b.host + (b.total if ctx.device == "cpu" else 0))
+    if need <= node:
+        return None
+    return (f"checkpoint.memory_every={cfg.checkpoint.memory_every}: the in-memory snapshot tier needs {gb(tier)} GB"
+            f" of host memory per node (own shard + replica, two steps), {gb(need)} GB with the workers' own, more"
+            f" than {gb(node)} GB ({source}); shard the state (+scheme=fsdp) or checkpoint.memory_every=0")
+
+
 def check(cfg: Config, plan: Plan, config_dirs: tuple[Path, ...] = ()) -> Checked:
     """The job's budget and, when it does not fit and is not forced, why it is refused."""
     from dtk.plan.count_model import NotCounted
@@ -70,6 +95,9 @@ def check(cfg: Config, plan: Plan, config_dirs: tuple[Path, ...] = ()) -> Checke
         return Checked(None, None, f"memory not checked: {exc}")
     if mp.fits is False and not cfg.submit.force:
         return Checked(mp, refusal(mp))
+    tier = memory_tier_refusal(cfg, mp)
+    if tier:
+        return Checked(mp, tier)
     note = None
     if mp.fits is False:
         note = f"submit.force=true: submitting although {refusal(mp).split(';')[0]}"

@@ -132,6 +132,8 @@ class Job:
     device: str
     precision: Precision
     async_checkpoint: bool = True
+    memory_snapshots: bool = False
+    """checkpoint.memory_every > 0: own shard and a partner's replica of params + optimizer, two steps kept, in host memory."""
     split_points: tuple[str, ...] = ()
 
 
@@ -248,6 +250,10 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
     host = staged if job.device == "cuda" else 0
     if job.device == "cpu" and staged:
         detail["checkpoint_staging"] = staged
+    tier = 4 * (params + optimizer) if job.memory_snapshots else 0  # (own + replica) x the two newest steps
+    if job.device == "cpu" and tier:
+        detail["memory_tier"] = tier
+    host += tier if job.device == "cuda" else 0
     if offload:
         host += params + grads + optimizer
         params = grads = optimizer = 0

@@ -59,6 +59,14 @@ def resumed_from(group: list[dict[str, Any]]) -> int:
     return int(loaded[-1].get("step") or 0) if loaded else 0
 
 
+def tier_of(group: list[dict[str, Any]]) -> str | None:
+    """Where a start's state came from: "memory" (its node's snapshot store), "peer" (a replica
+    on another node), "disk" (a checkpoint; also an event from before the memory tier); None:
+    from scratch. `memory_fallback` says why a start with the tier on loaded from disk."""
+    loaded = next((e for e in group if e.get("event") == "checkpoint_loaded"), None)
+    return None if loaded is None else str(loaded.get("tier") or "disk")
+
+
 def _lost(groups: list[list[dict[str, Any]]], metric_lines: list[dict[str, Any]], kept: list[dict[str, Any]],
           thrown: list[dict[str, Any]]) -> tuple[int, float]:
     """(steps redone, seconds they took the first time). A start's lost steps run from the
@@ -108,7 +116,8 @@ def _one_start(group: list[dict[str, Any]], end: float, trained: set[Any]) -> di
     t0 = float(started["time"])
     ready = next((e for e in group if e.get("event") == "ready"), None)
     load = sum(float(e.get("seconds") or 0.0) for e in group if e.get("event") == "checkpoint_loaded")
-    info: dict[str, Any] = {"restart": started.get("restart"), "job_id": started.get("job_id"), "time": t0}
+    info: dict[str, Any] = {"restart": started.get("restart"), "job_id": started.get("job_id"), "time": t0,
+                            "tier": tier_of(group)}
     if ready is not None:
         # The start-up ends where the first step begins; the checkpoint load inside it is its own part.
         info["startup_s"] = max(0.0, float(ready["time"]) - t0 - load)

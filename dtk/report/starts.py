@@ -9,6 +9,8 @@ Per start:
                   (crashed, hung, node failed, preempted or a time limit, grown back, stopped and
                   submitted again)
     resumed_from  the checkpoint step it loaded (0: it started from scratch)
+    tier          where that state came from: memory, peer or disk (None: from scratch), and
+                  memory_fallback, why a start with checkpoint.memory_every loaded from disk
     steps_redone  steps the start before had done past that checkpoint (computed again)
     downtime_s    from the last step on record before the fault to this start's first step,
                   so a hang's detection wait and the queue wait of a requeue are counted
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtk.report.goodput import last_step_of, resumed_from, start_segments
+from dtk.report.goodput import last_step_of, resumed_from, start_segments, tier_of
 
 
 def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
@@ -75,7 +77,11 @@ def history(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
             "nodes": started.get("nodes"),
             "world_size": started.get("world_size"),
             "resumed_from": resumed_from(group),
+            "tier": tier_of(group),
         }
+        fallback = next((e.get("memory_fallback") for e in group if e.get("event") == "checkpoint_loaded"), None)
+        if fallback:
+            info["memory_fallback"] = fallback
         if "slurm_restart_count" in started:
             info["slurm_restart_count"] = started["slurm_restart_count"]
         if i == 0:
@@ -105,6 +111,10 @@ def describe(start: dict[str, Any]) -> str:
     nodes = ",".join(start.get("nodes") or [])
     line = (f"start {start.get('restart')}  job {start.get('job_id')} on {nodes} (world {start.get('world_size')})"
             f"  cause: {start['cause']}; from step {start['resumed_from']}")
+    if start.get("tier") in ("memory", "peer"):  # a disk resume as before; --json has every start's tier
+        line += f" ({start['tier']})"
+    elif start.get("memory_fallback"):
+        line += f" (disk; memory tier not used: {start['memory_fallback']})"
     if "steps_redone" in start:
         down = f"{start['downtime_s']:.1f} s" if start.get("downtime_s") is not None else "not yet trained"
         line += f", {start['steps_redone']} steps redone, down {down}"

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.checkpoint.memory_tier import MemoryTier
 from dtk.config.choices import Tracker, chosen_trackers
 from dtk.config.convert import to_dict
 from dtk.data.loader import StepBatches, build_splits
@@ -132,6 +133,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         total_steps=plan.steps,
         identity={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
         busy=heartbeat.busy,  # a long save is not a hang
+        memory=lambda parts, sched, identity: MemoryTier(
+            run.path, every=cfg.checkpoint.memory_every, rank=env.rank, world=env.world_size, local_rank=env.local_rank,
+            per_node=env.local_world_size, parts=parts, scheduler=sched, identity=identity, fresh=env.restart == 0),
     )
     torch.manual_seed(seed + env.rank)  # per-rank stream for anything stochastic; a resume restores it
     # Beating from here on: a checkpoint load longer than fault.startup_timeout_s is no hang.
@@ -319,7 +323,7 @@ def step_policies(
             total_steps=plan.steps,
             metrics=metrics,
             saving=lambda: checkpoints.saving,
-            checkpointed=lambda: checkpoints.last_started,
+            checkpointed=lambda: checkpoints.last_kept,
         ),
     )
 

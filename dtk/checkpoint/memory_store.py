@@ -1,0 +1,206 @@
+"""The in-memory snapshot tier's store and its rules, torch-free (checkpoint.memory_every).
+
+Each node keeps, under `dtk.rundir.memory_store(run) / <node>/`:
+
+    step_00000042/
+        own_00003.pt        rank 3's snapshot (this node ran rank 3)
+        own_00003.crc       its CRC32, beside it
+        replica_00001.pt    rank 1's snapshot, received from rank 1 on another node
+        replica_00001.crc
+        commit.json         written last, by the node's first rank, once every rank of the
+                            world wrote its shard and its replica: the step is complete
+
+Rank r sends its replica to `partner(r)` = (r + ranks_per_node) % world: the same local rank
+of the next node, a ring over nodes. One node: no replica (the tier can only restore from
+`memory`). Files are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STEP_RE = re.compile(r"^step_(\d{8})$")
+COMMIT = "commit.json"
+KEEP = 2  # the two newest complete steps
+
+
+def partner(rank: int, world: int, per_node: int) -> int | None:
+    """The rank that holds `rank`'s replica: the same local rank on the next node; None on one node."""
+    if world <= per_node:
+        return None
+    return (rank + per_node) % world
+
+
+def replica_of(rank: int, world: int, per_node: int) -> int | None:
+    """The rank whose replica `rank` holds (the inverse of `partner`)."""
+    if world <= per_node:
+        return None
+    return (rank - per_node) % world
+
+
+def step_dir(node_store: Path, step: int) -> Path:
+    return node_store / f"step_{step:08d}"
+
+
+def shard_name(kind: str, rank: int) -> str:
+    assert kind in ("own", "replica"), kind
+    return f"{kind}_{rank:05d}.pt"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def write_shard(node_store: Path, step: int, kind: str, rank: int, data: bytes, crc: int) -> None:
+    folder = step_dir(node_store, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / shard_name(kind, rank), data)
+    write_atomic((folder / shard_name(kind, rank)).with_suffix(".crc"), f"{crc}\n".encode())
+
+
+def read_shard(node_store: Path, step: int, kind: str, rank: int) -> tuple[bytes, int | None]:
+    """The bytes of a shard and the CRC stored beside it (None: no CRC file)."""
+    path = step_dir(node_store, step) / shard_name(kind, rank)
+    data = path.read_bytes()
+    try:
+        crc: int | None = int(path.with_suffix(".crc").read_text().strip())
+    except (OSError, ValueError):
+        crc = None
+    return data, crc
+
+
+def commit_record(step: int, *, world_size: int, identity: dict[str, Any], crcs: list[int]) -> dict[str, Any]:
+    return {"step": step, "world_size": world_size, "identity": identity, "crcs": crcs}
+
+
+def parse_commit(text: str) -> dict[str, Any] | None:
+    """A commit record, or None when it is not one (torn, edited, another format)."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    ok = (isinstance(record.get("step"), int) and isinstance(record.get("world_size"), int)
+          and isinstance(record.get("identity"), dict) and isinstance(record.get("crcs"), list)
+          and len(record["crcs"]) == record["world_size"] and all(isinstance(c, int) for c in record["crcs"]))
+    return record if ok else None
+
+
+def write_commit(node_store: Path, record: dict[str, Any]) -> None:
+    write_atomic(step_dir(node_store, record["step"]) / COMMIT, json.dumps(record, sort_keys=True).encode())
+
+
+def holdings(node_store: Path) -> dict[int, dict[str, Any]]:
+    """What a node's store holds: {step: {"commit": record or None, "own": [ranks], "replica": [ranks]}}."""
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        entries = sorted(node_store.iterdir())
+    except OSError:
+        return out
+    for folder in entries:
+        m = STEP_RE.match(folder.name)
+        if not m:
+            continue
+        try:
+            commit = parse_commit((folder / COMMIT).read_text())
+        except OSError:
+            commit = None
+        held: dict[str, Any] = {"commit": commit, "own": [], "replica": []}
+        for f in folder.iterdir():
+            kind, _, rest = f.name.partition("_")
+            if kind in ("own", "replica") and rest.endswith(".pt") and rest[:-3].isdigit():
+                held[kind].append(int(rest[:-3]))
+        held["own"].sort()
+        held["replica"].sort()
+        out[int(m.group(1))] = held
+    return out
+
+
+def prune(node_store: Path, *, keep: int = KEEP) -> None:
+    """Keep the `keep` newest complete steps; delete older ones and incomplete ones below the newest complete."""
+    held = holdings(node_store)
+    complete = sorted(s for s, h in held.items() if h["commit"] is not None)
+    kept = set(complete[-keep:])
+    newest = complete[-1] if complete else None
+    for step in held:
+        if step not in kept and (newest is None or step < newest):
+            shutil.rmtree(step_dir(node_store, step), ignore_errors=True)
+
+
+@dataclass
+class Choice:
+    """The snapshot step the ranks restore (None: the disk tier), and who reads each rank's shard."""
+
+    step: int | None
+    sources: dict[int, tuple[int, str]] = field(default_factory=dict)
+    """rank -> (the rank whose node holds its shard, "own" or "replica" file)."""
+    tiers: dict[int, str] = field(default_factory=dict)
+    """rank -> "memory" (its shard is on its own node) or "peer" (on another node's store)."""
+    crcs: list[int] = field(default_factory=list)
+    reason: str | None = None
+    """Why the tier is not used (None with step None: there was no snapshot to restore)."""
+
+
+def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any], disk_step: int) -> Choice:
+    """The newest step complete for every rank and newer than the disk checkpoint.
+
+    `reports[r]` is rank r's view of its node's store: {"node": name, "steps": holdings()}.
+    Pure and deterministic: every rank computes the same choice from the same reports."""
+    commits: dict[int, dict[str, Any]] = {}
+    for report in reports:
+        for step, held in report["steps"].items():
+            if held["commit"] is not None:
+                commits.setdefault(int(step), held["commit"])
+    if not commits:
+        return Choice(None)
+    newer = sorted((s for s in commits if s > disk_step), reverse=True)
+    if not newer:
+        return Choice(None, reason=f"the newest snapshot (step {max(commits)}) is not newer than the disk"
+                                   f" checkpoint (step {disk_step})")
+    reasons = []
+    for step in newer:
+        record = commits[step]
+        if record["world_size"] != world:
+            reasons.append(f"world size changed (snapshot of step {step}: {record['world_size']} ranks, now {world})")
+            continue
+        changed = sorted(k for k in set(identity) | set(record["identity"])
+                         if record["identity"].get(k) != identity.get(k))
+        if changed:
+            reasons.append(f"step {step}: {', '.join(changed)} changed since the snapshot")
+            continue
+        sources: dict[int, tuple[int, str]] = {}
+        tiers: dict[int, str] = {}
+        for rank in range(world):
+            found = _holder(reports, rank, step)
+            if found is None:
+                break
+            sources[rank] = found
+            tiers[rank] = "memory" if reports[found[0]]["node"] == reports[rank]["node"] else "peer"
+        else:
+            return Choice(step, sources, tiers, list(record["crcs"]))
+        reasons.append(f"step {step}: rank {rank}'s shard is on no node (neither its own nor a replica)")
+    return Choice(None, reason="; ".join(reasons))
+
+
+def _holder(reports: list[dict[str, Any]], rank: int, step: int) -> tuple[int, str] | None:
+    """Who reads `rank`'s shard of `step`: the rank itself when its node holds it, else the
+    lowest rank whose node holds it (its own file, or a replica)."""
+    order = [rank] + [r for r in range(len(reports)) if r != rank]
+    for holder in order:
+        held = reports[holder]["steps"].get(step)
+        if held is None:
+            continue
+        for kind in ("own", "replica"):
+            if rank in held[kind]:
+                return holder, kind
+    return None

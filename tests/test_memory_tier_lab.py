@@ -1,0 +1,59 @@
+"""The in-memory snapshot tier on the lab cluster: a node fails while the run trains with
+checkpoint.memory_every. With a spare, the replacement node's rank gets its state from the
+replica its partner on the surviving node holds (`tier: peer`), at most memory_every steps
+are redone and the losses equal the uninterrupted run's. Without a spare the run shrinks to
+one rank: the snapshot's world size is not the new one, so it falls back to the disk
+checkpoint and says so (`memory_fallback: world size changed ...`)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from test_faults import STEPS, job_field, named, node_fail_drill, wait_for
+
+from conftest import losses
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+EVERY = 5
+TIER = [f"checkpoint.memory_every={EVERY}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    from test_faults import TRAIN
+
+    from conftest import dtk, only_run_dir
+
+    root = tmp_path_factory.mktemp("reference")
+    proc = dtk("dtk.submit", "tasks_per_node=2", *TRAIN, f"run.root={root}", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    return losses(only_run_dir(root))
+
+
+def test_node_failure_with_a_spare_restores_the_lost_rank_from_its_replica(lab, tmp_path, reference):
+    # no disk checkpoint but the last: the snapshot is always the newer tier (else a failure
+    # right after a disk save rightly loads that, tier disk)
+    run, _, victim = node_fail_drill(tmp_path, "spare_nodes=1", "checkpoint.every=1000", *TIER)
+    (failed,) = named(run, "node_failed")
+    loaded = named(run, "checkpoint_loaded")
+    assert len(loaded) == 1 and loaded[0]["tier"] == "peer" and loaded[0]["peer_ranks"], loaded
+    relaunch_step = failed.get("step") or named(run, "relaunched")[-1]["step"]
+    assert 0 <= relaunch_step - loaded[0]["step"] <= EVERY, (failed, loaded)
+    assert losses(run) == reference
+
+
+def test_node_failure_without_a_spare_shrinks_and_falls_back_to_disk_with_the_reason(lab, tmp_path, reference):
+    hold = subprocess.run(["sbatch", "--parsable", "-w", "node3", "-N1", "--job-name=dtk-test-hold", "--output=/dev/null",
+                           "--wrap=sleep 600"], capture_output=True, text=True).stdout.strip()
+    try:
+        wait_for(lambda: job_field(hold, "JobState") == "RUNNING", 30, "the job holding node3")
+        run, _, _ = node_fail_drill(tmp_path, *TIER, grow=True)
+    finally:
+        subprocess.run(["scancel", hold], capture_output=True)
+    started = named(run, "started")
+    assert started[1]["world_size"] == 1
+    shrunk = [e for e in named(run, "checkpoint_loaded") if e.get("from_world_size") == 2 and e["tier"] == "disk"]
+    assert shrunk and "world size changed" in shrunk[0]["memory_fallback"], named(run, "checkpoint_loaded")
+    assert abs(losses(run)[STEPS] - reference[STEPS]) <= 1e-5 * abs(reference[STEPS])
