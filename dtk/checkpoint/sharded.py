@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -165,6 +166,8 @@ class Saver:
         # checkpoint.async_mode=process: DCP's checkpoint process writes (dtk.checkpoint.writer_process)
         self.process = asynchronous and process
         assert not self.process or comm.group is not None, "the checkpoint process needs a process group"
+        # where the checkpoint process reports the sizes and CRCs of the files it wrote (this rank's own)
+        self._reports = Path(tempfile.mkdtemp(prefix="dtk-ckpt-crc-")) if self.process else None
         self.on_commit = on_commit  # rank 0, finisher thread, right after the manifest is written
         gpu = torch.cuda.is_available()
         self._stager = (
@@ -198,8 +201,8 @@ class Saver:
         return self._staging is not None
 
     def _writer(self, path: Path) -> Any:
-        if self.process:  # not checksummed as written: rank 0 reads the files back
-            return writer_process.writer(path, thread_count=WRITE_THREADS)
+        if self._reports is not None:  # checksummed as written, in the checkpoint process
+            return writer_process.writer(path, report=self._reports / f"{path.name}.json", thread_count=WRITE_THREADS)
         # Files are fsynced before the manifest can count them, and checksummed as written.
         return HashingWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
 
@@ -380,3 +383,5 @@ class Saver:
                 self._stager.close()
             if self.process:
                 writer_process.discard()
+            if self._reports is not None:
+                shutil.rmtree(self._reports, ignore_errors=True)
