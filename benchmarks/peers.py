@@ -35,6 +35,7 @@ than Fabric's; dtk's resume not slower than Fabric's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -171,6 +172,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="global batch (half per rank)")
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
+    if importlib.util.find_spec("lightning_fabric") is None:
+        raise SystemExit("error: lightning_fabric is not installed: it is in the dev extra (scripts/setup.sh --dev,"
+                         " or pip install -e '.[dev]')")
     rows: list[dict[str, dict[str, float]]] = []
     load = [os.getloadavg()[0]]
     for r in range(args.repeats):

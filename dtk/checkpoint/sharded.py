@@ -19,8 +19,9 @@ A save runs in three phases; only the first blocks training:
 
     1. main thread, every rank: wait for the previous save; create the folder; take this
        rank's RNG state (and rank 0 the trainer state); start staging model and optimizer state
-       into host buffers kept from one save to the next (`DefaultStager`: pinned memory and
-       a copy stream of its own on a GPU) and start `dcp.async_save`.
+       into host buffers kept from one save to the next (DCP's `DefaultStager`, copying without
+       the GIL: dtk.checkpoint.staging; pinned memory and a copy stream of its own on a GPU)
+       and start `dcp.async_save`.
     1b. the stager's thread copies the state while training goes on; the next optimizer
        step (and the next forward, where the model has buffers a forward may change) waits
        for the copy first (`staged`, hooked by the CheckpointManager), so the checkpoint
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
@@ -63,6 +64,7 @@ from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import writer_process
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
+from dtk.checkpoint.staging import stager
 from dtk.dist.groups import new_group
 from dtk.rundir import TRAINER_STATE, write_json_atomic
 
@@ -172,8 +174,8 @@ class Saver:
         gpu = torch.cuda.is_available()
         self._stager = (
             # Shared memory for the checkpoint process: the staged tensors reach it as handles, not copies.
-            DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.process,
-                                         use_async_staging=True, use_non_blocking_copy=gpu))
+            stager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.process,
+                                  use_async_staging=True, use_non_blocking_copy=gpu))
             if asynchronous
             else None
         )
