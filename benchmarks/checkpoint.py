@@ -14,13 +14,22 @@ worker runs:
           shared), so the figure hides nothing.
   process the same with checkpoint.async_mode=process: DCP's checkpoint process writes the
           shards (spawned by the warm-up round), rank 0's finisher thread reads them back
-          for the CRCs. Its total cost is measured the same way.
+          the CRCs as it writes them (the training process reads no shard back). Its total
+          cost is measured the same way.
 
 Throughput: bytes of the checkpoint / seconds of a synchronous save, from the start to the
 committed manifest (fsynced DCP files, each checksummed as it is written, manifest) vs
 `dd bs=8M conv=fsync` of the same number of bytes into the same folder. Target >= 0.80.
 
     python benchmarks/checkpoint.py --state-mb 600 --repeats 7
+
+--load instead times a resume: dtk's verified load of one committed checkpoint (the
+manager's `resume()` on a fresh model: manifest, sizes, DCP load with every file's CRC-32
+checked, state applied) against a plain `torch.load` of the same model and optimizer
+state saved with `torch.save`, then `load_state_dict` (and torch.load alone). Both read
+from the page cache (each file was read once before the rounds).
+
+    python benchmarks/checkpoint.py --load --state-mb 40 --repeats 7
 """
 
 from __future__ import annotations
@@ -110,8 +119,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="rounds of (sync save, async save, dd); medians are reported")
     ap.add_argument("--batch", type=int, default=8, help="rows of the training batch (sets the step time)")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp folder under the cwd)")
+    ap.add_argument("--load", action="store_true", help="time a verified load against a plain torch.load instead")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core computes, the other is free for the background write
+    if args.load:
+        load_main(args)
+        return
 
     model, optimizer, scheduler = build(args.state_mb)
     parts = [(model, optimizer)]
@@ -189,6 +202,58 @@ def main() -> None:
     print(f"dd throughput                {nbytes / med('dd') / 1e6:.0f} MB/s (dd bs=8M conv=fsync, same folder, same bytes)")
     print(f"save / dd                    {med_ratio(lambda r: r['dd'], lambda r: r['sync_seconds']):.3f}"
           "   (target >= 0.80)")
+
+
+def load_main(args) -> None:
+    model, optimizer, scheduler = build(args.state_mb)
+    x = torch.randn(args.batch, DIM)
+    for _ in range(2):
+        step(model, optimizer, scheduler, x)
+    folder = Path(tempfile.mkdtemp(prefix="dtk-load-bench-", dir=args.dir or Path.cwd()))
+    rows = []
+    try:
+        run = RunDir(folder / "run")
+        run.path.mkdir()
+        ckpt = manager(run, [(model, optimizer)], scheduler, asynchronous=False)
+        ckpt.save(1)
+        ckpt.close()
+        plain = folder / "plain.pt"
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, plain)
+        nbytes = sum(p.stat().st_size for p in run.checkpoint_dir(1).iterdir())
+        for r in range(args.repeats + 1):  # round 0 warms the page cache and the code paths
+            fresh, fresh_opt, fresh_sched = build(args.state_mb)
+            fresh_opt.step()  # the optimizer's state exists, as in a worker before its resume
+            resumer = manager(RunDir(run.path), [(fresh, fresh_opt)], fresh_sched, asynchronous=False)
+            t0 = time.perf_counter()
+            assert resumer.resume() == 1
+            verified = time.perf_counter() - t0
+            resumer.close()
+            t0 = time.perf_counter()
+            state = torch.load(plain, map_location="cpu", weights_only=True)
+            torch_load = time.perf_counter() - t0
+            fresh.load_state_dict(state["model"])
+            fresh_opt.load_state_dict(state["optim"])
+            fresh_sched.load_state_dict(state["scheduler"])
+            applied = time.perf_counter() - t0
+            if r:
+                rows.append({"dtk": verified, "torch_load": torch_load, "plain": applied})
+            del state, fresh, fresh_opt, fresh_sched, resumer
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def med(key: str) -> float:
+        return statistics.median(row[key] for row in rows)
+
+    ratio = statistics.median(row["dtk"] / row["plain"] for row in rows)
+    ratio_load = statistics.median(row["dtk"] / row["torch_load"] for row in rows)
+    print(f"checkpoint {nbytes / 1e6:.0f} MB, {len(rows)} rounds, medians (page cache warm)")
+    print(f"dtk verified load            {med('dtk'):.3f} s   (resume(): manifest, sizes, DCP load with CRC-32 of"
+          " every file, state applied)")
+    print(f"torch.load + load_state_dict {med('plain'):.3f} s")
+    print(f"torch.load alone             {med('torch_load'):.3f} s")
+    print(f"verified / (torch.load + load_state_dict)   {ratio:.3f}")
+    print(f"verified / torch.load alone                 {ratio_load:.3f}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_checkpoint import events, params, resume_fresh, save_three
+from test_checkpoint import events, make_parts, manager, params, resume_fresh, save_three, train_step
 
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.safe import SafeLoadPlanner
+from dtk.rundir import RunDir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -85,3 +86,44 @@ def test_a_file_read_in_part_is_left_to_the_check_after_the_load(tmp_path):
     manifest["files"]["__0_0.distcp"]["crc32"] = "00000000"
     assert reader.mismatches(manifest) == [f"__0_0.distcp crc32 {want}, manifest says 00000000"]
     assert json.dumps(reader.crcs)  # plain strings: gathered between ranks as objects
+
+
+def test_a_resume_allocates_the_optimizer_state_from_the_metadata_instead_of_a_zero_gradient_step(tmp_path,
+                                                                                                  monkeypatch):
+    """A fresh AdamW has no state to load into; the load gives it tensors shaped as the
+    checkpoint lists them (dtk.checkpoint.load.allocate_optimizer_state) rather than letting
+    torch run an optimizer step on zero gradients, and the state it ends with is the saved
+    one, value for value."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = make_parts()
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=False)
+    for _ in (1, 2):
+        train_step(model, optimizer, scheduler)
+    ckpt.save(2)
+    ckpt.close()
+    steps: list[int] = []
+    fresh, fresh_opt, fresh_sched = make_parts(seed=99)
+    fresh_opt.register_step_pre_hook(lambda *_: steps.append(1))
+    resumer = manager(run, fresh, fresh_opt, fresh_sched, asynchronous=False)
+    assert resumer.resume() == 2
+    resumer.close()
+    assert steps == []  # no optimizer step ran to create the state
+    saved, loaded = optimizer.state_dict(), fresh_opt.state_dict()
+    assert saved["state"].keys() == loaded["state"].keys()
+    for index, entries in saved["state"].items():
+        assert entries.keys() == loaded["state"][index].keys()
+        for key, value in entries.items():
+            assert torch.equal(value, loaded["state"][index][key]), (index, key)
+            assert value.device == loaded["state"][index][key].device
+
+
+def test_the_optimizer_state_is_left_to_torch_where_the_checkpoint_lacks_a_parameters_state(tmp_path):
+    """A trainable parameter without state in the checkpoint: nothing is allocated."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dtk.checkpoint.load import allocate_optimizer_state
+
+    model, optimizer, _ = make_parts()
+    assert not allocate_optimizer_state(model, optimizer, Metadata(state_dict_metadata={}))
+    assert not optimizer.state

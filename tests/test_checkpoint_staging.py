@@ -115,3 +115,29 @@ def test_the_optimizer_steps_wait_for_the_copy_is_heartbeat_busy_time(tmp_path, 
     assert waiting is not None and waiting.done()
     assert seen == [1]  # the wait ran inside exactly one busy window
     ckpt.close()
+
+
+def test_the_stager_reuses_its_buffers_and_copies_the_current_values_at_every_save():
+    """dtk.checkpoint.staging: the second and later saves copy into the buffers of the first
+    (the GIL-free copy), and each holds the state at its own save, bit for bit."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    from dtk.checkpoint import staging as module
+    from dtk.checkpoint.staging import stager
+
+    state = {"w": torch.randn(64, 32), "b": torch.arange(10, dtype=torch.int64), "h": torch.randn(8).half()}
+    staging = stager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
+                                    use_non_blocking_copy=False))
+    assert isinstance(staging._state_dict_stager, module._Stager)  # dtk's copy, not DCP's
+    try:
+        first = staging.stage(state).result()
+        assert all(torch.equal(first[k], state[k]) for k in state)
+        pointers = {k: first[k].data_ptr() for k in state}
+        for v in state.values():
+            v.add_(3)
+        second = staging.stage(state).result()
+        assert {k: second[k].data_ptr() for k in state} == pointers  # the same host buffers
+        assert all(torch.equal(second[k], state[k]) for k in state)
+        assert all(second[k].data_ptr() != state[k].data_ptr() for k in state)  # copies, not the live tensors
+    finally:
+        staging.close()

@@ -244,3 +244,29 @@ def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_n
     assert fresh.resume() == 3
     fresh.close()
     assert all(torch.equal(a, b) for a, b in zip(again[0].parameters(), held, strict=True))
+
+
+@pytest.mark.slow
+def test_the_checkpoint_process_checksums_the_shards_and_the_training_process_reads_none_back(tmp_path, group,
+                                                                                             monkeypatch):
+    """async_mode=process: the sizes and CRCs of the DCP files come from the checkpoint
+    process (computed as it wrote them); the training process reads back only the small
+    files it wrote itself, and the manifest it commits matches every file on disk."""
+    read_back: list[str] = []
+    describe = mf.describe_file
+    monkeypatch.setattr(mf, "describe_file", lambda path: (read_back.append(path.name), describe(path))[1])
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model, optimizer, scheduler = parts(width=64)
+    ckpt = manager(run, model, optimizer, scheduler, asynchronous=True, mode="process")
+    for n in (1, 2):
+        step(model, optimizer, scheduler)
+        ckpt.save(n)
+        ckpt.wait()
+    ckpt.close()
+    folder = run.checkpoint_dir(2)
+    listed = mf.read_manifest(folder)["files"]
+    assert any(name.endswith(".distcp") for name in listed) and ".metadata" in listed
+    assert sorted(set(read_back)) == ["rng_00000.pt", "trainer.json"], read_back
+    for name, entry in listed.items():  # what the checkpoint process reported is what is on disk
+        assert entry == mf.describe_file(folder / name), name

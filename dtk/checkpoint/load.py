@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import _get_fqns, set_state_dict
 
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.reading import HashingReader
@@ -89,6 +90,45 @@ def _check_checksums(comm: Comm, path: Path, manifest: dict[str, Any], names: li
         raise mf.Rejected(mf.summarize(every))
 
 
+def allocate_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata) -> bool:
+    """Give an optimizer without state the tensors its checkpointed state loads into, shaped
+    and typed as `.metadata` lists them (uninitialised: the load fills every one). Without
+    them, torch's get_state_dict creates the state by running a whole optimizer step on zero
+    gradients - for AdamW as long as a training step's update, spent before the first byte
+    is read. Only where each trainable parameter is a plain tensor whose every state entry
+    is a tensor in the checkpoint; otherwise (DTensor shards, another optimizer's state, a
+    value stored as bytes) nothing is touched and torch's way applies. Returns whether it
+    allocated."""
+    if optimizer.state:
+        return False
+    fqns = {id(p): _get_fqns(module, name) for name, p in module.named_parameters()}
+    entries = metadata.state_dict_metadata
+    planned: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            names = fqns.get(id(param))
+            if type(param.data) is not torch.Tensor or names is None or len(names) != 1:
+                return False
+            prefix = f"optim.state.{next(iter(names))}."
+            found: dict[str, TensorStorageMetadata] = {}
+            for key, entry in entries.items():
+                if key.startswith(prefix):
+                    if "." in key[len(prefix):] or not isinstance(entry, TensorStorageMetadata):
+                        return False
+                    found[key[len(prefix):]] = entry
+            if not found:
+                return False
+            # a 0-dim entry (AdamW's step) on the CPU, as torch keeps it unless capturable or fused
+            # (the optimizer's load_state_dict moves it then); the rest beside the parameter
+            planned[param] = {k: torch.empty(e.size, dtype=e.properties.dtype,
+                                             device=param.device if len(e.size) else "cpu")
+                              for k, e in found.items()}
+    optimizer.state.update(planned)
+    return bool(planned)
+
+
 def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Collective: load model and optimizer (resharded to the current layout); return the
     trainer state and whether this rank's RNG was restored (only when the world size is
@@ -98,13 +138,19 @@ def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> t
     The files' CRCs are checked on the way (dtk.checkpoint.reading), and the files no rank
     read whole after it: mf.Rejected on every rank when one differs from `manifest`, before
     the state is applied to the optimizer and the RNG."""
-    model_sd, optim_sd, keys = _agree(comm, path, lambda: _state_dicts(parts))
-    state = {"model": model_sd, "optim": optim_sd}
     reader = HashingReader(path, manifest=manifest)
 
-    def read() -> None:
+    def prepare() -> tuple[dict[str, Any], dict[str, Any], list[tuple[set, set]]]:
         # .metadata first, checked and parsed as DCP metadata only (Rejected here, not wrapped by DCP)
-        reader.read_metadata()
+        metadata = reader.read_metadata()
+        for module, optimizer in parts:
+            allocate_optimizer_state(module, optimizer, metadata)
+        return _state_dicts(parts)
+
+    model_sd, optim_sd, keys = _agree(comm, path, prepare)
+    state = {"model": model_sd, "optim": optim_sd}
+
+    def read() -> None:
         # DCP gathers every rank's read result: a failed read raises on all ranks.
         try:
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=comm.group,

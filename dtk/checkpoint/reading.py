@@ -86,7 +86,7 @@ class HashingReader(SafeReader):
             size = os.fstat(fh.fileno()).st_size
             whole = sum(length for _, length in spans) >= WHOLE_SHARE * size
             crc, pos, failure = 0, 0, None
-            deferred: list[tuple[Any, bytearray]] = []  # bytes items of a file read whole: parsed once it checks
+            deferred: list[tuple[Any, bytes]] = []  # bytes items of a file read whole: parsed once it checks
             for offset, length in spans:
                 if offset < pos:  # items that overlap: not a file DCP writes; no CRC from this pass
                     whole = False
@@ -124,7 +124,7 @@ class HashingReader(SafeReader):
         for req, data in deferred:
             self._load(req, data, planner)
 
-    def _load(self, req, data: bytearray, planner: LoadPlanner) -> None:
+    def _load(self, req, data: bytes, planner: LoadPlanner) -> None:
         """One read item from its bytes: what FileSystemReader does with a file slice."""
         info = self.storage_data[req.storage_index]
         stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
@@ -145,16 +145,22 @@ class HashingReader(SafeReader):
         planner.commit_tensor(req, target)
 
 
-def _read_exactly(fh, length: int) -> bytearray:
-    data = bytearray(length)
-    view = memoryview(data)
-    got = 0
+def _read_exactly(fh, length: int) -> bytes:
+    """`length` bytes from the current position, as `bytes`: io.BytesIO shares a bytes object's
+    buffer instead of copying it (it copies a bytearray), so the record is copied once, by
+    torch.load into its tensor, after the read."""
+    data = fh.read(length)
+    if len(data) == length:
+        return data
+    pieces = [data]
+    got = len(data)
     while got < length:
-        n = fh.readinto(view[got:])
-        if not n:
+        more = fh.read(length - got)
+        if not more:
             raise OSError(f"{fh.name}: ends at {fh.tell()} bytes, a record needs {length - got} more")
-        got += n
-    return data
+        pieces.append(more)
+        got += len(more)
+    return b"".join(pieces)
 
 
 def _hash_span(fh, start: int, end: int, crc: int) -> int:

@@ -19,8 +19,9 @@ A save runs in three phases; only the first blocks training:
 
     1. main thread, every rank: wait for the previous save; create the folder; take this
        rank's RNG state (and rank 0 the trainer state); start staging model and optimizer state
-       into host buffers kept from one save to the next (`DefaultStager`: pinned memory and
-       a copy stream of its own on a GPU) and start `dcp.async_save`.
+       into host buffers kept from one save to the next (DCP's `DefaultStager`, copying without
+       the GIL: dtk.checkpoint.staging; pinned memory and a copy stream of its own on a GPU)
+       and start `dcp.async_save`.
     1b. the stager's thread copies the state while training goes on; the next optimizer
        step (and the next forward, where the model has buffers a forward may change) waits
        for the copy first (`staged`, hooked by the CheckpointManager), so the checkpoint
@@ -44,6 +45,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
@@ -62,6 +64,7 @@ from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import writer_process
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
+from dtk.checkpoint.staging import stager
 from dtk.dist.groups import new_group
 from dtk.rundir import TRAINER_STATE, write_json_atomic
 
@@ -165,12 +168,14 @@ class Saver:
         # checkpoint.async_mode=process: DCP's checkpoint process writes (dtk.checkpoint.writer_process)
         self.process = asynchronous and process
         assert not self.process or comm.group is not None, "the checkpoint process needs a process group"
+        # where the checkpoint process reports the sizes and CRCs of the files it wrote (this rank's own)
+        self._reports = Path(tempfile.mkdtemp(prefix="dtk-ckpt-crc-")) if self.process else None
         self.on_commit = on_commit  # rank 0, finisher thread, right after the manifest is written
         gpu = torch.cuda.is_available()
         self._stager = (
             # Shared memory for the checkpoint process: the staged tensors reach it as handles, not copies.
-            DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.process,
-                                         use_async_staging=True, use_non_blocking_copy=gpu))
+            stager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.process,
+                                  use_async_staging=True, use_non_blocking_copy=gpu))
             if asynchronous
             else None
         )
@@ -198,8 +203,8 @@ class Saver:
         return self._staging is not None
 
     def _writer(self, path: Path) -> Any:
-        if self.process:  # not checksummed as written: rank 0 reads the files back
-            return writer_process.writer(path, thread_count=WRITE_THREADS)
+        if self._reports is not None:  # checksummed as written, in the checkpoint process
+            return writer_process.writer(path, report=self._reports / f"{path.name}.json", thread_count=WRITE_THREADS)
         # Files are fsynced before the manifest can count them, and checksummed as written.
         return HashingWriter(str(path), sync_files=True, thread_count=WRITE_THREADS)
 
@@ -380,3 +385,5 @@ class Saver:
                 self._stager.close()
             if self.process:
                 writer_process.discard()
+            if self._reports is not None:
+                shutil.rmtree(self._reports, ignore_errors=True)
