@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from dtk.checkpoint import memory_store as ms
 from dtk.checkpoint.rng import rng_state, set_rng_state
-from dtk.dist.groups import new_group
+from dtk.checkpoint.sharded import Comm
 from dtk.rundir import memory_store
 
 
@@ -65,26 +65,16 @@ class MemoryTier:
         self.identity = identity
         self.node = node_name()
         self.store = memory_store(run_path) / self.node
-        self.group = new_group(backend="gloo") if dist.is_initialized() else None
+        self.comm = Comm.create()  # a gloo group of the tier's own: the snapshot thread's traffic
+        self.group = self.comm.group
         if fresh and local_rank == 0:  # a new run of this run directory: an earlier one's store is stale
             import shutil
 
             shutil.rmtree(self.store, ignore_errors=True)
-        self._barrier()
+        self.comm.barrier()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-memtier")
         self._pending: Future | None = None
         self.blocked_s: list[float] = []  # the training thread's time per snapshot (waiting + copying)
-
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.group is None:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
 
     # --- snapshot -------------------------------------------------------------------------
 
@@ -135,7 +125,7 @@ class MemoryTier:
                     w.wait()
             got = received.numpy().tobytes()
             ms.write_shard(self.store, step, "replica", source, got, zlib.crc32(got))
-        crcs = self._gather(crc)  # past this, every rank's shard and replica of the step is written
+        crcs = self.comm.all_gather(crc)  # past this, every rank's shard and replica of the step is written
         if self.local_rank == 0:
             ms.write_commit(self.store, ms.commit_record(step, world_size=self.world, identity=self.identity,
                                                          crcs=crcs))
@@ -147,12 +137,12 @@ class MemoryTier:
         """Collective: restore the newest complete snapshot newer than `disk_step`. Returns the
         choice (step None: nothing restored, with its reason) and the seconds it took."""
         t0 = time.perf_counter()
-        reports = self._gather({"node": self.node, "steps": ms.holdings(self.store)})
+        reports = self.comm.all_gather({"node": self.node, "steps": ms.holdings(self.store)})
         choice = ms.choose(reports, world=self.world, identity=self.identity, disk_step=disk_step)
         if choice.step is None:
             return choice, time.perf_counter() - t0
         data, problem = self._fetch(choice)
-        problems = [p for p in self._gather(problem) if p]
+        problems = [p for p in self.comm.all_gather(problem) if p]
         if problems:
             return ms.Choice(None, reason=problems[0]), time.perf_counter() - t0
         state = torch.load(io.BytesIO(data), weights_only=True)
@@ -217,7 +207,7 @@ class MemoryTier:
         self.wait()
         self._thread.shutdown(wait=True)
         if discard:
-            self._barrier()
+            self.comm.barrier()
             if self.local_rank == 0:
                 import shutil
 
