@@ -2,8 +2,9 @@
 checkpoint.memory_every. With a spare, the replacement node's rank gets its state from the
 replica its partner on the surviving node holds (`tier: peer`), at most memory_every steps
 are redone and the losses equal the uninterrupted run's. Without a spare the run shrinks to
-one rank: the snapshot's world size is not the new one, so it falls back to the disk
-checkpoint and says so (`memory_fallback: world size changed ...`)."""
+one rank on the surviving node, which holds its own shard and the lost node's replica: the
+snapshot of 2 ranks is resharded to 1 (`tier: memory`, `from_world_size: 2`), at most
+memory_every steps are redone and the run ends where the uninterrupted one does."""
 
 from __future__ import annotations
 
@@ -44,16 +45,19 @@ def test_node_failure_with_a_spare_restores_the_lost_rank_from_its_replica(lab, 
     assert losses(run) == reference
 
 
-def test_node_failure_without_a_spare_shrinks_and_falls_back_to_disk_with_the_reason(lab, tmp_path, reference):
+def test_node_failure_without_a_spare_shrinks_and_reshards_the_snapshot(lab, tmp_path, reference):
     hold = subprocess.run(["sbatch", "--parsable", "-w", "node3", "-N1", "--job-name=dtk-test-hold", "--output=/dev/null",
                            "--wrap=sleep 600"], capture_output=True, text=True).stdout.strip()
     try:
         wait_for(lambda: job_field(hold, "JobState") == "RUNNING", 30, "the job holding node3")
-        run, _, _ = node_fail_drill(tmp_path, *TIER, grow=True)
+        run, _, _ = node_fail_drill(tmp_path, "checkpoint.every=1000", *TIER, grow=True)
     finally:
         subprocess.run(["scancel", hold], capture_output=True)
     started = named(run, "started")
     assert started[1]["world_size"] == 1
-    shrunk = [e for e in named(run, "checkpoint_loaded") if e.get("from_world_size") == 2 and e["tier"] == "disk"]
-    assert shrunk and "world size changed" in shrunk[0]["memory_fallback"], named(run, "checkpoint_loaded")
+    (failed,) = named(run, "node_failed")
+    loaded = named(run, "checkpoint_loaded")
+    assert len(loaded) == 1 and loaded[0]["tier"] == "memory" and loaded[0]["from_world_size"] == 2, loaded
+    relaunch_step = failed.get("step") or named(run, "relaunched")[-1]["step"]
+    assert 0 <= relaunch_step - loaded[0]["step"] <= EVERY, (failed, loaded)
     assert abs(losses(run)[STEPS] - reference[STEPS]) <= 1e-5 * abs(reference[STEPS])

@@ -129,6 +129,18 @@ def allocate_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Opt
     return bool(planned)
 
 
+def set_parts(parts: Parts, keys: list[tuple[set, set]], state: dict[str, Any]) -> None:
+    """Hand each part (a module and its optimizer) its keys of the loaded flat state."""
+    for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
+        set_state_dict(
+            module,
+            optimizer,
+            model_state_dict={k: state["model"][k] for k in mkeys},
+            optim_state_dict={k: state["optim"][k] for k in okeys},
+            options=_OPTIONS,
+        )
+
+
 def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Collective: load model and optimizer (resharded to the current layout); return the
     trainer state and whether this rank's RNG was restored (only when the world size is
@@ -177,14 +189,7 @@ def load(path: Path, *, parts: Parts, comm: Comm, manifest: dict[str, Any]) -> t
         rng_name, rng = rng_file(comm.rank), None
         if trainer_state["world_size"] == comm.world_size and rng_name in manifest["files"]:
             rng = torch.load(io.BytesIO(read_checked(path, rng_name, manifest)), weights_only=True)
-        for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
-            set_state_dict(
-                module,
-                optimizer,
-                model_state_dict={k: state["model"][k] for k in mkeys},
-                optim_state_dict={k: state["optim"][k] for k in okeys},
-                options=_OPTIONS,
-            )
+        set_parts(parts, keys, state)
         if rng is not None:
             set_rng_state(rng)
         return trainer_state, rng is not None

@@ -115,9 +115,9 @@ class CheckpointManager:
         if self.memory is not None and not self._resumed_once:  # a rollback's resume goes to the disk
             self._resumed_once = True
             disk_step = max((step for step, _, committed in found if committed), default=0)
-            choice, seconds = self.memory.restore(disk_step=disk_step)
+            choice, tiers, seconds = self.memory.restore(disk_step=disk_step)
             if choice.step is not None:
-                return self._restored(choice, seconds)
+                return self._restored(choice, tiers, seconds)
             memory_fallback = choice.reason
         reasons = []
         for step, path, committed in reversed(found):
@@ -165,15 +165,16 @@ class CheckpointManager:
             )
         return 0
 
-    def _restored(self, choice: Any, seconds: float) -> int:
+    def _restored(self, choice: Any, tiers: dict[int, str], seconds: float) -> int:
         """The bookkeeping of a start from the memory tier (dtk.checkpoint.memory_tier)."""
         step = choice.step
-        self.rng_restored = True  # the world size is the snapshot's: every rank's own streams
+        # the snapshot's world size: every rank's own streams; another: fresh ones, as from disk
+        self.rng_restored = choice.from_world == self.world_size
         self._last_save_t = time.monotonic()
         if self.rank == 0:
-            peers = sorted(r for r, tier in choice.tiers.items() if tier == "peer")
+            peers = sorted(r for r, tier in tiers.items() if tier == "peer")
             self.run.event("checkpoint_loaded", step=step, tier="peer" if peers else "memory", peer_ranks=peers,
-                           from_world_size=self.world_size, samples_consumed=step * self.global_batch,
+                           from_world_size=choice.from_world, samples_consumed=step * self.global_batch,
                            seconds=round(seconds, 6))
         return step
 

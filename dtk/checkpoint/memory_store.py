@@ -3,16 +3,25 @@
 Each node keeps, under `dtk.rundir.memory_store(run) / <node>/`:
 
     step_00000042/
-        own_00003.pt        rank 3's snapshot (this node ran rank 3)
+        own_00003.pt        rank 3's snapshot (this node ran rank 3): its local pieces of
+                            every tensor, keyed as DCP keys them, and the small state
         own_00003.crc       its CRC32, beside it
-        replica_00001.pt    rank 1's snapshot, received from rank 1 on another node
+        own_00003.json      its layout: each tensor's dtype, global size and the offsets
+                            and sizes of the piece it holds (what DCP's metadata says of it)
+        replica_00001.pt    rank 1's snapshot and layout, received from rank 1 on another node
         replica_00001.crc
+        replica_00001.json
         commit.json         written last, by the node's first rank, once every rank of the
-                            world wrote its shard and its replica: the step is complete
+                            world wrote its shard and its replica: the step is complete; it
+                            holds every rank's shard CRC and layout CRC
 
 Rank r sends its replica to `partner(r)` = (r + ranks_per_node) % world: the same local rank
 of the next node, a ring over nodes. One node: no replica (the tier can only restore from
 `memory`). Files are written to a temporary name and renamed.
+
+A restore may run on another world size (a shrink): the layouts say which old shards hold
+the pieces a new rank needs; those are read from its node or sent by a rank whose node
+holds them (`transfers`), and DCP's planner reshards them (dtk.checkpoint.memory_load).
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ def shard_name(kind: str, rank: int) -> str:
     return f"{kind}_{rank:05d}.pt"
 
 
+def layout_name(kind: str, rank: int) -> str:
+    return shard_name(kind, rank)[: -len(".pt")] + ".json"
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as fh:
@@ -60,11 +73,18 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(node_store: Path, step: int, kind: str, rank: int, data: bytes, crc: int) -> None:
+def write_shard(node_store: Path, step: int, kind: str, rank: int, data: bytes, crc: int,
+                layout: bytes = b"{}") -> None:
+    """A shard, its CRC and its layout; the shard last, so a shard that is there has both."""
     folder = step_dir(node_store, step)
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / shard_name(kind, rank), data)
+    write_atomic(folder / layout_name(kind, rank), layout)
     write_atomic((folder / shard_name(kind, rank)).with_suffix(".crc"), f"{crc}\n".encode())
+    write_atomic(folder / shard_name(kind, rank), data)
+
+
+def read_layout(node_store: Path, step: int, kind: str, rank: int) -> bytes:
+    return (step_dir(node_store, step) / layout_name(kind, rank)).read_bytes()
 
 
 def read_shard(node_store: Path, step: int, kind: str, rank: int) -> tuple[bytes, int | None]:
@@ -78,8 +98,10 @@ def read_shard(node_store: Path, step: int, kind: str, rank: int) -> tuple[bytes
     return data, crc
 
 
-def commit_record(step: int, *, world_size: int, identity: dict[str, Any], crcs: list[int]) -> dict[str, Any]:
-    return {"step": step, "world_size": world_size, "identity": identity, "crcs": crcs}
+def commit_record(step: int, *, world_size: int, identity: dict[str, Any], crcs: list[int],
+                  layout_crcs: list[int]) -> dict[str, Any]:
+    return {"step": step, "world_size": world_size, "identity": identity, "crcs": crcs,
+            "layout_crcs": layout_crcs}
 
 
 def parse_commit(text: str) -> dict[str, Any] | None:
@@ -91,8 +113,9 @@ def parse_commit(text: str) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         return None
     ok = (isinstance(record.get("step"), int) and isinstance(record.get("world_size"), int)
-          and isinstance(record.get("identity"), dict) and isinstance(record.get("crcs"), list)
-          and len(record["crcs"]) == record["world_size"] and all(isinstance(c, int) for c in record["crcs"]))
+          and isinstance(record.get("identity"), dict)
+          and all(isinstance(record.get(k), list) and len(record[k]) == record["world_size"]
+                  and all(isinstance(c, int) for c in record[k]) for k in ("crcs", "layout_crcs")))
     return record if ok else None
 
 
@@ -139,23 +162,26 @@ def prune(node_store: Path, *, keep: int = KEEP) -> None:
 
 @dataclass
 class Choice:
-    """The snapshot step the ranks restore (None: the disk tier), and who reads each rank's shard."""
+    """The snapshot step the ranks restore (None: the disk tier), and who reads each old rank's shard."""
 
     step: int | None
+    from_world: int = 0
+    """The snapshot's world size (the ranks of its shards); another than now: the restore reshards."""
     sources: dict[int, tuple[int, str]] = field(default_factory=dict)
-    """rank -> (the rank whose node holds its shard, "own" or "replica" file)."""
-    tiers: dict[int, str] = field(default_factory=dict)
-    """rank -> "memory" (its shard is on its own node) or "peer" (on another node's store)."""
+    """old rank -> (the rank now whose node holds its shard, "own" or "replica" file)."""
     crcs: list[int] = field(default_factory=list)
+    layout_crcs: list[int] = field(default_factory=list)
     reason: str | None = None
     """Why the tier is not used (None with step None: there was no snapshot to restore)."""
 
 
 def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any], disk_step: int) -> Choice:
-    """The newest step complete for every rank and newer than the disk checkpoint.
+    """The newest step whose every shard is on some node and newer than the disk checkpoint.
 
     `reports[r]` is rank r's view of its node's store: {"node": name, "steps": holdings()}.
-    Pure and deterministic: every rank computes the same choice from the same reports."""
+    The snapshot may be of another world size (a shrink, a growth): every old rank's shard
+    must be held by a node of the job now. Pure and deterministic: every rank computes the
+    same choice from the same reports."""
     commits: dict[int, dict[str, Any]] = {}
     for report in reports:
         for step, held in report["steps"].items():
@@ -170,37 +196,59 @@ def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any
     reasons = []
     for step in newer:
         record = commits[step]
-        if record["world_size"] != world:
-            reasons.append(f"world size changed (snapshot of step {step}: {record['world_size']} ranks, now {world})")
-            continue
         changed = sorted(k for k in set(identity) | set(record["identity"])
                          if record["identity"].get(k) != identity.get(k))
         if changed:
             reasons.append(f"step {step}: {', '.join(changed)} changed since the snapshot")
             continue
         sources: dict[int, tuple[int, str]] = {}
-        tiers: dict[int, str] = {}
-        for rank in range(world):
-            found = _holder(reports, rank, step)
+        for old in range(record["world_size"]):
+            found = _holder(reports, old, step)
             if found is None:
+                reasons.append(f"step {step}: rank {old}'s shard is on no node of the job (neither its own nor a"
+                               f" replica; snapshot of {record['world_size']} ranks, now {world})")
                 break
-            sources[rank] = found
-            tiers[rank] = "memory" if reports[found[0]]["node"] == reports[rank]["node"] else "peer"
+            sources[old] = found
         else:
-            return Choice(step, sources, tiers, list(record["crcs"]))
-        reasons.append(f"step {step}: rank {rank}'s shard is on no node (neither its own nor a replica)")
+            return Choice(step, record["world_size"], sources, list(record["crcs"]), list(record["layout_crcs"]))
     return Choice(None, reason="; ".join(reasons))
 
 
-def _holder(reports: list[dict[str, Any]], rank: int, step: int) -> tuple[int, str] | None:
-    """Who reads `rank`'s shard of `step`: the rank itself when its node holds it, else the
-    lowest rank whose node holds it (its own file, or a replica)."""
-    order = [rank] + [r for r in range(len(reports)) if r != rank]
+def _holder(reports: list[dict[str, Any]], old: int, step: int) -> tuple[int, str] | None:
+    """Who reads old rank `old`'s shard of `step`: the rank of that number now when its node
+    holds it, else the lowest rank whose node holds it (its own file, or a replica)."""
+    order = ([old] if old < len(reports) else []) + [r for r in range(len(reports)) if r != old]
     for holder in order:
         held = reports[holder]["steps"].get(step)
         if held is None:
             continue
         for kind in ("own", "replica"):
-            if rank in held[kind]:
+            if old in held[kind]:
                 return holder, kind
     return None
+
+
+def pick(olds: list[int], *, rank: int, sources: dict[int, tuple[int, str]], nodes: list[str]) -> int:
+    """Of the old ranks whose shards hold the same piece, the one rank `rank` reads it from:
+    its own number (the same layout: one shard has all it needs), else one its node holds,
+    else the lowest."""
+    if rank in olds:
+        return rank
+    local = [o for o in olds if nodes[sources[o][0]] == nodes[rank]]
+    return min(local or olds)
+
+
+def transfers(needs: list[list[int]], sources: dict[int, tuple[int, str]],
+              nodes: list[str]) -> tuple[list[tuple[int, int, int]], dict[int, str]]:
+    """The shards that cross nodes, as (old rank, from rank, to rank) in one order every rank
+    walks (so no send waits on a receive that waits on it), and each rank's tier: "memory"
+    when every shard it needs is on its node, "peer" when one comes from another node."""
+    moves, tiers = [], {}
+    for rank, wanted in enumerate(needs):
+        tiers[rank] = "memory"
+        for old in sorted(set(wanted)):
+            holder = sources[old][0]
+            if nodes[holder] != nodes[rank]:
+                moves.append((old, holder, rank))
+                tiers[rank] = "peer"
+    return sorted(moves), tiers

@@ -1,17 +1,22 @@
 """The in-memory snapshot tier (checkpoint.memory_every): snapshots of each rank's own state
 in its node's /dev/shm, a replica on a partner node, restored at a relaunch before the disk.
 
-A snapshot: on the training thread, the rank's state is copied to CPU tensors (model and
-optimizer state with DTensors as their local shards, scheduler, RNG streams; the data
-position is the step). A background thread serializes it, takes its CRC32, writes it to the
-node's store, swaps replicas with the ring partners (dtk.checkpoint.memory_store) over a
-gloo group only it uses, then gathers every rank's CRC: past that gather every shard and
-replica of the step is in place, and each node's first rank writes the commit record.
+A snapshot: on the training thread, the rank's model and optimizer state, flattened to DCP's
+keys, is copied to CPU tensors (DTensors as their local pieces, with where each piece sits:
+its layout), with the scheduler and the RNG streams; the data position is the step. A
+background thread serializes it, takes its CRC32, writes it to the node's store, swaps
+replicas with the ring partners (dtk.checkpoint.memory_store) over a gloo group only it
+uses, then gathers every rank's CRCs: past that gather every shard and replica of the step
+is in place, and each node's first rank writes the commit record.
 
-A restore (collective, at a start): the ranks gather what their nodes hold, agree on the
-step (memory_store.choose), read or receive their shard, check its CRC, and apply it only
-when every rank's shard checked out; otherwise the reason goes to the disk load's event.
-It never reads the run directory's checkpoints.
+A restore (collective, at a start): the ranks gather what their nodes hold and agree on the
+step (memory_store.choose), then on the layouts of its shards; each rank plans its load
+with DCP's planner against them (on another world size, or scheme, that plan reshards, as
+a disk resume does), reads the shards it needs from its node or receives them from a rank
+whose node holds them, checks their CRCs, and loads them through DCP
+(dtk.checkpoint.memory_load). Every step is agreed by all ranks; a problem on any is the
+reason on all, and the disk checkpoint loads instead. It never reads the run directory's
+checkpoints.
 """
 
 from __future__ import annotations
@@ -20,36 +25,32 @@ import io
 import socket
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+import torch.distributed.checkpoint as dcp
 
+from dtk.checkpoint import memory_load as mload
 from dtk.checkpoint import memory_store as ms
+from dtk.checkpoint.load import allocate_optimizer_state, set_parts
 from dtk.checkpoint.rng import rng_state, set_rng_state
-from dtk.checkpoint.sharded import Comm
+from dtk.checkpoint.safe import SafeLoadPlanner
+from dtk.checkpoint.sharded import Comm, _state_dicts
 from dtk.rundir import memory_store
+
+
+class Fallback(Exception):
+    """Why the memory tier is not used for this start; the same on every rank."""
 
 
 def node_name() -> str:
     import os
 
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().to("cpu", copy=True)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 class MemoryTier:
@@ -83,14 +84,11 @@ class MemoryTier:
         to the background thread; the previous snapshot is finished first."""
         t0 = time.perf_counter()
         self.wait()
-        state = {
-            "step": step,
-            "model": [_to_cpu(module.state_dict()) for module, _ in self.parts],
-            "optim": [_to_cpu(optimizer.state_dict()) for _, optimizer in self.parts],
-            "scheduler": _to_cpu(self.scheduler.state_dict()),
-            "rng": rng_state(),
-        }
-        self._pending = self._thread.submit(self._write, step, state)
+        model_sd, optim_sd, _ = _state_dicts(self.parts)
+        tensors, objects, layout = mload.pieces({"model": model_sd, "optim": optim_sd})
+        state = {"step": step, "tensors": tensors, "objects": objects,
+                 "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
+        self._pending = self._thread.submit(self._write, step, state, layout)
         self.blocked_s.append(time.perf_counter() - t0)
 
     def wait(self) -> None:
@@ -102,104 +100,154 @@ class MemoryTier:
             except Exception as exc:  # a lost snapshot costs nothing but the tier: the disk stays
                 print(f"memory snapshot failed on rank {self.rank}: {exc}", flush=True)
 
-    def _write(self, step: int, state: dict[str, Any]) -> None:
+    def _write(self, step: int, state: dict[str, Any], layout: mload.Layout) -> None:
         buf = io.BytesIO()
         torch.save(state, buf)
-        data = buf.getvalue()
-        crc = zlib.crc32(data)
-        ms.write_shard(self.store, step, "own", self.rank, data, crc)
+        data, meta = buf.getvalue(), mload.layout_bytes(layout)
+        crc, meta_crc = zlib.crc32(data), zlib.crc32(meta)
+        ms.write_shard(self.store, step, "own", self.rank, data, crc, meta)
         partner = ms.partner(self.rank, self.world, self.per_node)
         source = ms.replica_of(self.rank, self.world, self.per_node)
         if partner is not None and source is not None and self.group is not None:
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            incoming = torch.zeros(1, dtype=torch.int64)
-            works = [dist.isend(size, partner, group=self.group), dist.irecv(incoming, source, group=self.group)]
-            for w in works:
-                if w is not None:
-                    w.wait()
-            received = torch.empty(int(incoming.item()), dtype=torch.uint8)
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            works = [dist.isend(payload, partner, group=self.group), dist.irecv(received, source, group=self.group)]
-            for w in works:
-                if w is not None:
-                    w.wait()
+            sizes = torch.tensor([len(data), len(meta)], dtype=torch.int64)
+            incoming = torch.zeros(2, dtype=torch.int64)
+            self._exchange(sizes, partner, incoming, source)
+            received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
+            self._exchange(torch.frombuffer(bytearray(data + meta), dtype=torch.uint8), partner, received, source)
             got = received.numpy().tobytes()
-            ms.write_shard(self.store, step, "replica", source, got, zlib.crc32(got))
-        crcs = self.comm.all_gather(crc)  # past this, every rank's shard and replica of the step is written
+            cut = int(incoming[0])
+            ms.write_shard(self.store, step, "replica", source, got[:cut], zlib.crc32(got[:cut]), got[cut:])
+        crcs = self.comm.all_gather((crc, meta_crc))  # past this, every rank's shard and replica is written
         if self.local_rank == 0:
             ms.write_commit(self.store, ms.commit_record(step, world_size=self.world, identity=self.identity,
-                                                         crcs=crcs))
+                                                         crcs=[c for c, _ in crcs], layout_crcs=[m for _, m in crcs]))
             ms.prune(self.store)
+
+    def _exchange(self, out: torch.Tensor, to: int, into: torch.Tensor, source: int) -> None:
+        works = [dist.isend(out, to, group=self.group), dist.irecv(into, source, group=self.group)]
+        for w in works:
+            if w is not None:
+                w.wait()
 
     # --- restore --------------------------------------------------------------------------
 
-    def restore(self, *, disk_step: int) -> tuple[ms.Choice, float]:
-        """Collective: restore the newest complete snapshot newer than `disk_step`. Returns the
-        choice (step None: nothing restored, with its reason) and the seconds it took."""
+    def restore(self, *, disk_step: int) -> tuple[ms.Choice, dict[int, str], float]:
+        """Collective: restore the newest complete snapshot newer than `disk_step`, resharded to
+        this world. Returns the choice (step None: nothing restored, with its reason), each
+        rank's tier (memory or peer) and the seconds it took."""
         t0 = time.perf_counter()
         reports = self.comm.all_gather({"node": self.node, "steps": ms.holdings(self.store)})
         choice = ms.choose(reports, world=self.world, identity=self.identity, disk_step=disk_step)
         if choice.step is None:
-            return choice, time.perf_counter() - t0
-        data, problem = self._fetch(choice)
+            return choice, {}, time.perf_counter() - t0
+        try:
+            tiers = self._restore(choice, [r["node"] for r in reports])
+        except Fallback as exc:
+            return ms.Choice(None, reason=str(exc)), {}, time.perf_counter() - t0
+        return choice, tiers, time.perf_counter() - t0
+
+    def _agree(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on every rank; Fallback on all of them, with the first rank's problem, when
+        it failed on any."""
+        result, problem = None, None
+        try:
+            result = fn()
+        except Fallback as exc:
+            problem = str(exc)
+        except Exception as exc:  # DCP's and torch's own: the tier is lost, the disk stays
+            problem = f"rank {self.rank}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         problems = [p for p in self.comm.all_gather(problem) if p]
         if problems:
-            return ms.Choice(None, reason=problems[0]), time.perf_counter() - t0
-        state = torch.load(io.BytesIO(data), weights_only=True)
-        self._apply(state)
-        return choice, time.perf_counter() - t0
+            raise Fallback(problems[0])
+        return result
 
-    def _fetch(self, choice: ms.Choice) -> tuple[bytes, str | None]:
-        """This rank's shard: read from its node, or received from the rank whose node holds it.
-        The pairs go in one global order, so no send waits on a receive that waits on it."""
+    def _restore(self, choice: ms.Choice, nodes: list[str]) -> dict[int, str]:
         assert choice.step is not None
-        mine, problem = b"", None
-        for rank, (holder, kind) in sorted(choice.sources.items()):
-            if holder != self.rank and rank != self.rank:
-                continue
-            data = b""
-            if holder == self.rank:
-                try:
-                    data, _ = ms.read_shard(self.store, choice.step, kind, rank)
-                except OSError as exc:
-                    data, problem = b"", f"rank {rank}: its {kind} shard could not be read ({exc})"
-            if holder != rank:
-                assert self.group is not None
+        step = choice.step
+
+        def my_layouts() -> dict[int, mload.Layout]:
+            out = {}
+            for old, (holder, kind) in choice.sources.items():
                 if holder == self.rank:
-                    dist.send(torch.tensor([len(data)], dtype=torch.int64), rank, group=self.group)
-                    if data:
-                        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), rank, group=self.group)
-                    continue
+                    data = ms.read_layout(self.store, step, kind, old)
+                    if zlib.crc32(data) != choice.layout_crcs[old]:
+                        raise Fallback(f"rank {old}: CRC mismatch of its {kind} layout of step {step} on rank"
+                                       f" {holder}'s node")
+                    out[old] = mload.parse_layout(data)
+            return out
+
+        layouts = {old: lay for share in self.comm.all_gather(self._agree(my_layouts)) for old, lay in share.items()}
+
+        def plan() -> tuple[Any, dict, dict, list, set[int]]:
+            metadata, holders = mload.metadata_of(layouts)
+            for module, optimizer in self.parts:
+                allocate_optimizer_state(module, optimizer, metadata)
+            model_sd, optim_sd, keys = _state_dicts(self.parts)
+            state = {"model": model_sd, "optim": optim_sd}
+            storage = {index: ms.pick(olds, rank=self.rank, sources=choice.sources, nodes=nodes)
+                       for index, olds in holders.items()}
+            needs = mload.needed(state, metadata, storage)
+            if choice.from_world == self.world:
+                needs.add(self.rank)  # its RNG streams are in its own shard
+            return metadata, storage, state, keys, needs
+
+        metadata, storage, state, keys, needs = self._agree(plan)
+        moves, tiers = ms.transfers(self.comm.all_gather(sorted(needs)), choice.sources, nodes)
+        shards = self._agree(lambda: self._gather_shards(choice, needs, moves))
+
+        def load() -> None:
+            dcp.load(state, storage_reader=mload.MemoryReader(metadata, storage, shards), planner=SafeLoadPlanner(),
+                     no_dist=True)
+            set_parts(self.parts, keys, state)
+            self.scheduler.load_state_dict(shards[min(shards)]["scheduler"])
+            if choice.from_world == self.world:
+                set_rng_state(shards[self.rank]["rng"])
+
+        self._agree(load)
+        return tiers
+
+    def _gather_shards(self, choice: ms.Choice, needs: set[int],
+                       moves: list[tuple[int, int, int]]) -> dict[int, dict[str, Any]]:
+        """The shards this rank needs: read from its node's store, or received from the rank
+        whose node holds them (`moves`, in the order every rank walks), each checked against
+        its CRC in the commit record, then parsed as tensors and plain data only."""
+        assert choice.step is not None
+        step = choice.step
+        read: dict[int, bytes] = {}
+
+        def local(old: int) -> bytes:
+            if old not in read:
+                try:
+                    read[old], _ = ms.read_shard(self.store, step, choice.sources[old][1], old)
+                except OSError as exc:
+                    read[old] = b""
+                    print(f"memory tier: rank {old}'s shard could not be read ({exc})", flush=True)
+            return read[old]
+
+        got: dict[int, bytes] = {}
+        remote = {old for old, _, to in moves if to == self.rank}
+        for old in needs - remote:
+            got[old] = local(old)
+        for old, holder, to in moves:
+            if holder == self.rank:
+                data = local(old)
+                dist.send(torch.tensor([len(data)], dtype=torch.int64), to, group=self.group)
+                if data:
+                    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), to, group=self.group)
+            elif to == self.rank:
                 size = torch.zeros(1, dtype=torch.int64)
                 dist.recv(size, holder, group=self.group)
                 buf = torch.empty(int(size.item()), dtype=torch.uint8)
                 if int(size.item()):
                     dist.recv(buf, holder, group=self.group)
-                data = buf.numpy().tobytes()
-            mine = data
-            if not data and problem is None:
-                problem = f"rank {rank}: its {kind} shard on rank {holder}'s node could not be read"
-            elif zlib.crc32(data) != choice.crcs[rank]:
-                problem = f"rank {rank}: CRC mismatch of its {kind} shard of step {choice.step} on rank {holder}'s node"
-        return mine, problem
-
-    def _apply(self, state: dict[str, Any]) -> None:
-        for (module, optimizer), model_sd, optim_sd in zip(self.parts, state["model"], state["optim"], strict=True):
-            with torch.no_grad():
-                for key, target in module.state_dict().items():
-                    local = target.to_local() if isinstance(target, DTensor) else target
-                    local.copy_(model_sd[key])
-            optimizer.load_state_dict(optim_sd)
-            for group in optimizer.param_groups:  # the optimizer's state of a DTensor parameter is one too
-                for p in group["params"]:
-                    if not isinstance(p, DTensor):
-                        continue
-                    for k, v in optimizer.state.get(p, {}).items():
-                        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                            optimizer.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements,
-                                                                       run_check=False, shape=p.shape, stride=p.stride())
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+                got[old] = buf.numpy().tobytes()
+        for old, data in sorted(got.items()):
+            holder, kind = choice.sources[old]
+            if not data:
+                raise Fallback(f"rank {old}: its {kind} shard on rank {holder}'s node could not be read")
+            if zlib.crc32(data) != choice.crcs[old]:
+                raise Fallback(f"rank {old}: CRC mismatch of its {kind} shard of step {step} on rank {holder}'s node")
+        return {old: torch.load(io.BytesIO(data), weights_only=True) for old, data in got.items()}
 
     def close(self, *, discard: bool) -> None:
         """Finish the snapshot in flight; `discard`: the run is durable on disk (finished or
