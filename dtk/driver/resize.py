@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 from dtk.errors import UserError
+from dtk.launch.slurmctl import Step
 from dtk.plan.plan import Plan, make_plan
 
 
@@ -91,7 +92,7 @@ class GrowWatch:
         self.run, self.slurm, self.plan = run, slurm, plan
         self.environ, self.partition = environ, partition
         self.next_poll = 0.0
-        self.checks: dict[str, tuple[object, float, Path]] = {}  # node -> (srun, started, beat file)
+        self.checks: dict[str, tuple[Step | None, float, Path]] = {}  # node -> (srun, started, beat file)
         self.failed_at: dict[str, float] = {}
 
     def due(self) -> bool:

@@ -89,7 +89,7 @@ class Supervisor(DriverCore):
         self.stop_by = ""  # who asked, once the workers were told
         self.grow: GrowWatch | None = None  # while running on fewer nodes than the plan
         self.stop_reason = ""  # set once the driver stopped the workers itself (to grow back, before the limit)
-        self.time_left = TimeLeft(run=run, slurm=self.slurm, job_id=job_id, plan=plan)
+        self.time_left: TimeLeft | None = TimeLeft(run=run, slurm=self.slurm, job_id=job_id, plan=plan)
         self.next_start: tuple[Plan, list[str]] | None = None  # the plan and nodes before_start chose
 
     def note_signal(self, signum: int, _frame=None) -> None:
@@ -270,6 +270,7 @@ class Supervisor(DriverCore):
         new checkpoint) and enough nodes are back, stop the workers at the next step
         boundary (they save), so that the job requeues at its full size."""
         restart = self.run.starts() - 1
+        assert self.grow is not None, "only while running shrunk"
         if not self.grow.due() or not any(r.get("restart") == restart for r in self.run.latest_metrics().values()):
             return
         back = self.grow.poll(nodes)
