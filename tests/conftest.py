@@ -17,6 +17,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
+# Bytecode is cached for the test modules (pytest keeps their assertion-rewritten code beside
+# them) and for the commands the tests start, also where the environment says not to
+# (PYTHONDONTWRITEBYTECODE=1): without it every collection rewrites and compiles ~130 test
+# modules again, 3 s of CPU per pytest process.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def require(condition: bool, reason: str) -> None:
     """Skip when the machine cannot run a test; under CI=true that is a failure instead,
@@ -145,10 +152,21 @@ def lab():
         lab_support.lab_down()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n N --dist loadgroup`, the README's test command) every test of
-    the lab runs in one worker, one after the other: there is one lab on a machine, and its
-    tests restart, drain and fail its nodes."""
+    """Under pytest-xdist (`-n N --dist loadgroup`, the README's test command) a worker takes
+    whole groups: every test of the lab is in one group, run one after the other (there is
+    one lab on a machine, and its tests restart, drain and fail its nodes); every other test
+    is in its file's group, so a module's fixtures (a reference run) are made once.
+
+    xdist names a grouped test `ID@GROUP` through `item._nodeid`, which pytest 9 no longer
+    reads (it keeps the id in `item._id`), so the grouping is done here, after xdist's hook."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
+        return
+    from _pytest.nodeid import NodeId
+
     for item in items:
-        if item.get_closest_marker("slurm") is not None or "lab" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("lab"))
+        lab = item.get_closest_marker("slurm") is not None or "lab" in getattr(item, "fixturenames", ())
+        group = "lab" if lab else item.nodeid.split("::", 1)[0]
+        if "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Protocol
 
 from dtk.errors import UserError
-from dtk.launch.slurmctl import Step
 from dtk.plan.plan import Plan, make_plan
 
 
@@ -76,6 +76,14 @@ def health_env(environ: dict[str, str]) -> dict[str, str]:
     """The driver's environment without the variables that would make srun a step of the
     driver's own job (SLURM_JOB_ID and the rest); SLURM_CONF stays."""
     return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+
+
+class Step(Protocol):
+    """A health check's job step as the driver watches it (Slurm.start_step: a Popen, or the tests' fake)."""
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
 
 
 class GrowWatch:

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from dtk.errors import Unanswered, UserError
 
@@ -64,14 +63,6 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
-
-
-class Step(Protocol):
-    """A started job step as the drivers watch it: a Popen, or the tests' fake."""
-
-    def poll(self) -> int | None: ...
-
-    def kill(self) -> None: ...
 
 
 class Runner:

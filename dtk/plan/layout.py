@@ -170,8 +170,19 @@ def zero1_owner(numels: tuple[int, ...], num_ranks: int) -> tuple[int, ...]:
 
 def rank_layout(shape: ModelShape, scheme: SchemeConfig, d: Degrees, rank: int,
                 split_points: tuple[str, ...] = ()) -> RankLayout:
-    c = coords(rank, d)
+    """What one rank holds: its tensors (sharded as the scheme shards them), its stages and
+    its optimizer's share. Kept per shape, by everything it depends on."""
     virtual = scheme.pp_virtual_stages if d.pp > 1 else 1
+    key = (d, rank, tuple(split_points), virtual, uses_fsdp(scheme, d), uses_zero1(scheme, d))
+    found = shape.layouts.get(key)
+    if found is None:
+        found = shape.layouts[key] = _rank_layout(shape, d, rank, tuple(split_points), virtual, *key[4:])
+    return found
+
+
+def _rank_layout(shape: ModelShape, d: Degrees, rank: int, split_points: tuple[str, ...], virtual: int,
+                 fsdp: bool, zero1: bool) -> RankLayout:
+    c = coords(rank, d)
     num_stages = d.pp * virtual
     if d.pp > 1:
         per_stage = stage_units(shape.units, split_points, num_stages)
@@ -180,7 +191,6 @@ def rank_layout(shape: ModelShape, scheme: SchemeConfig, d: Degrees, rank: int,
     else:
         ids = [0]
         unit_part = {u: 0 for u, _ in shape.units}
-    fsdp = uses_fsdp(scheme, d)
     held: list[Held] = []
     for t in shape.tensors:
         if t.unit not in unit_part:
@@ -196,7 +206,7 @@ def rank_layout(shape: ModelShape, scheme: SchemeConfig, d: Degrees, rank: int,
             grad = t.numel  # the row-split embedding's gradient arrives whole on every rank
         held.append(Held(t, numel, full, grad, unit_part[t.unit]))
     opt_numel, opt_tensors = sum(h.numel for h in held), len(held)
-    if uses_zero1(scheme, d):
+    if zero1:
         dp_index = c.dp_replicate * d.dp_shard + c.dp_shard
         if shape.exact:
             mine = []

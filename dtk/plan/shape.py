@@ -81,6 +81,12 @@ class ModelShape:
         return sum(t.numel for t in self.tensors)
 
     @functools.cached_property
+    def layouts(self) -> dict:
+        """dtk.plan.layout.rank_layout's answers for this shape, by what they depend on: the
+        plan search asks the same layout for every micro batch and recompute choice."""
+        return {}
+
+    @functools.cached_property
     def block_units(self) -> frozenset[str]:
         """Units that are repeated blocks (asked per tensor by the budget: a set, not a scan)."""
         return frozenset(unit for unit, is_block in self.units if is_block)
