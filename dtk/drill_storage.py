@@ -46,10 +46,24 @@ def break_storage(folder: Path) -> None:
         raise
 
 
-def restore_storage(folder: Path) -> None:
-    proc = subprocess.run(["umount", str(folder)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"umount {folder}: {' '.join(proc.stderr.split())}; restore it by hand: umount {folder}")
+def restore_storage(folder: Path, *, busy_wait_s: float = 10.0) -> None:
+    """Unmount the read-only bind mount. A process that still has a file open on it (a save
+    that failed a moment ago, a worker on its way out) makes it busy: retried for
+    `busy_wait_s`, then detached (umount --lazy), so the folder is writable again at once for
+    every new file and the read-only view goes when its last file is closed."""
+    deadline = time.monotonic() + busy_wait_s
+    while True:
+        proc = subprocess.run(["umount", str(folder)], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return
+        if "busy" not in proc.stderr or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if "busy" in proc.stderr:
+        proc = subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return
+    raise UserError(f"umount {folder}: {' '.join(proc.stderr.split())}; restore it by hand: umount {folder}")
 
 
 def storage_drill(checkpoints: Path, *, hold_s: float) -> str:

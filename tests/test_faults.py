@@ -352,7 +352,7 @@ def test_the_time_limit_drill_gives_the_requeued_job_its_limit_back(lab, tmp_pat
         cut = re.search(r"time limit cut from 00:05:00 to (\S+) ", out.stdout)
         assert cut and cut.group(1) != "00:05:00", out.stdout  # what Slurm set, read back
         assert f"job {job} time limit restored: Slurm shows 00:05:00 (was 00:05:00)" in out.stdout, out.stdout
-        (preempted,) = named(run, "preempted")
+        (preempted,) = wait_for(lambda: named(run, "preempted"), 60, "the workers' stop on the signal")
         assert preempted["signal"] == "SIGUSR2"
         wait_for(lambda: len(named(run, "started")) == 2, 120, "the requeued job's start")
         assert job_field(job, "TimeLimit") == "00:05:00"
