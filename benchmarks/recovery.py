@@ -7,8 +7,15 @@ finish. Per drill it prints the median of:
   detect_s    drill -> the driver's detection event (crash, hang, node-fail) or the workers'
               agreed stop (preempt, timelimit)
   recovery_s  detection -> first completed step after the restart (the `resumed` event)
-  lost        steps computed before the fault that had to be computed again
-              (last step logged before the fault - step resumed from)
+  lost        steps computed before the fault that had to be computed again: the last
+              completed step the driver recorded at the fault (the detection event's
+              `step`; else the last step logged) - the step resumed from
+  tier        where that step came from: disk (the run directory's checkpoints), memory
+              (each node's own snapshot store) or peer (a replica on another node)
+
+With `--memory-every 0,5` every drill runs with the in-memory tier off and at 5, side by
+side (crash, hang and node-fail are what the tier serves; preemption and time limits save
+to disk either way).
 
 next to the run's median step time and checkpoint save time. The `grow` drill sets a node
 of a 2-node job DOWN while the third node is busy (no spare): the job goes on on 1 node;
@@ -22,7 +29,7 @@ Targets: recovery <= 30 s
 after node failure, crash or hang; 0 steps lost on preempt and timelimit; at most one
 checkpoint interval lost otherwise.
 
-    python benchmarks/recovery.py [--repeats 3] [--drills crash,hang,...,grow] [--every 20]
+    python benchmarks/recovery.py [--repeats 3] [--drills crash,hang,...,grow] [--every 20] [--memory-every 0,5]
 """
 
 from __future__ import annotations
@@ -114,7 +121,7 @@ def grow(root: Path, args) -> dict:
     }
 
 
-def one(kind: str, root: Path, args) -> dict:
+def one(kind: str, root: Path, args, memory_every: int) -> dict:
     if kind == "grow":
         return grow(root, args)
     extra = ["spare_nodes=1"] if kind == "node-fail" else []
@@ -125,7 +132,7 @@ def one(kind: str, root: Path, args) -> dict:
     steps = args.steps * 5 if kind == "timelimit" else args.steps
     proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", "train.global_batch=32",
                f"train.steps={steps}", f"checkpoint.every={args.every}", "fault.hang_timeout_s=10",
-               f"checkpoint.memory_every={args.memory_every}", *extra, f"run.root={root}")
+               f"checkpoint.memory_every={memory_every}", *extra, f"run.root={root}")
     if proc.returncode != 0:
         raise SystemExit(proc.stdout + proc.stderr)
     job = proc.stdout.split("submitted job ", 1)[1].split()[0]
@@ -151,14 +158,18 @@ def one(kind: str, root: Path, args) -> dict:
     if detected is None:
         raise SystemExit(f"{kind}: no {DETECTION[kind]} event after the drill; the run ended first? ({run})")
     resumed = next(e for e in evs if e["event"] == "resumed" and e["time"] >= detected["time"])
-    before = [m["step"] for m in metrics(run) if m["restart"] == resumed["restart"] - 1]
+    loaded = next(e for e in evs if e["event"] == "checkpoint_loaded" and e["time"] >= detected["time"])
+    reached = detected.get("step")
+    if reached is None:  # an event without the driver's count: the last step logged before the fault
+        reached = max(m["step"] for m in metrics(run) if m["restart"] == resumed["restart"] - 1)
     saves = [e["seconds"] for e in evs if e["event"] == "checkpoint_saved"]
     return {
         "detect_s": detected["time"] - t_drill,
         "recovery_s": resumed["recovery_s"],
-        "lost": max(before) - resumed["step"],
+        "lost": reached - resumed["step"],
         "step_s": statistics.median(m["step_time_s"] for m in metrics(run)),
         "save_s": statistics.median(saves),
+        "tier": loaded.get("tier", "disk"),
     }
 
 
@@ -169,8 +180,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--at", type=int, default=100, help="drill once this step is logged")
     p.add_argument("--every", type=int, default=20, help="checkpoint interval (steps)")
-    p.add_argument("--memory-every", type=int, default=0,
-                   help="checkpoint.memory_every: the in-memory snapshot tier's interval (0: off)")
+    p.add_argument("--memory-every", default="0",
+                   help="checkpoint.memory_every values, comma-separated (0: the tier off), each run for every drill")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
     from dtk import lab
@@ -178,18 +189,23 @@ def main() -> None:
     lab.up(3, install=False, log=lambda _line: None)
     rows = []
     for kind in args.drills.split(","):
-        results = []
-        for r in range(args.repeats):
-            with tempfile.TemporaryDirectory() as tmp:
-                results.append(one(kind, Path(tmp), args))
-            print(f"{kind} #{r}: " + " ".join(f"{k} {v:.3g}" for k, v in results[-1].items()), flush=True)
-        rows.append((kind, {k: statistics.median(res[k] for res in results) for k in results[0]}))
-    print(f"\nmedians of {args.repeats} (checkpoint every {args.every} steps, memory snapshots every"
-          f" {args.memory_every or 'off'}):")
-    print(f"{'drill':<10} {'detect_s':>9} {'recovery_s':>11} {'lost':>5} {'step_s':>7} {'save_s':>7}")
-    for kind, m in rows:
-        print(f"{kind:<10} {m['detect_s']:>9.1f} {m['recovery_s']:>11.1f} {m['lost']:>5.0f}"
-              f" {m['step_s']:>7.3f} {m['save_s']:>7.3f}"
+        for memory_every in [int(m) for m in args.memory_every.split(",")]:
+            results = []
+            for r in range(args.repeats):
+                with tempfile.TemporaryDirectory() as tmp:
+                    results.append(one(kind, Path(tmp), args, memory_every))
+                print(f"{kind} memory_every={memory_every} #{r}: "
+                      + " ".join(f"{k} {v:.3g}" if isinstance(v, float | int) else f"{k} {v}"
+                                 for k, v in results[-1].items()), flush=True)
+            medians = {k: statistics.median(res[k] for res in results) for k in results[0] if k != "tier"}
+            tiers = sorted({res.get("tier", "disk") for res in results})
+            rows.append((kind, memory_every, medians, "/".join(tiers)))
+    print(f"\nmedians of {args.repeats} (checkpoint every {args.every} steps):")
+    print(f"{'drill':<10} {'memory':>6} {'detect_s':>9} {'recovery_s':>11} {'lost':>5} {'tier':>12} {'step_s':>7}"
+          f" {'save_s':>7}")
+    for kind, memory_every, m, tier in rows:
+        print(f"{kind:<10} {memory_every or 'off':>6} {m['detect_s']:>9.1f} {m['recovery_s']:>11.1f} {m['lost']:>5.0f}"
+              f" {tier:>12} {m['step_s']:>7.3f} {m['save_s']:>7.3f}"
               + (f"  returned_s {m['returned_s']:.1f} grow_s {m['grow_s']:.1f} grow_lost {m['grow_lost']:.0f}"
                  if "grow_s" in m else ""))
 

@@ -75,7 +75,10 @@ class CheckpointManager:
         self.memory_every = checkpoint.memory_every
         self._resumed_once = False
         self._last_snapshot: int | None = None
-        self.memory = memory(parts, scheduler, self.identity) if memory is not None and self.memory_every else None
+        # What a snapshot must share with this start to be restored: the run and its data, as
+        # for a disk checkpoint; the mesh and scheme may differ (the restore reshards).
+        same_run = {k: self.identity.get(k) for k in ("config_hash", "data_version")}
+        self.memory = memory(parts, scheduler, same_run) if memory is not None and self.memory_every else None
 
     def _guard_state(self, parts: ckpt.Parts) -> None:
         """An async save copies the state in the background while training goes on: what
@@ -157,6 +160,8 @@ class CheckpointManager:
                     **({"memory_fallback": memory_fallback} if memory_fallback else {}),
                 )
             return state["step"]
+        if memory_fallback and not reasons and self.rank == 0:  # nothing on disk either: from scratch
+            self.run.event("memory_fallback", step=0, reason=memory_fallback)
         if reasons:
             raise UserError(
                 f"checkpoints exist in {self.run.checkpoints} but none verifies ({'; '.join(reasons)});"

@@ -79,7 +79,10 @@ def history(events: list[dict[str, Any]], metric_lines: list[dict[str, Any]], *,
             "resumed_from": resumed_from(group),
             "tier": tier_of(group),
         }
-        fallback = next((e.get("memory_fallback") for e in group if e.get("event") == "checkpoint_loaded"), None)
+        # why a start with the tier on did not restore from it: on its disk load's event, or, with
+        # nothing on disk either, an event of its own
+        fallback = next((e.get("memory_fallback") if e.get("event") == "checkpoint_loaded" else e.get("reason")
+                         for e in group if e.get("event") in ("checkpoint_loaded", "memory_fallback")), None)
         if fallback:
             info["memory_fallback"] = fallback
         if "slurm_restart_count" in started:
@@ -114,7 +117,7 @@ def describe(start: dict[str, Any]) -> str:
     if start.get("tier") in ("memory", "peer"):  # a disk resume as before; --json has every start's tier
         line += f" ({start['tier']})"
     elif start.get("memory_fallback"):
-        line += f" (disk; memory tier not used: {start['memory_fallback']})"
+        line += f" ({start.get('tier') or 'no checkpoint'}; memory tier not used: {start['memory_fallback']})"
     if "steps_redone" in start:
         down = f"{start['downtime_s']:.1f} s" if start.get("downtime_s") is not None else "not yet trained"
         line += f", {start['steps_redone']} steps redone, down {down}"
