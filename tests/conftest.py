@@ -139,6 +139,18 @@ def only_run_dir(root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lab_reference(tmp_path_factory) -> dict[int, float]:
+    """The losses of the lab drills' job run without a fault: lab_support.TRAIN on 2 local
+    workers (the same world size), once per session for every module that compares to it."""
+    from lab_support import TRAIN
+
+    root = tmp_path_factory.mktemp("lab_reference")
+    proc = dtk("dtk.submit", "tasks_per_node=2", *TRAIN, f"run.root={root}", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    return losses(only_run_dir(root))
+
+
+@pytest.fixture(scope="session")
 def lab():
     """The lab Slurm cluster with 3 nodes, up for the session and down at its end (if this
     session brought it up)."""

@@ -19,6 +19,10 @@ from dtk import lab
 
 REPO = Path(__file__).resolve().parents[1]
 END = "<!-- end procedure -->"
+STEPS = 400
+TRAIN = ["train.global_batch=32", f"train.steps={STEPS}", "checkpoint.every=20", "train.log_every=50"]
+"""The lab drills' job (tests/test_faults.py, tests/test_memory_tier_lab.py); conftest's
+lab_reference is its run without a fault."""
 CONDITIONAL = "only when sinfo shows a *"  # the node-failure step for a node whose slurmd does not answer
 
 

@@ -21,22 +21,17 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, losses, only_run_dir
-from lab_support import CONDITIONAL, node_state, procedure
+from lab_support import CONDITIONAL, STEPS, TRAIN, node_state, procedure
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 400
-TRAIN = ["train.global_batch=32", f"train.steps={STEPS}", "checkpoint.every=20", "train.log_every=50"]
 LAB = ["cluster=lab", "nodes=2", "tasks_per_node=1", "fault.hang_timeout_s=10", *TRAIN]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+@pytest.fixture
+def reference(lab_reference) -> dict[int, float]:
     """The uninterrupted run: same config and world size (2), on the local cluster."""
-    root = tmp_path_factory.mktemp("reference")
-    proc = dtk("dtk.submit", "tasks_per_node=2", *TRAIN, f"run.root={root}", cwd=root)
-    assert proc.returncode == 0, proc.stderr
-    return losses(only_run_dir(root))
+    return lab_reference
 
 
 def events(run: Path) -> list[dict]:

@@ -21,16 +21,9 @@ EVERY = 5
 TIER = [f"checkpoint.memory_every={EVERY}"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
-    from test_faults import TRAIN
-
-    from conftest import dtk, only_run_dir
-
-    root = tmp_path_factory.mktemp("reference")
-    proc = dtk("dtk.submit", "tasks_per_node=2", *TRAIN, f"run.root={root}", cwd=root)
-    assert proc.returncode == 0, proc.stderr
-    return losses(only_run_dir(root))
+@pytest.fixture
+def reference(lab_reference) -> dict[int, float]:
+    return lab_reference
 
 
 def test_node_failure_with_a_spare_restores_the_lost_rank_from_its_replica(lab, tmp_path, reference):
