@@ -44,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtk.audit import AUDIT_DIR
 from dtk.rundir import EVENTS, METRICS, SUMMARY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def grow(root: Path, args) -> dict:
         if proc.returncode != 0:
             raise SystemExit(proc.stdout + proc.stderr)
         job = proc.stdout.split("submitted job ", 1)[1].split()[0]
-        (run,) = [p for p in root.iterdir() if p.is_dir()]
+        (run,) = [p for p in root.iterdir() if p.is_dir() and p.name != AUDIT_DIR]
         wait(lambda: any(m["step"] >= args.at for m in metrics(run)), 180, f"step {args.at}")
         victim = [e for e in events(run) if e["event"] == "started"][0]["nodes"][-1]
         t_drill = time.time()
@@ -136,7 +137,7 @@ def one(kind: str, root: Path, args, memory_every: int) -> dict:
     if proc.returncode != 0:
         raise SystemExit(proc.stdout + proc.stderr)
     job = proc.stdout.split("submitted job ", 1)[1].split()[0]
-    (run,) = [p for p in root.iterdir() if p.is_dir()]
+    (run,) = [p for p in root.iterdir() if p.is_dir() and p.name != AUDIT_DIR]
     wait(lambda: any(m["step"] >= args.at for m in metrics(run)), 180, f"step {args.at}")
     nodes = [e for e in events(run) if e["event"] == "started"][0]["nodes"]
     t_drill = time.time()

@@ -79,8 +79,9 @@ def test_a_shrunk_job_restores_every_old_shard_from_its_node():
     assert ms.pick([2, 3], rank=1, sources=choice.sources, nodes=["a", "a"]) == 2
 
 
-def test_a_snapshot_not_newer_than_the_disk_or_of_another_mesh_falls_back_with_the_reason():
-    assert ms.choose(two_nodes(8), world=4, identity=IDENTITY, disk_step=8).reason.startswith("the newest snapshot")
+def test_a_snapshot_older_than_the_disk_or_of_another_mesh_falls_back_with_the_reason():
+    assert ms.choose(two_nodes(8), world=4, identity=IDENTITY, disk_step=9).reason.startswith("the newest snapshot")
+    assert ms.choose(two_nodes(8), world=4, identity=IDENTITY, disk_step=8).step == 8  # a tie: read from memory
     other = ms.choose(two_nodes(8), world=4, identity={**IDENTITY, "mesh": {"dp": 2, "tp": 2}}, disk_step=0)
     assert other.step is None and "mesh changed" in other.reason
     # node b lost and its replicas with it (a ring of three nodes would keep them): no restore

@@ -176,7 +176,7 @@ class Choice:
 
 
 def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any], disk_step: int) -> Choice:
-    """The newest step whose every shard is on some node and newer than the disk checkpoint.
+    """The newest step whose every shard is on some node and not older than the disk checkpoint.
 
     `reports[r]` is rank r's view of its node's store: {"node": name, "steps": holdings()}.
     The snapshot may be of another world size (a shrink, a growth): every old rank's shard
@@ -189,9 +189,10 @@ def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any
                 commits.setdefault(int(step), held["commit"])
     if not commits:
         return Choice(None)
-    newer = sorted((s for s in commits if s > disk_step), reverse=True)
+    # a snapshot of the disk checkpoint's own step too: the same state, read from memory
+    newer = sorted((s for s in commits if s >= disk_step), reverse=True)
     if not newer:
-        return Choice(None, reason=f"the newest snapshot (step {max(commits)}) is not newer than the disk"
+        return Choice(None, reason=f"the newest snapshot (step {max(commits)}) is older than the disk"
                                    f" checkpoint (step {disk_step})")
     reasons = []
     for step in newer:
