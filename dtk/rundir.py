@@ -62,6 +62,7 @@ TENSORBOARD_DIR = "tensorboard"
 TRACKER_STATE = "tracker.json"  # per tracker: its run id (reused by every start) and the last step it holds
 WANDB_DIR = "wandb"  # W&B writes <run dir>/wandb/ when given dir=<run dir>
 LOGS_DIR = "logs"
+FORKSERVER_LOG = "forkserver.log"  # in LOGS_DIR: the local driver's worker fork server (dtk.worker.forkserver)
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_DIR_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"  # in a checkpoint folder, written last: the commit

@@ -23,14 +23,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dtk.driver.core import DriverCore
 from dtk.driver.decide import Decision, Kind, Outcome
+from dtk.driver.forkserver import ForkServer, ForkServerFailed
 from dtk.driver.logs import error_line, last_line
 from dtk.driver.record import record_failure, record_stopped
 from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir, process_identity
+from dtk.rundir import FORKSERVER_LOG, LOGS_DIR, RunDir, process_identity
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import driver_env, rank_env
 
@@ -101,17 +103,23 @@ def spawn_worker(argv: list[str], *, env: dict[str, str], log: Path, pass_fds: t
 
 class LocalDriver(DriverCore):
     """The local backend of DriverCore. `clock` and `spawn` (how one worker process starts,
-    `spawn_worker`'s signature) are what tests replace to play its decisions in fake time."""
+    `spawn_worker`'s signature) are what tests replace to play its decisions in fake time.
+
+    By default the workers are forked by a fork server (dtk.worker.forkserver) that imported
+    torch and the training stack once for the run: a start of N workers, and each relaunch,
+    skip N interpreters' imports. Where the server cannot start, each worker is a process of
+    its own (`spawn_worker`), as `spawn=spawn_worker` asks."""
 
     def __init__(self, plan: Plan, run: RunDir, *, progress=None, clock: Clock | None = None,
-                 spawn: Callable[..., subprocess.Popen] = spawn_worker, lock_fd: int | None = None) -> None:
+                 spawn: Callable[..., Any] | None = None, lock_fd: int | None = None) -> None:
         super().__init__(run, plan, f"local-{os.getpid()}", clock=clock or Clock())
         self.progress = progress
         # The run lock's descriptor, inherited by every worker: the flock lives until the last
         # holder exits, so a killed dtk.submit does not free the run while its workers save.
         self.lock_fds = () if lock_fd is None else (lock_fd,)
         self.spawn = spawn
-        self.procs: list[subprocess.Popen] = []
+        self.server: ForkServer | None = None
+        self.procs: list[Any] = []  # Popen, or the fork server's ForkedWorker
         self.stop_signalled = False
         self.failure: dict = {}  # the failed rank of the latest start: rank, host, exit code, log, last line
 
@@ -129,8 +137,9 @@ class LocalDriver(DriverCore):
             world_size=world,
             **process_identity(),  # pid, start time and name: a reused pid is not this driver
         )
+        spawn = self._spawner()
         self.procs = [
-            self.spawn([sys.executable, "-m", "dtk.worker", str(self.run.path)],
+            spawn([sys.executable, "-m", "dtk.worker", str(self.run.path)],
                        env=worker_env(rank=rank, world=world, local_world=world, port=port, restart=restart,
                                       plan=self.run.plan_json, recovery_from=recovery_from),
                        log=logs / f"rank_{rank}.log", **({"pass_fds": self.lock_fds} if self.lock_fds else {}))
@@ -139,6 +148,30 @@ class LocalDriver(DriverCore):
         pids = [p.pid for p in self.procs]
         (logs / "pids").write_text("\n".join(map(str, pids)) + "\n")
         return logs
+
+    def _spawner(self) -> Callable[..., Any]:
+        """How this start's workers start: the tests' `spawn`, else the run's fork server
+        (started at the first start, kept for relaunches), else a process each."""
+        if self.spawn is not None:
+            return self.spawn
+        if self.server is None or not self.server.alive:
+            try:
+                self.server = ForkServer(env=dict(os.environ), log=self.run.path / LOGS_DIR / FORKSERVER_LOG,
+                                         pass_fds=self.lock_fds, preexec_fn=_die_with_parent)
+            except ForkServerFailed as exc:
+                print(f"note: {exc}; starting each worker as a process of its own", file=sys.stderr)
+                self.spawn = spawn_worker
+                return spawn_worker
+        server = self.server
+
+        def forked(argv: list[str], *, env: dict[str, str], log: Path, **_fds: Any) -> Any:
+            try:
+                return server.spawn(argv, env=env, log=log)
+            except ForkServerFailed as exc:
+                print(f"note: {exc}; starting the worker as a process of its own", file=sys.stderr)
+                return spawn_worker(argv, env=env, log=log, pass_fds=self.lock_fds)
+
+        return forked
 
     def stop(self, *, kill: bool = False) -> None:
         """SIGTERM (the workers agree, save and exit; SIGKILL after STOP_GRACE_S), or SIGKILL
@@ -173,8 +206,9 @@ class LocalDriver(DriverCore):
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, EXIT_STOPPED)]
             if failed:
                 # A configuration error explains the others' fate (their peer left); else the
-                # first seen to die is the cause, the others' errors its consequences.
-                rank, code = min(failed, key=lambda f: f[1] != EXIT_CONFIG)
+                # first to die is the cause, the others' errors its consequences (when the
+                # workers' parent told when each ended; else the first seen, lowest rank first).
+                rank, code = min(failed, key=lambda f: (f[1] != EXIT_CONFIG, self._ended_at(f[0])))
                 self.stop(kill=True)
                 return self._crashed(rank, code, logs)
             if all(c in (0, EXIT_STOPPED) for c in codes):
@@ -189,6 +223,9 @@ class LocalDriver(DriverCore):
                 self.stop(kill=True)
                 return outcome
             self.clock.sleep(POLL_S)
+
+    def _ended_at(self, rank: int) -> float:
+        return getattr(self.procs[rank], "ended_at", None) or 0.0
 
     def _crashed(self, rank: int, code: int, logs: Path) -> Outcome:
         log = logs / f"rank_{rank}.log"
@@ -215,6 +252,8 @@ class LocalDriver(DriverCore):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if self.server is not None:
+                self.server.close()
 
     # --- the actions of dtk/driver/decide.py this backend reaches ---------------------------
     def relaunch_details(self) -> dict:

@@ -1,0 +1,109 @@
+"""`python -m dtk.worker.forkserver`: the local driver's worker factory. It imports what every
+worker imports (torch, DCP, the training stack: about 2.3 s of CPU, dtk/worker/main.py) once,
+then forks each worker of the run from itself when the driver asks, so a start of N workers
+and every relaunch costs a fork per worker instead of an interpreter and its imports.
+
+It runs no torch operation and starts no thread (the children would inherit neither a thread
+pool nor CUDA safely); a child sets its environment, log and session and then runs the
+worker exactly as `python -m dtk.worker` does (dtk.worker.entry).
+
+The driver (dtk.driver.forkserver) talks to it in JSON lines: on stdin requests
+`{"id": N, "args": [...], "env": {...}, "log": PATH}`; on stdout `{"ready": PID}` once, then
+`{"id": N, "pid": PID}` for each fork and `{"exit": PID, "code": C, "at": T}` when a child
+ends (C as Popen's returncode: negative for a signal; T when it was reaped, within 0.05 s of
+its end). End of stdin (the driver closed it, or died) ends
+it; its children get SIGTERM when it goes (PR_SET_PDEATHSIG), as they would from the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import sys
+import time
+from typing import Any, NoReturn
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: a child outlives a killed parent
+        pass
+
+
+def _child(request: dict[str, Any]) -> NoReturn:
+    try:
+        os.setsid()  # a session of its own, as the driver gives its workers: a Ctrl-C reaches the driver alone
+        _die_with_parent()
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["dtk.worker", *request["args"]]
+        from dtk.worker.entry import run
+
+        run(list(request["args"]))
+    except BaseException:  # noqa: BLE001 - a child never returns into the server's loop
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def serve() -> None:
+    _die_with_parent()
+    import dtk.worker.main  # noqa: F401 - the imports every worker needs, made once here
+
+    _say({"ready": os.getpid()})
+    selector = selectors.DefaultSelector()
+    stdin = sys.stdin.fileno()
+    selector.register(stdin, selectors.EVENT_READ)
+    pending = b""
+    children: set[int] = set()
+    while True:
+        for _key, _events in selector.select(timeout=0.05):
+            data = os.read(stdin, 1 << 20)
+            if not data:
+                return
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()  # nothing buffered for a child to inherit
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)
+                children.add(pid)
+                _say({"id": request["id"], "pid": pid})
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "at": time.time()})
+
+
+if __name__ == "__main__":
+    serve()
