@@ -46,6 +46,7 @@ FROZEN: dict[str, list[str]] = {
                    "--timeout"],
     "dtk.nodes": ["--json", "--readmit", "RUN_DIR|RUN_ROOT"],
     "dtk.parallel.count": ["(no arguments)"],
+    "dtk.worker.forkserver": ["(no arguments)"],  # the local driver's worker factory, fed on stdin
     "dtk.plan": ["--config-dir", "--json", "KEY=VALUE ..."],
     "dtk.report": ["--baseline", "--json", "--no-plots", "--out", "--tolerance", "RUN_DIR ..."],
     "dtk.status": ["--json", "RUN_DIR"],

@@ -41,9 +41,27 @@ STOP_GRACE_S = 60.0  # SIGTERM -> the workers agree, save and exit; then SIGKILL
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the rendezvous (rank 0's TCPStore), free now and below the kernel's range of
+    ephemeral ports: every connection another process opens (gloo's many among them) takes an
+    ephemeral port, so one picked there (bind to port 0) can be taken in the seconds before
+    rank 0 binds it, and the start fails with EADDRINUSE. Below the range only explicit
+    binds compete."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default start of the range
+    choose = random.SystemRandom()
+    for _ in range(100):
+        port = choose.randint(20000, low - 1) if low > 21000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port for the rendezvous")
 
 
 def worker_env(*, rank: int, world: int, local_world: int, port: int, restart: int, plan: Path,

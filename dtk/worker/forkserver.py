@@ -69,10 +69,13 @@ def _say(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def serve() -> None:
+def main() -> None:
     _die_with_parent()
+    t0 = time.perf_counter()
     import dtk.worker.main  # noqa: F401 - the imports every worker needs, made once here
 
+    print(f"fork server {os.getpid()}: imported the worker's modules in {time.perf_counter() - t0:.2f} s",
+          file=sys.stderr, flush=True)
     _say({"ready": os.getpid()})
     selector = selectors.DefaultSelector()
     stdin = sys.stdin.fileno()
@@ -106,4 +109,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    main()

@@ -1,0 +1,54 @@
+"""The local driver's workers come from its fork server (dtk.worker.forkserver): one process
+per run that imported torch once, the parent of every worker, each worker a session of its
+own. A driver killed with SIGKILL leaves nothing behind: the server gets SIGTERM from the
+kernel when its parent dies, and the workers when theirs does (PR_SET_PDEATHSIG), so no
+orphaned worker goes on writing into a run that the same command may start again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO
+from dtk.driver.record import read_progress
+from dtk.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+
+def test_workers_are_forked_by_one_server_and_a_killed_driver_leaves_no_process(tmp_path):
+    driver = subprocess.Popen([sys.executable, "-m", "dtk.submit", "tasks_per_node=2", "train.steps=100000",
+                               "checkpoint.every=100000", "run.name=r", f"run.root={tmp_path}"], cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    run = RunDir(tmp_path / "r")
+    try:
+        deadline = time.monotonic() + 180
+        while not (run.path.is_dir() and (read_progress(run) or (0, 0))[1] >= 3):
+            assert driver.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
+            time.sleep(0.1)
+        pids = [int(p) for p in (run.log_dir(0) / "pids").read_text().split()]
+        workers = [psutil.Process(pid) for pid in pids]
+        (server,) = {w.parent() for w in workers}
+        assert "dtk.worker.forkserver" in " ".join(server.cmdline()) and server.parent().pid == driver.pid
+        assert all(os.getsid(pid) == pid for pid in pids)  # a Ctrl-C at the terminal reaches the driver alone
+
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        gone, alive = psutil.wait_procs([server, *workers], timeout=120)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for proc in psutil.process_iter():
+            try:
+                if str(run.path) in " ".join(proc.cmdline()):
+                    proc.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
