@@ -112,7 +112,14 @@ def test_sigkill_of_the_workers_then_the_same_command_resumes(reference, tmp_pat
 
 
 def _events(run: Path, name: str) -> list[dict]:
-    return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == name]
+    """The events named `name` so far. The log may not exist yet (the driver writes plan.json
+    before its first event), and a line still being written is not an event yet."""
+    path = run / "events.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [e for e in map(json.loads, lines) if e["event"] == name]
 
 
 def _wait(what: str, check, driver: subprocess.Popen, timeout: float = 120):
