@@ -268,8 +268,13 @@ def test_status_names_who_started_it_and_whose_jobs_run_and_down_refuses_them(la
 def test_down_force_ends_the_labs_jobs_and_no_other_process(lab_up, tmp_path):
     submit_sleeper(tmp_path, str(tmp_path / "run"))
     layout = lab.status().layout
-    steps = ownership.census(layout, lab.status().record).steps
-    names = sorted(p.name() for p in steps)
+    deadline = time.monotonic() + 30  # RUNNING is the controller's word; the node starts the step after it
+    while True:
+        steps = ownership.census(layout, lab.status().record).steps
+        names = sorted(p.name() for p in steps)
+        if (names.count("slurmstepd") >= 1 and "sleep" in names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert names.count("slurmstepd") >= 1 and "sleep" in names, names  # found by the log it holds, not by name
     namesake = named_process(tmp_path, "slurmstepd")
     try:
