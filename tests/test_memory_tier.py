@@ -113,12 +113,15 @@ def test_a_killed_worker_restores_from_memory_redoes_at_most_two_steps_and_match
     run = RunDir(tmp_path / "r")
     loaded = [e for e in run.events_list() if e["event"] == "checkpoint_loaded"]
     assert len(loaded) == 1 and loaded[0]["tier"] == "memory", loaded
-    assert loaded[0]["step"] == snap and reached - snap <= 2
+    # The newest complete snapshot at the freeze, or the next one if its shards were all in place
+    # and only rank 0's commit record was still to be written (it writes it once continued).
+    restored = loaded[0]["step"]
+    assert restored in (snap, snap + 2) and 0 <= reached - restored <= 2, (restored, snap, reached)
     assert not run.checkpoint_steps() or max(s for s, _, _ in run.checkpoint_steps()) == STEPS  # only the final save
     assert losses(run) == reference
     assert not memory_store(run.path).exists(), "a finished run leaves its store behind"
     status = dtk("dtk.status", str(run.path), cwd=tmp_path)
-    assert status.returncode == 0 and f"from step {snap} (memory)" in status.stdout, status.stdout + status.stderr
+    assert status.returncode == 0 and f"from step {restored} (memory)" in status.stdout, status.stdout + status.stderr
     starts = account(run.events_list(), load_run(run.path).metric_lines)["starts"]
     assert [s["tier"] for s in starts] == [None, "memory"]
 
