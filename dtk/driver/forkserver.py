@@ -73,11 +73,10 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, argv: list[str], *, env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()
-              ) -> ForkedWorker:
+    def spawn(self, argv: list[str], *, env: dict[str, str], log: Path) -> ForkedWorker:
         """One worker, forked by the server: `argv` is what `spawn_worker` would run
         (`python -m dtk.worker RUN_DIR`); its arguments after the module go to the worker.
-        `pass_fds` need not be passed: the server holds them from its own start."""
+        No descriptors to pass: the children inherit the ones the server got at its start."""
         args = argv[argv.index("dtk.worker") + 1:]
         with self._changed:
             request_id = self._next_id

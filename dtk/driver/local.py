@@ -35,6 +35,7 @@ from dtk.plan.plan import Plan
 from dtk.rundir import FORKSERVER_LOG, LOGS_DIR, RunDir, process_identity
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import driver_env, rank_env
+from dtk.worker.forkserver import die_with_parent
 
 POLL_S = 0.2
 STOP_GRACE_S = 60.0  # SIGTERM -> the workers agree, save and exit; then SIGKILL
@@ -86,22 +87,6 @@ def tail(path: Path, lines: int = 8) -> str:
     return "\n".join(text[-lines:])
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the driver dies, even by SIGKILL, so no
-    orphaned workers go on writing into a run that a new driver may start again. Linux only;
-    elsewhere the workers outlive a killed driver."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
-PR_SET_PDEATHSIG = 1
-
-
 class _Terminated(Exception):
     pass
 
@@ -116,7 +101,7 @@ def spawn_worker(argv: list[str], *, env: dict[str, str], log: Path, pass_fds: t
     are inherited (the run lock's descriptor)."""
     with open(log, "ab") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent, pass_fds=pass_fds)
+                                preexec_fn=die_with_parent, pass_fds=pass_fds)
 
 
 class LocalDriver(DriverCore):
@@ -175,7 +160,7 @@ class LocalDriver(DriverCore):
         if self.server is None or not self.server.alive:
             try:
                 self.server = ForkServer(env=dict(os.environ), log=self.run.path / LOGS_DIR / FORKSERVER_LOG,
-                                         pass_fds=self.lock_fds, preexec_fn=_die_with_parent)
+                                         pass_fds=self.lock_fds, preexec_fn=die_with_parent)
             except ForkServerFailed as exc:
                 print(f"note: {exc}; starting each worker as a process of its own", file=sys.stderr)
                 self.spawn = spawn_worker

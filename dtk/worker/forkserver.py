@@ -28,19 +28,23 @@ from typing import Any, NoReturn
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child (before exec, or in this server and its forks): get SIGTERM when the parent
+    dies, even by SIGKILL, so no orphaned worker goes on writing into a run that a new driver
+    may start again. Linux only; elsewhere a child outlives a killed parent. The local driver
+    (dtk.driver.local) uses it for its workers and this server."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: a child outlives a killed parent
+    except (OSError, AttributeError):
         pass
 
 
 def _child(request: dict[str, Any]) -> NoReturn:
     try:
         os.setsid()  # a session of its own, as the driver gives its workers: a Ctrl-C reaches the driver alone
-        _die_with_parent()
+        die_with_parent()
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -70,7 +74,7 @@ def _say(message: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     t0 = time.perf_counter()
     import dtk.worker.main  # noqa: F401 - the imports every worker needs, made once here
 
