@@ -2,7 +2,8 @@
 per run that imported torch once, the parent of every worker, each worker a session of its
 own. A driver killed with SIGKILL leaves nothing behind: the server gets SIGTERM from the
 kernel when its parent dies, and the workers when theirs does (PR_SET_PDEATHSIG), so no
-orphaned worker goes on writing into a run that the same command may start again."""
+orphaned worker goes on writing into a run that the same command may start again; the
+workers take that SIGTERM as a stop and save first."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def test_workers_are_forked_by_one_server_and_a_killed_driver_leaves_no_process(
         driver.wait()
         gone, alive = psutil.wait_procs([server, *workers], timeout=120)
         assert not alive, [p.cmdline() for p in alive]
+        # Their SIGTERM is a stop: they agreed on a step and saved it before they went.
+        (stopped,) = [e for e in run.events_list() if e["event"] == "preempted"]
+        assert stopped["signal"] == "SIGTERM" and stopped["saved"], stopped
+        assert stopped["checkpoint_step"] in run.committed_steps()
     finally:
         if driver.poll() is None:
             driver.kill()
