@@ -13,6 +13,7 @@ import pytest
 from plan_md_check import assert_plan_md_matches_mesh
 
 from conftest import dtk, losses, only_run_dir, run_dirs
+from dtk.launch.slurmctl import Slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -33,11 +34,6 @@ def wait_gone(job_id: str, timeout: float = 240) -> None:
         time.sleep(1)
     subprocess.run(["scancel", job_id])
     raise AssertionError(f"job {job_id} still in the queue after {timeout} s")
-
-
-def job_field(job: str, key: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True).stdout
-    return next((t.split("=", 1)[1] for t in out.split() if t.startswith(f"{key}=")), "")
 
 
 def status(run: Path) -> dict:
@@ -63,9 +59,8 @@ def test_two_node_job_trains_to_completion_and_records_lineage(lab, tmp_path):
     assert len(started) == 1
     assert started[0]["job_id"] == job and started[0]["restart"] == 0
     # the two nodes Slurm gave the job (which two depends on what the lab's previous test left busy)
-    allocated = subprocess.run(["scontrol", "show", "hostnames", job_field(job, "NodeList")], capture_output=True,
-                               text=True).stdout.split()
-    assert len(set(started[0]["nodes"])) == 2 and sorted(started[0]["nodes"]) == sorted(allocated), allocated
+    allocated = Slurm().job_nodes(job)
+    assert allocated and len(set(started[0]["nodes"])) == 2 and sorted(started[0]["nodes"]) == sorted(allocated), allocated
     # Each node's record gathered before the process group: two nodes, so not the loopback but
     # an interface both have (the lab's nodes share this machine's), the master on its address.
     topology = json.loads((run / "topology.json").read_text())
