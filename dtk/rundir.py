@@ -259,13 +259,58 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _start_ticks(pid: int) -> int | None:
+    """Clock ticks from boot to the start of process `pid` (/proc/PID/stat field 22); None
+    where /proc does not say (not Linux, or no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces.
+    return int(stat[stat.rindex(b")") + 2:].split()[22 - 3])
+
+
+def process_start(pid: int) -> str:
+    """When process `pid` started, as `BOOT_ID:TICKS` (the kernel's boot id and `_start_ticks`):
+    fixed for the life of the process. A start time in seconds since the epoch is not:
+    psutil adds the boot time the kernel reports now, a whole second that moves when the
+    clock is adjusted (NTP), so a process recorded at one time may not match itself later.
+    Empty where /proc does not say."""
+    ticks = _start_ticks(pid)
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+    return f"{boot}:{ticks}" if ticks is not None else ""
+
+
+def process_age(pid: int) -> float | None:
+    """Seconds since process `pid` started, to a clock tick (the boot clock against
+    `_start_ticks`); None where /proc does not say."""
+    ticks = _start_ticks(pid)
+    if ticks is None:
+        return None
+    return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def same_start(recorded: str, epoch_recorded: float, now: str, epoch_now: float) -> bool:
+    """Whether two readings of a process's start are the same process: by `process_start`
+    where both have it, else by the epoch start times, to within the second that a clock
+    adjustment moves them (a reused pid starts later than that)."""
+    if recorded and now:
+        return recorded == now
+    return abs(epoch_now - epoch_recorded) < 1.5
+
+
 def process_identity(pid: int | None = None) -> dict[str, Any]:
-    """What tells this process from a later one given the same pid: its start time and
-    command name (recorded in the `started` event of a local driver)."""
+    """What tells this process from a later one given the same pid: its start (`process_start`,
+    and in seconds since the epoch for people and for hosts without /proc) and command name
+    (recorded in the `started` event of a local driver)."""
     import psutil
 
     proc = psutil.Process(pid)
-    return {"driver_pid": proc.pid, "driver_started": round(proc.create_time(), 3), "driver_name": proc.name()}
+    return {"driver_pid": proc.pid, "driver_started": round(proc.create_time(), 3),
+            "driver_start": process_start(proc.pid), "driver_name": proc.name()}
 
 
 def driver_alive(started: dict[str, Any]) -> bool:
@@ -283,6 +328,6 @@ def driver_alive(started: dict[str, Any]) -> bool:
         now = process_identity(pid)
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-    # create_time is derived from boot time and clock ticks: equal to within a tick.
-    return (abs(now["driver_started"] - float(started["driver_started"])) < 0.5
+    return (same_start(started.get("driver_start", ""), float(started["driver_started"]),
+                       now["driver_start"], now["driver_started"])
             and now["driver_name"] == started.get("driver_name", now["driver_name"]))

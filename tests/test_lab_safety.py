@@ -23,7 +23,8 @@ import pytest
 
 from conftest import REPO, require
 from dtk import lab
-from dtk.lab import dns, files, ownership
+from dtk.lab import daemons, dns, files, ownership
+from dtk.rundir import process_start
 from lab_support import end_process_tree, named_process
 
 FOREIGN_CONF = "ClusterName=site\nSlurmctldHost=ctl01\n"
@@ -94,6 +95,22 @@ def test_up_refuses_daemons_it_did_not_start(machine, tmp_path, reaper, program)
     assert f"{program} (pid {dummy.pid}," in stderr
     assert dummy.poll() is None
     assert not (etc / "slurm" / "slurm.conf").exists()
+
+
+def test_a_recorded_daemon_is_itself_after_the_clock_moves_and_a_reused_pid_is_not(tmp_path, reaper):
+    """The lab knows its daemons by pid, start and name. The epoch start that psutil reports
+    moves by a whole second when the clock is adjusted, and a lab that took its munged for
+    dead stopped coming up; the start in clock ticks after boot does not move."""
+    proc = named_process(tmp_path, "munged")
+    reaper.append(proc)
+    found = daemons.Daemon.of("munged", psutil.Process(proc.pid))
+    assert found.start and daemons.is_alive(found)
+    assert daemons.is_alive(daemons.Daemon("munged", proc.pid, found.create_time - 1.0, found.start))
+    assert daemons.is_alive(daemons.Daemon.from_json(found.to_json()))
+    reused = daemons.Daemon("munged", proc.pid, found.create_time - 3600, process_start(1))
+    assert not daemons.is_alive(reused)
+    assert not daemons.is_alive(daemons.Daemon("munged", proc.pid, found.create_time - 3600))  # an older record
+    assert not daemons.is_alive(daemons.Daemon("slurmd", proc.pid, found.create_time, found.start))
 
 
 def test_up_refuses_a_slurm_conf_named_by_slurm_conf(machine, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, dtk
 from dtk.errors import UserError
 from dtk.launch.runlock import RunLock
-from dtk.rundir import RunDir, driver_alive, process_identity
+from dtk.rundir import RunDir, driver_alive, process_identity, process_start
 
 
 def _run(tmp_path: Path, started: dict) -> RunDir:
@@ -56,15 +56,26 @@ def test_a_reused_pid_is_not_the_driver(tmp_path, sleeper):
     run is not running, for dtk.status and dtk.stop alike."""
     theirs = process_identity(sleeper.pid)
     assert driver_alive(theirs)
-    reused = {**theirs, "driver_started": theirs["driver_started"] - 3600}
+    # The recorded driver started an hour earlier: the start of another process (pid 1's).
+    reused = {**theirs, "driver_started": theirs["driver_started"] - 3600, "driver_start": process_start(1)}
     run = _run(tmp_path, reused)
     assert not driver_alive(reused)
+    assert not driver_alive({**reused, "driver_start": ""})  # an older record: the epoch time alone
     assert not driver_alive({**theirs, "driver_name": "not-" + theirs["driver_name"]})
     shown = json.loads(dtk("dtk.status", str(run.path), "--json").stdout)
     assert shown["state"] != "running"
     proc = dtk("dtk.stop", str(run.path), "--timeout", "1")
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {run.path}: the run is not running"), proc.stderr
     assert not run.stop_request.exists()
+
+
+def test_the_driver_is_still_itself_after_the_clock_moves(sleeper):
+    """The epoch start psutil reports moves by a whole second when the kernel's boot time
+    does (a clock adjustment); the recorded start in clock ticks after boot does not."""
+    theirs = process_identity(sleeper.pid)
+    assert theirs["driver_start"], "no start in ticks on a host with /proc"
+    assert driver_alive({**theirs, "driver_started": theirs["driver_started"] - 1.0})
+    assert driver_alive({**theirs, "driver_started": theirs["driver_started"] + 1.0})
 
 
 def test_a_stop_that_gives_up_withdraws_its_request(tmp_path, sleeper):

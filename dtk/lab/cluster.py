@@ -192,7 +192,7 @@ def _install(install: bool, layout: LabLayout, log: Log) -> list[Daemon]:
     from then on (returned, to be recorded): the lab caused it and `down` stops it."""
     before = {p.pid for p in ownership.census(layout, None).foreign}
     ensure_installed(install, log)
-    return [Daemon("munged", p.pid, p.create_time()) for p in ownership.census(layout, None).foreign
+    return [Daemon.of("munged", p) for p in ownership.census(layout, None).foreign
             if p.pid not in before and p.info["name"] == "munged"]
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from dtk.rundir import process_start, same_start
+
 
 class DaemonError(RuntimeError):
     """A daemon did not start or would not stop; the message says where its log is."""
@@ -29,6 +31,13 @@ class Daemon:
     label: str
     pid: int
     create_time: float
+    """Seconds since the epoch, for people; `start` is what identifies the process."""
+    start: str = ""
+    """dtk.rundir.process_start: fixed for the process's life (empty in an older record)."""
+
+    @classmethod
+    def of(cls, label: str, proc: psutil.Process) -> Daemon:
+        return cls(label, proc.pid, proc.create_time(), process_start(proc.pid))
 
     @property
     def program(self) -> str:
@@ -39,15 +48,16 @@ class Daemon:
 
     @classmethod
     def from_json(cls, data: dict) -> Daemon:
-        return cls(label=data["label"], pid=int(data["pid"]), create_time=float(data["create_time"]))
+        return cls(label=data["label"], pid=int(data["pid"]), create_time=float(data["create_time"]),
+                   start=str(data.get("start", "")))
 
 
 def find_process(daemon: Daemon) -> psutil.Process | None:
     """The running process that is `daemon`, or None if it exited (a zombie has exited)."""
     try:
         proc = psutil.Process(daemon.pid)
-        # psutil derives start times from boot time and clock ticks; equal within rounding.
-        same = abs(proc.create_time() - daemon.create_time) < 0.05 and proc.name() == daemon.program
+        same = (same_start(daemon.start, daemon.create_time, process_start(daemon.pid), proc.create_time())
+                and proc.name() == daemon.program)
         if same and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -80,7 +90,7 @@ def start(label: str, argv: list[str], pid_file: Path, *, output: Path, log: Pat
     if pid is None:
         raise DaemonError(f"{label} did not start: {tail(log)}")
     try:
-        return Daemon(label, pid, psutil.Process(pid).create_time())
+        return Daemon.of(label, psutil.Process(pid))
     except psutil.NoSuchProcess:
         raise DaemonError(f"{label} exited right after starting: {tail(log)}") from None
 

@@ -8,17 +8,18 @@ Rank 0 writes them in the `ready` event just before its first step.
 
 from __future__ import annotations
 
+import os
 import time
 
-import psutil
+from dtk.rundir import process_age
 
 
 class StartupClock:
     def __init__(self) -> None:
-        try:
-            self.process_start = psutil.Process().create_time()
-        except psutil.Error:  # no /proc: imports are then not counted apart
-            self.process_start = time.time()
+        # Now less the process's age: psutil's create_time adds a boot time the kernel
+        # rounds down to the second, which would count up to a second of imports too many.
+        age = process_age(os.getpid())
+        self.process_start = time.time() - (age or 0.0)  # no /proc: imports are not counted apart
         self._last = self.process_start
         self.laps: dict[str, float] = {}
 
