@@ -7,6 +7,7 @@ workers take that SIGTERM as a stop and save first."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,9 +21,64 @@ from conftest import REPO
 from dtk.driver.record import read_progress
 from dtk.rundir import RunDir
 
-pytestmark = pytest.mark.slow
+# The server's loop with children that play a killed worker and its peer: the victim listens,
+# the peer connects and waits; the victim is killed; the peer fails on the broken connection
+# and exits 20 ms later (a worker's error path takes at least that).
+SERVER = """
+import os, signal, socket, sys, time
+from dtk.worker.forkserver import serve
+
+def child(request):
+    role, path = request["args"]
+    sock = socket.socket(socket.AF_UNIX)
+    if role == "victim":
+        sock.bind(path)
+        sock.listen(1)
+        conn, _ = sock.accept()
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        try:
+            sock.connect(path)
+            break
+        except OSError:
+            time.sleep(0.005)
+    sock.recv(1)
+    time.sleep(0.02)
+    os._exit(1)
+
+serve(child)
+"""
 
 
+def test_the_server_reports_ends_in_the_order_they_happened(tmp_path):
+    """The peer was forked first and ends 20 ms after the victim. Reaped by a sweep every
+    0.05 s, both ends usually fell in one sweep and were reported oldest child first, and
+    the local driver blamed the peer for the kill; woken by each child's pidfd, the server
+    reports the victim's end first."""
+    server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in json.loads(server.stdout.readline())
+        path = str(tmp_path / "sock")
+        for number, role in enumerate(["peer", "victim"]):
+            server.stdin.write(json.dumps({"id": number, "args": [role, path], "env": {}, "log": "-"}) + "\n")
+            server.stdin.flush()
+        pids, ends = {}, {}
+        while len(ends) < 2:
+            message = json.loads(server.stdout.readline())
+            if "id" in message:
+                pids[message["pid"]] = ["peer", "victim"][message["id"]]
+            else:
+                ends[pids[message["exit"]]] = (message["code"], message["at"], len(ends))
+    finally:
+        server.stdin.close()
+        server.wait(timeout=10)
+    assert ends["victim"][0] == -signal.SIGKILL and ends["peer"][0] == 1
+    assert ends["victim"][1] < ends["peer"][1] and ends["victim"][2] == 0, ends
+
+
+@pytest.mark.slow
 def test_workers_are_forked_by_one_server_and_a_killed_driver_leaves_no_process(tmp_path):
     driver = subprocess.Popen([sys.executable, "-m", "dtk.submit", "tasks_per_node=2", "train.steps=100000",
                                "checkpoint.every=100000", "run.name=r", f"run.root={tmp_path}"], cwd=tmp_path,

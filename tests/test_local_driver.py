@@ -208,6 +208,15 @@ def test_a_crash_kills_the_other_workers_and_relaunches_from_the_last_checkpoint
     assert "relaunching (crashed: worker rank 1" in capsys.readouterr().err
 
 
+def test_of_two_ends_seen_at_once_the_death_by_a_signal_is_the_cause(tmp_path):
+    """Rank 1 is killed and rank 0 fails on the broken connection; the driver sees both in one
+    poll. The kill is the cause: a peer's death ends a worker with an exception, not a signal."""
+    job = Local(tmp_path, [Start(ranks={0: 1, 1: -9}, logs={0: CRASH_LOG}), Start(exit=0)])
+    assert job.driver.run_to_end() == 0
+    (relaunched,) = job.events("relaunched")
+    assert relaunched["rank"] == 1 and relaunched["detail"] == f"worker rank 1 on {HOST} killed by SIGKILL"
+
+
 def test_the_restart_budget_counts_crashes_and_hangs_and_then_fails_with_the_last_cause(tmp_path, capsys):
     starts = [Start(exit=1, logs={0: CRASH_LOG}), Start(exit=None, stop_beating_s=10), Start(exit=-9)]
     job = Local(tmp_path, starts, max_restarts=2)

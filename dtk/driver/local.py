@@ -210,8 +210,10 @@ class LocalDriver(DriverCore):
             if failed:
                 # A configuration error explains the others' fate (their peer left); else the
                 # first to die is the cause, the others' errors its consequences (when the
-                # workers' parent told when each ended; else the first seen, lowest rank first).
-                rank, code = min(failed, key=lambda f: (f[1] != EXIT_CONFIG, self._ended_at(f[0])))
+                # workers' parent told when each ended). Among ends seen at once, a death by
+                # a signal (SIGKILL, SIGSEGV) comes first: a peer's death ends a worker with
+                # an exception, not a signal. Then the lowest rank.
+                rank, code = min(failed, key=lambda f: (f[1] != EXIT_CONFIG, self._ended_at(f[0]), f[1] >= 0))
                 self.stop(kill=True)
                 return self._crashed(rank, code, logs)
             if all(c in (0, EXIT_STOPPED) for c in codes):

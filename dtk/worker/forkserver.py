@@ -10,8 +10,8 @@ worker exactly as `python -m dtk.worker` does (dtk.worker.entry).
 The driver (dtk.driver.forkserver) talks to it in JSON lines: on stdin requests
 `{"id": N, "args": [...], "env": {...}, "log": PATH}`; on stdout `{"ready": PID}` once, then
 `{"id": N, "pid": PID}` for each fork and `{"exit": PID, "code": C, "at": T}` when a child
-ends (C as Popen's returncode: negative for a signal; T when it was reaped, within 0.05 s of
-its end). End of stdin (the driver closed it, or died) ends
+ends (C as Popen's returncode: negative for a signal; T when the server learnt of the end,
+woken by the child's pidfd: see `serve`). End of stdin (the driver closed it, or died) ends
 it; its children get SIGTERM when it goes (PR_SET_PDEATHSIG), as they would from the driver.
 """
 
@@ -23,6 +23,7 @@ import selectors
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
@@ -80,6 +81,17 @@ def main() -> None:
 
     print(f"fork server {os.getpid()}: imported the worker's modules in {time.perf_counter() - t0:.2f} s",
           file=sys.stderr, flush=True)
+    serve(_child)
+
+
+def serve(child: Callable[[dict[str, Any]], NoReturn]) -> None:
+    """Answer requests on stdin until it ends: fork, and in the fork run `child(request)`.
+
+    A child's end is reported as soon as the kernel says it ended (a pidfd per child in the
+    selector), so that the order of the reports is the order of the deaths: when one worker
+    is killed and its peers fail on the broken connection a few milliseconds later, the
+    driver blames the first. Where pidfds are missing (Linux before 5.3) a sweep every
+    0.05 s finds the ends, and deaths within one sweep are reported as simultaneous."""
     _say({"ready": os.getpid()})
     selector = selectors.DefaultSelector()
     stdin = sys.stdin.fileno()
@@ -87,7 +99,14 @@ def main() -> None:
     pending = b""
     children: set[int] = set()
     while True:
-        for _key, _events in selector.select(timeout=0.05):
+        ready = selector.select(timeout=0.05)
+        woke = time.time()
+        ended: set[int] = set()  # children whose pidfd says they ended when the select returned
+        for key, _events in ready:
+            if key.data is not None:
+                ended.add(key.data)
+                _close_pidfd(key.data, selector)
+                continue
             data = os.read(stdin, 1 << 20)
             if not data:
                 return
@@ -98,8 +117,15 @@ def main() -> None:
                 sys.stdout.flush()  # nothing buffered for a child to inherit
                 pid = os.fork()
                 if pid == 0:
-                    _child(request)
+                    try:
+                        selector.close()  # the child's copies: the loop and its siblings' pidfds
+                        for watched in children:
+                            _close_pidfd(watched)
+                        child(request)
+                    finally:
+                        os._exit(1)  # never back into this loop
                 children.add(pid)
+                _watch(selector, pid)
                 _say({"id": request["id"], "pid": pid})
         while children:
             try:
@@ -109,7 +135,30 @@ def main() -> None:
             if pid == 0:
                 break
             children.discard(pid)
-            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "at": time.time()})
+            _close_pidfd(pid, selector)  # reaped before its pidfd was seen: the end came after the select
+            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "at": woke if pid in ended else time.time()})
+
+
+_pidfds: dict[int, int] = {}
+
+
+def _watch(selector: selectors.BaseSelector, pid: int) -> None:
+    """Have the selector wake when child `pid` ends (its pidfd turns readable)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return  # no pidfds here: the sweep finds its end
+    _pidfds[pid] = fd
+    selector.register(fd, selectors.EVENT_READ, pid)
+
+
+def _close_pidfd(pid: int, selector: selectors.BaseSelector | None = None) -> None:
+    fd = _pidfds.pop(pid, None)
+    if fd is None:
+        return
+    if selector is not None:
+        selector.unregister(fd)
+    os.close(fd)
 
 
 if __name__ == "__main__":
