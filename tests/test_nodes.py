@@ -26,13 +26,19 @@ def run_dir(tmp_path: Path) -> RunDir:
     return RunDir(path)
 
 
-def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path):
+def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path, monkeypatch):
+    # A stand-in Slurm, not this machine's: a Slurm installed here whose controller is down
+    # (the lab between tests) would cost the listing its 30 s of retries.
+    fake = FakeSlurm(FakeClock(), ["node1", "node2"], [])
+    fake.node_states["node2"] = "idle"
+    monkeypatch.setattr("dtk.nodes._slurm", lambda: Slurm(fake, fake.clock))
     run = run_dir(tmp_path)
     add_exclusions(run, ["node2"], job_id="7", reason="node(s) node2 left the job")
     shown = run_main("dtk.nodes", str(run.path))
     assert shown.returncode == 0, shown.stderr
     line = shown.stdout.splitlines()[1]
     assert "node2" in line and "job 7" in line and "reason: node(s) node2 left the job" in line and "since 20" in line
+    assert "slurm: idle" in line
 
     done = run_main("dtk.nodes", str(run.path), "--readmit", "node2")
     assert done.returncode == 0, done.stderr

@@ -126,23 +126,35 @@ def test_a_finished_run_raises_nothing(tmp_path):
     assert watch.check(tmp_path, now=T0 + 600, job_state=never_running) == []
 
 
-def _watch(*args: str) -> subprocess.CompletedProcess:
+def _watch(*args: str, squeue: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m dtk.watch ARGS`; with `squeue`, a folder first on PATH whose squeue knows no job
+    (this machine's Slurm may run the lab's jobs, or have its controller down: 18 s a query)."""
+    path = f"{squeue}:{os.environ['PATH']}" if squeue else os.environ["PATH"]
     return subprocess.run([sys.executable, "-X", "importtime", "-m", "dtk.watch", *args], capture_output=True,
-                          text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+                          text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), PATH=path), timeout=60)
+
+
+def _squeue_that_knows_no_job(folder: Path) -> Path:
+    folder.mkdir()
+    script = folder / "squeue"
+    script.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return folder
 
 
 def test_the_command_prints_each_alert_once_and_hands_it_to_alert_as_json(tmp_path):
     root = tmp_path / "runs"
     make_run(root, "loop", crash_loop())
     got = tmp_path / "alerts.jsonl"
-    done = _watch(str(root), "--once", "--json", "--alert", f"cat >> {got}")
+    squeue = _squeue_that_knows_no_job(tmp_path / "bin")
+    done = _watch(str(root), "--once", "--json", "--alert", f"cat >> {got}", squeue=squeue)
     assert done.returncode == 0, done.stderr
     printed = [json.loads(line) for line in done.stdout.splitlines()]
     assert sorted(p["alert"] for p in printed) == ["budget_low", "restart_storm", "stalled_progress"]
     assert [json.loads(line) for line in got.read_text().splitlines()] == printed
     imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "import time:" in line}
     assert not imported & {"torch", "omegaconf", "hydra", "numpy"}, "the watcher imports only the standard library"
-    again = _watch(str(root), "--once")
+    again = _watch(str(root), "--once", squeue=squeue)
     assert (again.returncode, again.stdout) == (0, "")
     assert (root / watch.STATE).is_file()
 
