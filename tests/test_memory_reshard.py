@@ -8,7 +8,7 @@ snapshotted by 4 ranks on two nodes ("a": ranks 0, 1; "b": ranks 2, 3) is restor
 
 each time equal, tensor for tensor, to the state the 4 ranks snapshotted (parameters, both
 AdamW moments, the step count, the schedule's position). A corrupt layout falls back with the
-reason on every rank."""
+reason on every rank. A snapshot that one rank cannot write is kept by none and stops no rank."""
 
 from __future__ import annotations
 
@@ -120,3 +120,31 @@ def test_a_corrupt_layout_falls_back_on_every_rank_with_the_reason(tmp_path):
     got = run_on_ranks(_restore, 2, tmp_path / "shrink", root, "a", True)
     for g in got:
         assert g["step"] is None and "rank 2: CRC mismatch of its replica layout of step 2" in g["reason"], g["reason"]
+
+
+def _snapshot_with_a_failed_write(rank: int, world: int, root: str) -> dict:
+    from dtk.checkpoint import memory_store as ms
+
+    os.environ["DTK_MEMORY_STORE_ROOT"] = root
+    os.environ["SLURMD_NODENAME"] = "ab"[rank]
+    model, optimizer, scheduler = _build(0, world)
+    tier = _tier(Path(root) / "run", model, optimizer, scheduler, rank=rank, world=world, per_node=1, fresh=True)
+    blocker = ms.step_dir(tier.store, 2)
+    if rank == 1:  # node b's step folder cannot be made: a file is in its place
+        blocker.parent.mkdir(parents=True, exist_ok=True)
+        blocker.write_text("not a folder")
+    tier.snapshot(2)
+    tier.wait()  # returns on both ranks: rank 0 is not left waiting for rank 1's replica
+    blocker.unlink(missing_ok=True)
+    tier.snapshot(4)
+    tier.wait()
+    return {"failures": tier.failures, "held": {step: (h["commit"] is not None, h["own"], h["replica"])
+                                                 for step, h in ms.holdings(tier.store).items()}}
+
+
+def test_a_snapshot_that_one_rank_cannot_write_is_kept_by_none_and_the_next_one_is(tmp_path):
+    got = run_on_ranks(_snapshot_with_a_failed_write, 2, tmp_path / "snap", str(tmp_path / "shm"))
+    for rank, g in enumerate(got):
+        (failure,) = g["failures"]
+        assert failure.startswith("step 2 not kept (1 of 2 ranks failed): rank 1 on b: FileExistsError"), failure
+        assert g["held"] == {4: (True, [rank], [1 - rank])}, g["held"]  # nothing of step 2 is left on node a

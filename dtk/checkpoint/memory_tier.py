@@ -22,6 +22,7 @@ checkpoints.
 from __future__ import annotations
 
 import io
+import shutil
 import socket
 import time
 import zlib
@@ -41,6 +42,15 @@ from dtk.checkpoint.rng import rng_state, set_rng_state
 from dtk.checkpoint.safe import SafeLoadPlanner
 from dtk.checkpoint.sharded import Comm, _state_dicts
 from dtk.rundir import memory_store
+
+
+def _attempt(write: Callable[[], None]) -> str:
+    """Run `write`; what went wrong, or an empty string."""
+    try:
+        write()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 class Fallback(Exception):
@@ -69,13 +79,12 @@ class MemoryTier:
         self.comm = Comm.create()  # a gloo group of the tier's own: the snapshot thread's traffic
         self.group = self.comm.group
         if fresh and local_rank == 0:  # a new run of this run directory: an earlier one's store is stale
-            import shutil
-
             shutil.rmtree(self.store, ignore_errors=True)
         self.comm.barrier()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-memtier")
         self._pending: Future | None = None
         self.blocked_s: list[float] = []  # the training thread's time per snapshot (waiting + copying)
+        self.failures: list[str] = []  # why snapshots were not kept
 
     # --- snapshot -------------------------------------------------------------------------
 
@@ -98,14 +107,20 @@ class MemoryTier:
             try:
                 pending.result()
             except Exception as exc:  # a lost snapshot costs nothing but the tier: the disk stays
+                self.failures.append(str(exc))
                 print(f"memory snapshot failed on rank {self.rank}: {exc}", flush=True)
 
     def _write(self, step: int, state: dict[str, Any], layout: mload.Layout) -> None:
+        """The background half of a snapshot. Every rank goes through every collective even
+        when a write of its own failed (a full /dev/shm, a store that is not a folder): a rank
+        that left early would leave its partner waiting on the exchange for good. The step
+        is committed only when every rank wrote its shard and its replica; else each node's
+        first rank removes the step's files and every rank raises the first failure."""
         buf = io.BytesIO()
         torch.save(state, buf)
         data, meta = buf.getvalue(), mload.layout_bytes(layout)
         crc, meta_crc = zlib.crc32(data), zlib.crc32(meta)
-        ms.write_shard(self.store, step, "own", self.rank, data, crc, meta)
+        failed = _attempt(lambda: ms.write_shard(self.store, step, "own", self.rank, data, crc, meta))
         partner = ms.partner(self.rank, self.world, self.per_node)
         source = ms.replica_of(self.rank, self.world, self.per_node)
         if partner is not None and source is not None and self.group is not None:
@@ -116,11 +131,19 @@ class MemoryTier:
             self._exchange(torch.frombuffer(bytearray(data + meta), dtype=torch.uint8), partner, received, source)
             got = received.numpy().tobytes()
             cut = int(incoming[0])
-            ms.write_shard(self.store, step, "replica", source, got[:cut], zlib.crc32(got[:cut]), got[cut:])
-        crcs = self.comm.all_gather((crc, meta_crc))  # past this, every rank's shard and replica is written
+            failed = failed or _attempt(lambda: ms.write_shard(self.store, step, "replica", source, got[:cut],
+                                                               zlib.crc32(got[:cut]), got[cut:]))
+        # Past this, every rank's shard and replica is written, or some rank says why not.
+        gathered = self.comm.all_gather((crc, meta_crc, failed and f"rank {self.rank} on {self.node}: {failed}"))
+        failures = [why for _, _, why in gathered if why]
+        if failures:
+            if self.local_rank == 0:
+                shutil.rmtree(ms.step_dir(self.store, step), ignore_errors=True)
+            raise RuntimeError(f"step {step} not kept ({len(failures)} of {self.world} ranks failed): {failures[0]}")
         if self.local_rank == 0:
             ms.write_commit(self.store, ms.commit_record(step, world_size=self.world, identity=self.identity,
-                                                         crcs=[c for c, _ in crcs], layout_crcs=[m for _, m in crcs]))
+                                                         crcs=[c for c, _, _ in gathered],
+                                                         layout_crcs=[m for _, m, _ in gathered]))
             ms.prune(self.store)
 
     def _exchange(self, out: torch.Tensor, to: int, into: torch.Tensor, source: int) -> None:
@@ -257,6 +280,4 @@ class MemoryTier:
         if discard:
             self.comm.barrier()
             if self.local_rank == 0:
-                import shutil
-
                 shutil.rmtree(self.store.parent, ignore_errors=True)
