@@ -124,6 +124,7 @@ BAD_INPUT = [
     (["train.micro_batch=0"], "train.micro_batch=0: expected a positive count of samples"),
     (["optim.grad_clip=-1"], "optim.grad_clip=-1.0: expected 0 (no clipping) or a positive norm"),
     (["checkpoint.every_minutes=-1"], "checkpoint.every_minutes=-1.0: expected 0 (off) or more"),
+    (["checkpoint.memory_every=-5"], "checkpoint.memory_every=-5: expected 0 (the in-memory tier off) or a positive step"),
     (["checkpoint.max_failures=0"], "checkpoint.max_failures=0: expected a positive integer"),
     (["train.eval_every=10", "data.eval_samples=3"],
      "train.eval_every=10: the validation split has 512 samples (evaluating at most 3), fewer than one global batch"),

@@ -158,6 +158,9 @@ def make_plan(
         raise UserError(f"train.threads={train.threads}: expected 0 (automatic) or a positive count")
     if ckpt.every < 0:
         raise UserError(f"checkpoint.every={ckpt.every}: expected 0 (only at the end) or a positive step count")
+    if ckpt.memory_every < 0:
+        raise UserError(f"checkpoint.memory_every={ckpt.memory_every}: expected 0 (the in-memory tier off) or a positive"
+                        " step count")
     if ckpt.every_minutes < 0:
         raise UserError(f"checkpoint.every_minutes={ckpt.every_minutes}: expected 0 (off) or more")
     _positive("checkpoint.keep", ckpt.keep)
