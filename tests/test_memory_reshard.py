@@ -145,6 +145,6 @@ def _snapshot_with_a_failed_write(rank: int, world: int, root: str) -> dict:
 def test_a_snapshot_that_one_rank_cannot_write_is_kept_by_none_and_the_next_one_is(tmp_path):
     got = run_on_ranks(_snapshot_with_a_failed_write, 2, tmp_path / "snap", str(tmp_path / "shm"))
     for rank, g in enumerate(got):
-        (failure,) = g["failures"]
-        assert failure.startswith("step 2 not kept (1 of 2 ranks failed): rank 1 on b: FileExistsError"), failure
+        ((step, failure),) = g["failures"]
+        assert step == 2 and failure.startswith("step 2 not kept (1 of 2 ranks failed): rank 1 on b: FileExistsError"), failure
         assert g["held"] == {4: (True, [rank], [1 - rank])}, g["held"]  # nothing of step 2 is left on node a

@@ -1,8 +1,8 @@
 """The in-memory snapshot tier end to end (checkpoint.memory_every): two gloo workers under the
 local driver, one SIGKILLed between disk checkpoints. The relaunch restores from its node's
 /dev/shm store (`tier: memory`), redoes at most memory_every steps, and its losses equal the
-uninterrupted run's; a corrupted shard falls back to disk with the reason; a stopped or
-finished run leaves no store behind."""
+uninterrupted run's; a corrupted shard falls back to disk with the reason; a store that
+cannot be written costs the tier alone; a stopped or finished run leaves no store behind."""
 
 from __future__ import annotations
 
@@ -136,6 +136,21 @@ def test_a_corrupt_shard_falls_back_to_disk_with_the_reason(reference, tmp_path)
     assert len(loaded) == 1 and loaded[0]["tier"] == "disk", loaded
     assert "CRC mismatch" in loaded[0]["memory_fallback"] and "rank 1" in loaded[0]["memory_fallback"]
     assert loaded[0]["step"] < snap and loaded[0]["step"] % 5 == 0
+    assert losses(run) == reference
+
+
+def test_a_store_that_cannot_be_written_costs_the_tier_only(reference, tmp_path):
+    """Every snapshot fails (the store's folder is a file): each is a `memory_snapshot_failed`
+    event with the reason, no rank waits on another, and the run ends with the losses of the
+    run without the tier."""
+    store = tmp_path / "shm"
+    store.write_text("not a folder")
+    driver = submit(tmp_path, store=store)
+    assert driver.wait(timeout=300) == 0, (tmp_path / "r" / "logs").glob("*")
+    run = RunDir(tmp_path / "r")
+    failed = [e for e in run.events_list() if e["event"] == "memory_snapshot_failed"]
+    assert [e["step"] for e in failed] == list(range(2, STEPS, 2)), failed
+    assert all("not kept (2 of 2 ranks failed)" in e["reason"] for e in failed), failed[0]
     assert losses(run) == reference
 
 

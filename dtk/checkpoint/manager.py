@@ -75,6 +75,7 @@ class CheckpointManager:
         self.memory_every = checkpoint.memory_every
         self._resumed_once = False
         self._last_snapshot: int | None = None
+        self._snapshot_failures_seen = 0
         # What a snapshot must share with this start to be restored: the run and its data, as
         # for a disk checkpoint; the mesh and scheme may differ (the restore reshards).
         same_run = {k: self.identity.get(k) for k in ("config_hash", "data_version")}
@@ -319,8 +320,24 @@ class CheckpointManager:
         if self.due(step) or self._minutes_due():
             self.save(step)
         if self.memory is not None and step % self.memory_every == 0 and step != self.total_steps:
-            self.memory.snapshot(step)
+            self.memory.snapshot(step)  # the previous snapshot is finished first
             self._last_snapshot = step
+            self._report_snapshot_failures()
+
+    def _report_snapshot_failures(self) -> None:
+        """Rank 0: a `memory_snapshot_failed` event for each snapshot no rank kept (every rank
+        has the same reasons: the tier's gather shares them); training goes on."""
+        if self.memory is None:
+            return
+        new = self.memory.failures[self._snapshot_failures_seen:]
+        self._snapshot_failures_seen += len(new)
+        if self.rank != 0:
+            return
+        for step, reason in new:
+            try:
+                self.run.event("memory_snapshot_failed", step=step, reason=reason)
+            except OSError:  # the run directory's storage is gone: the worker's log says it
+                pass
 
     @property
     def last_started(self) -> int | None:
@@ -350,3 +367,4 @@ class CheckpointManager:
             self._saver.close()
             if self.memory is not None:  # durable on disk (finished, stopped): the store goes
                 self.memory.close(discard=self.verified_step is not None and self.verified_step == self._last_step)
+                self._report_snapshot_failures()

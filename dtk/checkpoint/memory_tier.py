@@ -82,9 +82,9 @@ class MemoryTier:
             shutil.rmtree(self.store, ignore_errors=True)
         self.comm.barrier()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-memtier")
-        self._pending: Future | None = None
+        self._pending: tuple[int, Future] | None = None
         self.blocked_s: list[float] = []  # the training thread's time per snapshot (waiting + copying)
-        self.failures: list[str] = []  # why snapshots were not kept
+        self.failures: list[tuple[int, str]] = []  # (step, why) of the snapshots not kept
 
     # --- snapshot -------------------------------------------------------------------------
 
@@ -97,17 +97,18 @@ class MemoryTier:
         tensors, objects, layout = mload.pieces({"model": model_sd, "optim": optim_sd})
         state = {"step": step, "tensors": tensors, "objects": objects,
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
-        self._pending = self._thread.submit(self._write, step, state, layout)
+        self._pending = step, self._thread.submit(self._write, step, state, layout)
         self.blocked_s.append(time.perf_counter() - t0)
 
     def wait(self) -> None:
         """Local: the snapshot in flight is written, replicated and committed (or failed)."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            step, future = pending
             try:
-                pending.result()
+                future.result()
             except Exception as exc:  # a lost snapshot costs nothing but the tier: the disk stays
-                self.failures.append(str(exc))
+                self.failures.append((step, str(exc)))
                 print(f"memory snapshot failed on rank {self.rank}: {exc}", flush=True)
 
     def _write(self, step: int, state: dict[str, Any], layout: mload.Layout) -> None:
