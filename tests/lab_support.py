@@ -101,3 +101,13 @@ def end_process_tree(proc: subprocess.Popen) -> None:
             child.kill()
         proc.kill()
     proc.wait()
+
+
+def job_gone(job: str) -> bool:
+    """Whether Slurm no longer lists `job` as queued, running or completing. A query that
+    failed (a controller too busy to answer, one restarting) says nothing: not gone; a job
+    purged after MinJobAge is unknown to squeue, which says so: gone."""
+    proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return "Invalid job id" in proc.stderr
+    return not proc.stdout.strip()

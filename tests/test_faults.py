@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, losses, only_run_dir
-from lab_support import CONDITIONAL, STEPS, TRAIN, node_state, procedure
+from lab_support import CONDITIONAL, STEPS, TRAIN, job_gone, node_state, procedure
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -67,10 +67,6 @@ def step_reached(run: Path, step: int, restart: int | None = None) -> bool:
         if restart is None or rec["restart"] == restart:
             return rec["step"] >= step
     return False
-
-
-def job_gone(job: str) -> bool:
-    return not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
 
 
 def finish(job: str, run: Path, timeout: float = 240) -> dict:

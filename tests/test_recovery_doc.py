@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, only_run_dir
-from lab_support import CONDITIONAL, procedure
+from lab_support import CONDITIONAL, job_gone, procedure
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -88,8 +88,7 @@ def test_planned_restart_procedure_saves_holds_and_resumes(lab, tmp_path):
         time.sleep(3)
         assert job_state(job).startswith("PENDING"), job_state(job)  # held: it does not start by itself
         follow("restart-after", JOB=job, RUN_DIR=str(run))
-        wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
-                 300, f"job {job} to end")
+        wait_for(lambda: job_gone(job), 300, f"job {job} to end")
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     resumed = events(run, "resumed")

@@ -14,6 +14,7 @@ from plan_md_check import assert_plan_md_matches_mesh
 
 from conftest import dtk, losses, only_run_dir, run_dirs
 from dtk.launch.slurmctl import Slurm
+from lab_support import job_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -28,8 +29,7 @@ def job_ids(stdout: str) -> list[str]:
 def wait_gone(job_id: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
-        if not out.strip():
+        if job_gone(job_id):
             return
         time.sleep(1)
     subprocess.run(["scancel", job_id])

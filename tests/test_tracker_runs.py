@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, only_run_dir
+from lab_support import job_gone
 from mlflow_support import mlflow_server, the_one_run
 
 pytestmark = pytest.mark.slow
@@ -106,8 +107,7 @@ def test_a_preempted_and_requeued_lab_run_is_one_tracker_run_with_every_step_onc
         wait_for(lambda: max(logged_steps(run), default=0) >= 40, 180, "step 40")
         drill = dtk("dtk.drill", "preempt", str(run), "--hold", "5")
         assert drill.returncode == 0, drill.stdout + drill.stderr
-        wait_for(lambda: (run / "summary.json").exists() and not subprocess.run(
-            ["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(), 300, f"job {job} to end")
+        wait_for(lambda: (run / "summary.json").exists() and job_gone(job), 300, f"job {job} to end")
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     summary = json.loads((run / "summary.json").read_text())

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, only_run_dir
+from lab_support import job_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -76,6 +77,6 @@ def test_a_stopped_driver_whose_workers_died_is_silent(lab, tmp_path):
             os.kill(stopped, signal.SIGCONT)
         subprocess.run(["scancel", job])
         deadline = time.monotonic() + 120
-        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        while not job_gone(job):
             assert time.monotonic() < deadline, f"job {job} still queued"
             time.sleep(1)
