@@ -12,6 +12,7 @@ import pytest
 from conftest import dtk, only_run_dir
 from dtk.errors import UserError
 from dtk.launch.launch import check_dependencies
+from lab_support import job_gone
 
 
 def test_a_dependency_on_a_job_slurm_does_not_know_is_refused():
@@ -44,7 +45,7 @@ def test_the_dtk_job_starts_only_after_the_job_it_waits_for(lab, tmp_path):
             time.sleep(0.5)
         # Read job A while Slurm still remembers it (MinJobAge): it ended before B left the queue's wait.
         ended_a = subprocess.run(["scontrol", "show", "job", job_a, "-o"], capture_output=True, text=True).stdout
-        while squeue(job_b, "%T") and time.monotonic() < deadline:
+        while not job_gone(job_b) and time.monotonic() < deadline:
             time.sleep(1)
     finally:
         subprocess.run(["scancel", job_a, job_b], capture_output=True)
