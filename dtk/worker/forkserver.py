@@ -105,7 +105,7 @@ def serve(child: Callable[[dict[str, Any]], NoReturn]) -> None:
         for key, _events in ready:
             if key.data is not None:
                 ended.add(key.data)
-                _close_pidfd(key.data, selector)
+                _unwatch(selector, key.data)
                 continue
             data = os.read(stdin, 1 << 20)
             if not data:
@@ -118,9 +118,10 @@ def serve(child: Callable[[dict[str, Any]], NoReturn]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     try:
-                        selector.close()  # the child's copies: the loop and its siblings' pidfds
-                        for watched in children:
-                            _close_pidfd(watched)
+                        for key in selector.get_map().values():  # the child's copies of its siblings' pidfds
+                            if key.data is not None:
+                                os.close(key.fd)
+                        selector.close()
                         child(request)
                     finally:
                         os._exit(1)  # never back into this loop
@@ -135,30 +136,25 @@ def serve(child: Callable[[dict[str, Any]], NoReturn]) -> None:
             if pid == 0:
                 break
             children.discard(pid)
-            _close_pidfd(pid, selector)  # reaped before its pidfd was seen: the end came after the select
+            _unwatch(selector, pid)  # reaped before its pidfd was seen: the end came after the select
             _say({"exit": pid, "code": os.waitstatus_to_exitcode(status), "at": woke if pid in ended else time.time()})
 
 
-_pidfds: dict[int, int] = {}
-
-
 def _watch(selector: selectors.BaseSelector, pid: int) -> None:
-    """Have the selector wake when child `pid` ends (its pidfd turns readable)."""
+    """Have the selector wake when child `pid` ends (its pidfd turns readable; the key's data is the pid)."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         return  # no pidfds here: the sweep finds its end
-    _pidfds[pid] = fd
     selector.register(fd, selectors.EVENT_READ, pid)
 
 
-def _close_pidfd(pid: int, selector: selectors.BaseSelector | None = None) -> None:
-    fd = _pidfds.pop(pid, None)
-    if fd is None:
-        return
-    if selector is not None:
-        selector.unregister(fd)
-    os.close(fd)
+def _unwatch(selector: selectors.BaseSelector, pid: int) -> None:
+    """Unregister and close child `pid`'s pidfd, if it has one still."""
+    for key in list(selector.get_map().values()):
+        if key.data == pid:
+            selector.unregister(key.fd)
+            os.close(key.fd)
 
 
 if __name__ == "__main__":
