@@ -20,9 +20,22 @@ from pathlib import Path
 
 from dtk.errors import UserError
 
+BUSY_WAIT_S = 10.0
 
-def _mount(*args: str) -> None:
-    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+
+def _when_not_busy(argv: list[str], *, wait_s: float) -> subprocess.CompletedProcess:
+    """Run `mount ...` or `umount ...`; while it says the mount is busy (a file open for
+    writing on it: a save in flight, a worker on its way out), try again for `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode == 0 or "busy" not in proc.stderr or time.monotonic() >= deadline:
+            return proc
+        time.sleep(0.2)
+
+
+def _mount(*args: str, wait_s: float = 0.0) -> None:
+    proc = _when_not_busy(["mount", *args], wait_s=wait_s)
     if proc.returncode != 0:
         raise UserError(f"mount {' '.join(args)}: {' '.join((proc.stderr or proc.stdout).split())}")
 
@@ -32,7 +45,9 @@ def is_mountpoint(path: Path) -> bool:
 
 
 def break_storage(folder: Path) -> None:
-    """Make `folder` read-only for every process on this machine (a bind mount over itself)."""
+    """Make `folder` read-only for every process on this machine (a bind mount over itself).
+    A save that opens a file between the bind and the read-only remount makes the remount
+    busy: it is tried again until that file is closed (BUSY_WAIT_S at most)."""
     if os.geteuid() != 0:
         raise UserError("the storage drill makes a mount read-only and needs root (sudo)")
     folder.mkdir(parents=True, exist_ok=True)
@@ -40,25 +55,20 @@ def break_storage(folder: Path) -> None:
         raise UserError(f"{folder} is a mount point already (a drill still running?); not touching it")
     _mount("--bind", str(folder), str(folder))
     try:
-        _mount("-o", "remount,ro,bind", str(folder))
+        _mount("-o", "remount,ro,bind", str(folder), wait_s=BUSY_WAIT_S)
     except UserError:
         restore_storage(folder)
         raise
 
 
-def restore_storage(folder: Path, *, busy_wait_s: float = 10.0) -> None:
+def restore_storage(folder: Path, *, busy_wait_s: float = BUSY_WAIT_S) -> None:
     """Unmount the read-only bind mount. A process that still has a file open on it (a save
     that failed a moment ago, a worker on its way out) makes it busy: retried for
     `busy_wait_s`, then detached (umount --lazy), so the folder is writable again at once for
     every new file and the read-only view goes when its last file is closed."""
-    deadline = time.monotonic() + busy_wait_s
-    while True:
-        proc = subprocess.run(["umount", str(folder)], capture_output=True, text=True)
-        if proc.returncode == 0:
-            return
-        if "busy" not in proc.stderr or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
+    proc = _when_not_busy(["umount", str(folder)], wait_s=busy_wait_s)
+    if proc.returncode == 0:
+        return
     if "busy" in proc.stderr:
         proc = subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, text=True)
         if proc.returncode == 0:

@@ -209,6 +209,32 @@ def test_the_storage_drill_needs_a_folder_that_is_not_mounted_already(tmp_path, 
     (folder / "probe").write_text("writable again")
 
 
+def test_a_remount_made_busy_by_a_file_open_for_writing_is_tried_again_until_it_is_closed(tmp_path, root_mounts):
+    """A save that opens a file between the drill's bind mount and its read-only remount makes
+    the remount busy (seen in full runs: the drill failed). Here the file is held open on the
+    bind mount for 0.5 s: the remount waits for its close, and the folder is read-only."""
+    import threading
+
+    from dtk.drill_storage import _mount, _when_not_busy
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    _mount("--bind", str(folder), str(folder))
+    try:
+        held = open(folder / "shard.distcp", "wb")  # noqa: SIM115 - closed by the timer
+        remount = ["mount", "-o", "remount,ro,bind", str(folder)]
+        at_once = _when_not_busy(remount, wait_s=0)
+        assert at_once.returncode != 0 and "busy" in at_once.stderr, at_once.stderr
+        threading.Timer(0.5, held.close).start()
+        waited = _when_not_busy(remount, wait_s=10)
+        assert waited.returncode == 0 and held.closed, waited.stderr
+        with pytest.raises(OSError, match="Read-only file system"):
+            (folder / "probe").write_text("no")
+    finally:
+        restore_storage(folder)
+    (folder / "probe").write_text("writable again")
+
+
 @pytest.mark.slow
 def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_new_one(tmp_path, group):
     """async_mode=process: the writer process dies (SIGKILL) between saves; the next save is
