@@ -59,9 +59,15 @@ class Point:
         return {PLAN_MD: plan_markdown(self.plan, self.budget, self.note)}
 
 
+BUDGET_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+"""plan.* keys that change the bytes the memory gate counts, not the model the workers build."""
+
+
 def refuse_whatif(cfg) -> None:
     """plan.* model keys describe a model python -m dtk.plan plans without it being written;
-    a submitted job trains its `model` group, whose shape is not the what-if's."""
+    a submitted job trains its `model` group, whose shape is not the what-if's. The bytes
+    keys change what the memory gate counts, not what the workers hold (fp32 parameters,
+    gradients and AdamW's moments): with them a job that does not fit would pass the gate."""
     from dtk.plan.whatif import whatif_keys
 
     keys = whatif_keys(cfg)
@@ -69,6 +75,12 @@ def refuse_whatif(cfg) -> None:
         given = " ".join(f"plan.{k}={v:g}" if isinstance(v, float) else f"plan.{k}={v}" for k, v in keys.items())
         raise UserError(f"{given}: what-if keys plan a model that is not written yet; dtk.submit trains the model"
                         " group (model=..., model.dim=...), so drop the plan.* keys (python -m dtk.plan takes them)")
+    budget = {k: getattr(cfg.plan, k) for k in BUDGET_KEYS if getattr(cfg.plan, k) is not None}
+    if budget:
+        given = " ".join(f"plan.{k}={v:g}" for k, v in budget.items())
+        raise UserError(f"{given}: bytes per element change what the memory check counts, not what the workers"
+                        " hold; dtk.submit checks the job as it trains, so drop them (python -m dtk.plan takes"
+                        " them; submit.force=true submits a job the check refuses)")
 
 
 def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | None = None) -> list[Point]:

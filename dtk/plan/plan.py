@@ -15,9 +15,11 @@ from typing import Any
 
 from dtk.config.choices import ClusterKind, DataKind, DeviceKind, Dtype
 from dtk.config.convert import builtin_transformer, from_dict, to_dict
+from dtk.config.fabric import PlanConfig
 from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig
 from dtk.errors import UserError
+from dtk.plan.budget import NODE_CANDIDATES
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.identity import run_identity
 from dtk.plan.parts import check_builtin_arguments
@@ -263,6 +265,8 @@ def _check_ranges(cfg: Config) -> None:
     _positive("cluster.time_min", cluster.time_min)
     _positive("cluster.cpus_per_task", cluster.cpus_per_task)
     _positive("fault.signal_lead_floor_s", fault.signal_lead_floor_s)
+    if not cfg.plan.count_timeout_s > 0:
+        raise UserError(f"plan.count_timeout_s={cfg.plan.count_timeout_s}: expected a positive number of seconds, like 60")
     if cluster.gpus_per_node < 0:
         raise UserError(f"cluster.gpus_per_node={cluster.gpus_per_node}: expected 0 (a CPU cluster) or more")
     if cluster.suspect_after < 0:
@@ -279,6 +283,40 @@ def _check_ranges(cfg: Config) -> None:
                         " like 1.5 (at or below 1 every rank would be a straggler)")
     if cfg.train.eval_every < 0:
         raise UserError(f"train.eval_every={cfg.train.eval_every}: expected 0 (no evaluation) or a step count")
+    check_plan_keys(cfg.plan)
+
+
+PLAN_RANGES: dict[str, tuple[bool, str]] = {
+    # key: (0 allowed, what would work); each key is a count or a size, finite and positive
+    "params": (False, "a positive parameter count, like 7e9"),
+    "layers": (False, "a positive count of blocks, like 32"),
+    "hidden": (False, "a positive hidden size, like 4096"),
+    "seq_len": (False, "a positive sequence length, like 4096"),
+    "heads": (False, "a positive count of attention heads, like 32"),
+    "vocab_size": (False, "a positive vocabulary size, like 32000"),
+    "param_bytes": (False, "a positive byte count per parameter, like 2 (the ZeRO paper) or 4 (dtk's fp32)"),
+    "grad_bytes": (False, "a positive byte count per gradient element, like 2 (the ZeRO paper) or 4 (dtk's fp32)"),
+    "optimizer_bytes": (True, "0 (an optimizer without state) or more bytes per parameter, like 8 (AdamW) or 12"),
+    "max_nodes": (False, f"a node count from 1 to {NODE_CANDIDATES[-1]} (the most the search tries)"),
+}
+
+
+def check_plan_keys(plan: PlanConfig) -> None:
+    """The plan.* what-if keys against their ranges, before the budget computes with them: a
+    negative byte count would make any model fit, an infinite count end in an overflow."""
+    for key, (zero_ok, want) in PLAN_RANGES.items():
+        value = getattr(plan, key)
+        if value is None:
+            continue
+        ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+        if key == "max_nodes":
+            ok = ok and value <= NODE_CANDIDATES[-1]
+        if not ok:
+            raise UserError(f"plan.{key}={value}: expected {want}, or leave it unset")
+    if plan.doctor is not None:
+        from dtk.plan.steptime import doctor_links
+
+        doctor_links(plan.doctor)  # a folder that is not the doctor's is an error on the CPU too
 
 
 def _positive(key: str, value: Any) -> None:
