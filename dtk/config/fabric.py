@@ -64,5 +64,7 @@ class PlanConfig:
     """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
     max_nodes: int | None = None
     """Most nodes the planner's search may recommend. None: up to 4096."""
+    count_timeout_s: float = 60.0
+    """Seconds the planner (dtk.plan, dtk.submit) gives a `_target_` model to be built on the meta device and counted, in a subprocess; past it, dtk.plan fails and dtk.submit submits without the memory check. Raise it for a model whose construction is slow or a loaded machine."""
     doctor: str | None = None
     """A `python -m dtk.doctor` folder (or its doctor.json): its measured bus bandwidths inside a node and across nodes are the links of the planner's step time. None: cluster.intra_node_gbps / inter_node_gbps, else the accelerator's figures."""

@@ -3,7 +3,12 @@ the unit is a block, the dimension the model's tp_plan splits and whether it is 
 weight. The planner (dtk.plan.count_model) runs this as `python -m dtk.parallel.count` in a
 subprocess for a user's model, so the login node imports no torch; a worker calls it with
 the model it built (`real_shape`). It lives here, after the planner's layer, because it
-builds the model (dtk.models) and splits it into units as parallelize does (units.py)."""
+builds the model (dtk.models) and splits it into units as parallelize does (units.py).
+
+The record (or the one line of a mistake in the model's keys) travels in a file whose path
+the caller hands over with the model's keys on stdin, never on stdout: a model's constructor may print ("number of
+parameters: 0.41M"), and what it prints is the user's, relayed by the planner to its
+stderr."""
 
 from __future__ import annotations
 
@@ -71,13 +76,19 @@ def count(model_cfg: ModelConfig, model: Any = None) -> dict[str, Any]:
 
 
 def main() -> int:
+    """Fed on stdin with {"model": the model's keys, "result": a file path}: writes
+    {"record": ...} to that file, or {"error": LINE} (exit EXIT_USER_ERROR) for a mistake in
+    the model's keys. What the model prints goes wherever the caller sends stdout."""
+    given = json.loads(sys.stdin.read())
     try:
-        record = count(model_config(json.loads(sys.stdin.read())))
+        result: dict[str, Any] = {"record": count(model_config(given["model"]))}
+        code = 0
     except UserError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    print(json.dumps(record))
-    return 0
+        result, code = {"error": " ".join(str(exc).split())}, EXIT_USER_ERROR
+    sys.stdout.flush()
+    with open(given["result"], "w") as f:  # written last, whole: the caller reads it after the exit
+        json.dump(result, f)
+    return code
 
 
 if __name__ == "__main__":

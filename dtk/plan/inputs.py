@@ -144,7 +144,7 @@ def model_shape(cfg: Config) -> ModelShape:
         return builtin_shape(transformer)
     from dtk.plan.count_model import count_user_model
 
-    return count_user_model(cfg.model)
+    return count_user_model(cfg.model, timeout_s=cfg.plan.count_timeout_s)
 
 
 def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
