@@ -31,7 +31,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.checkpoint list": ["--json", "--no-checksums", "RUN_DIR"],
     "dtk.config.reference": ["--check", "--write"],
     "dtk.data info": ["path"],
-    "dtk.data prepare": ["--force", "--input", "--out", "--samples-per-shard", "--seq-len"],
+    "dtk.data prepare": ["--force", "--input", "--out", "--samples-per-shard", "--seq-len", "--tokenizer", "--val-fraction"],
     "dtk.data verify": ["path"],
     "dtk.doctor": ["KEY=VALUE ..."],
     "dtk.doctor.worker": ["OUT"],

@@ -33,11 +33,11 @@ class Hdf5DataConfig:
     path: str = field(default=MISSING, metadata=IDENTITY)
     """The dataset folder (manifest.json + HDF5 shards); must be on storage every node sees."""
     val_fraction: float = field(default=0.05, metadata=IDENTITY)
-    """Share of the samples held out for validation, drawn with `split_seed`. Ignored when `val_shards` is set."""
+    """Share of the samples held out for validation, drawn with `split_seed`. Ignored when `val_shards` is set or the dataset has a prepared split (`prepare --val-fraction`)."""
     split_seed: int = field(default=0, metadata=IDENTITY)
     """Seed of the train / validation split (independent of train.seed)."""
     val_shards: list[str] = field(default_factory=list, metadata=IDENTITY)
-    """Shard files (names in the manifest) that form the validation split, instead of a fraction."""
+    """Shard files (names in the manifest) that form the validation split, instead of a fraction. Empty: the validation shards `prepare --val-fraction` wrote (`val_00000.h5` ..., the manifest's `val_shards`), if any."""
     eval_samples: int = 1024
     """Validation samples per evaluation (the first of the split, rounded down to whole global batches). 0: all."""
     verify: bool = False

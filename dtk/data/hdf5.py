@@ -166,9 +166,11 @@ class Subset:
 
 
 def split(dataset: Hdf5Tokens, *, val_fraction: float, seed: int, val_shards: list[str]) -> tuple[Subset, Subset]:
-    """(train, validation), fixed by the config: the samples of `val_shards`, or a seeded
-    `val_fraction` of all samples. The same on every rank and every restart."""
+    """(train, validation), fixed by the config: the samples of `val_shards`, else of the
+    validation shards `prepare --val-fraction` wrote (the manifest's `val_shards`), else a
+    seeded `val_fraction` of all samples. The same on every rank and every restart."""
     n = len(dataset)
+    val_shards = list(val_shards) or list(dataset.manifest.get("val_shards", []))
     if val_shards:
         unknown = [s for s in val_shards if s not in dataset.shard_names]
         if unknown:

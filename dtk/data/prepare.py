@@ -3,8 +3,12 @@
 Input: one file or a folder of files (read in name order).
   - `.npy`: integer token ids. 1-D: one stream, cut into samples of seq_len + 1 tokens.
     2-D: one sample per row (rows must hold seq_len + 1 tokens).
-  - anything else: plain text, tokenized byte by byte (UTF-8 bytes: ids 0..255).
-The tail that does not fill a whole sample is dropped. The same input and options give
+  - anything else: plain text, tokenized by `--tokenizer` (dtk.data.tokenize): `bytes` (UTF-8
+    bytes, ids 0..255, the default), `chars` (one id per distinct character), or a local
+    Hugging Face tokenizer folder.
+The tail that does not fill a whole sample is dropped. `--val-fraction F` writes the last F
+of the samples as validation shards (`val_00000.h5` ...), which the manifest names
+(`val_shards`) and a job uses as its validation split. The same input and options give
 the same folder, byte for byte, and so the same version.
 """
 
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from dtk.data.hdf5 import FORMAT, MANIFEST, TOKENS, file_checksum
+from dtk.data.tokenize import check_tokenizer, tokenize
 from dtk.errors import UserError
 
 DTYPES = (np.uint8, np.uint16, np.uint32)
@@ -39,11 +44,18 @@ def input_files(path: Path) -> list[Path]:
     return files
 
 
-def read_tokens(files: list[Path], seq_len: int | None) -> tuple[np.ndarray, str, int]:
-    """(rows of seq_len + 1 tokens, tokenizer name, vocabulary size)."""
+Fields = dict[str, Any]
+
+
+def read_tokens(files: list[Path], seq_len: int | None, tokenizer: str | None = None) -> tuple[np.ndarray, Fields, Fields, int]:
+    """(rows of seq_len + 1 tokens, the manifest's tokenizer fields that are part of the
+    version and those that are not, vocabulary size)."""
     if files[0].suffix != ".npy":
-        stream = np.concatenate([np.frombuffer(p.read_bytes(), dtype=np.uint8) for p in files])
-        return _rows(stream, 64 if seq_len is None else seq_len, files[0].parent), "bytes", 256
+        tok = tokenize(files, tokenizer or "bytes")
+        rows = _rows(tok.ids, 64 if seq_len is None else seq_len, files[0].parent)
+        return rows, {"tokenizer": tok.name, **tok.header}, tok.about, tok.vocab_size
+    if tokenizer is not None:
+        raise UserError(f"--tokenizer {tokenizer}: the input is .npy token ids, already tokenized; leave --tokenizer out")
     parts = []
     for p in files:
         try:
@@ -70,7 +82,7 @@ def read_tokens(files: list[Path], seq_len: int | None) -> tuple[np.ndarray, str
     if len(widths) > 1:
         raise UserError(f"--input: the files hold samples of different lengths {sorted(widths)}")
     rows = np.concatenate(parts)
-    return rows, "none", int(rows.max()) + 1 if rows.size else 0
+    return rows, {"tokenizer": "none"}, {}, int(rows.max()) + 1 if rows.size else 0
 
 
 def _rows(stream: np.ndarray, seq_len: int, source: Path) -> np.ndarray:
@@ -152,38 +164,71 @@ def check_out(dst: Path, *, force: bool) -> Path:
     return dst
 
 
-def prepare(input_path: str | Path, out: str | Path, *, seq_len: int | None = None,
-            samples_per_shard: int = 16384, force: bool = False) -> dict[str, Any]:
-    """Write the dataset folder `out` and return its manifest. The folder appears whole or
-    not at all (built beside it, then renamed)."""
-    src, dst = Path(input_path).expanduser(), Path(out).expanduser()
-    if samples_per_shard < 1:
-        raise UserError(f"--samples-per-shard {samples_per_shard}: expected a positive integer")
-    dst = check_out(dst, force=force)
-    rows, tokenizer, vocab = read_tokens(input_files(src), seq_len)
-    dtype = smallest_dtype(vocab)
-    rows = rows.astype(dtype, copy=False)
-    header = {"format": FORMAT, "seq_len": rows.shape[1] - 1, "dtype": dtype.name, "tokenizer": tokenizer}
-    version = content_version(rows, header)
+def check_val_fraction(val_fraction: float | None) -> None:
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise UserError(f"--val-fraction {val_fraction}: expected a fraction between 0 and 1 (exclusive), like 0.1")
 
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+
+def val_count(num_rows: int, val_fraction: float | None) -> int:
+    """Samples of the validation split: at least one, and at least one left to train on."""
+    if val_fraction is None:
+        return 0
+    num_val = int(round(num_rows * val_fraction))
+    if num_val < 1 or num_val >= num_rows:
+        raise UserError(f"--val-fraction {val_fraction}: of {num_rows} samples that leaves {num_val} for validation"
+                        f" and {num_rows - num_val} for training; each needs one or more (more text, or another F)")
+    return num_val
+
+
+def write_shards(tmp: Path, rows: np.ndarray, prefix: str, samples_per_shard: int) -> list[dict[str, Any]]:
     shards = []
     for i, start in enumerate(range(0, len(rows), samples_per_shard)):
-        name = f"shard_{i:05d}.h5"
+        name = f"{prefix}_{i:05d}.h5"
         part = rows[start : start + samples_per_shard]
         write_shard(tmp / name, part)
         shards.append(
             {"file": name, "num_samples": len(part), "size": (tmp / name).stat().st_size, "crc32": file_checksum(tmp / name)}
         )
+    return shards
+
+
+def prepare(input_path: str | Path, out: str | Path, *, seq_len: int | None = None,
+            samples_per_shard: int = 16384, force: bool = False, tokenizer: str | None = None,
+            val_fraction: float | None = None) -> dict[str, Any]:
+    """Write the dataset folder `out` and return its manifest. The folder appears whole or
+    not at all (built beside it, then renamed)."""
+    src, dst = Path(input_path).expanduser(), Path(out).expanduser()
+    if samples_per_shard < 1:
+        raise UserError(f"--samples-per-shard {samples_per_shard}: expected a positive integer")
+    check_val_fraction(val_fraction)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
+    dst = check_out(dst, force=force)
+    rows, versioned, about, vocab = read_tokens(input_files(src), seq_len, tokenizer)
+    num_val = val_count(len(rows), val_fraction)
+    dtype = smallest_dtype(vocab)
+    rows = rows.astype(dtype, copy=False)
+    header = {"format": FORMAT, "seq_len": rows.shape[1] - 1, "dtype": dtype.name, **versioned}
+    if num_val:
+        header["val_samples"] = num_val  # the same tokens split otherwise are another dataset
+    version = content_version(rows, header)
+
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # The validation split is the end of the corpus: contiguous text the training split never saw.
+    shards = write_shards(tmp, rows[: len(rows) - num_val], "shard", samples_per_shard)
+    val_shards = write_shards(tmp, rows[len(rows) - num_val :], "val", samples_per_shard) if num_val else []
     manifest = {
         **header,
+        **about,
         "version": version,
         "vocab_size": vocab,
         "num_samples": len(rows),
-        "shards": shards,
+        "shards": shards + val_shards,
     }
+    if val_shards:
+        manifest["val_shards"] = [s["file"] for s in val_shards]
     with open(tmp / MANIFEST, "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=2, sort_keys=True)
         fh.write("\n")
