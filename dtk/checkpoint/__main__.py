@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="steps, sizes, and whether each checkpoint verifies")
-    ls.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    ls.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                    help="a run's folder, its checkpoints/ folder, or one step folder in it (that checkpoint only)")
     ls.add_argument("--no-checksums", action="store_true", help="check sizes only (reads no checkpoint data)")
     ls.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
     ex = sub.add_parser("export", help="one consolidated model (a state dict file, or a Hugging Face folder) from a checkpoint")
@@ -63,14 +64,32 @@ def human(n: float) -> str:
     raise AssertionError
 
 
-def list_command(run_dir: Path, *, checksums: bool, as_json: bool) -> int:
+def located(path: Path) -> tuple[Path, int | None]:
+    """(the run directory, the one step asked for or None) from what a user typed: the run's
+    folder, its checkpoints/ folder, or one step_NNNNNNNN folder in it."""
+    from dtk.rundir import CHECKPOINT_DIR_RE, CHECKPOINTS_DIR
+
+    m = CHECKPOINT_DIR_RE.match(path.name)
+    if m and path.parent.name == CHECKPOINTS_DIR:
+        return path.parent.parent, int(m.group(1))
+    if path.name == CHECKPOINTS_DIR and not (path / CHECKPOINTS_DIR).is_dir():
+        return path.parent, None
+    return path, None
+
+
+def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
     from dtk.checkpoint.manifest import list_checkpoints
     from dtk.rundir import RunDir
 
+    if not path.is_dir():
+        raise UserError(f"RUN_DIR {path}: no such run directory")
+    run_dir, step = located(path)
     run = RunDir(run_dir)
-    if not run.path.is_dir():
-        raise UserError(f"RUN_DIR {run_dir}: no such run directory")
-    found = list_checkpoints(run, checksums=checksums)
+    if not run.checkpoints.is_dir() and not run.plan_json.is_file():
+        raise UserError(f"RUN_DIR {path}: not a run directory (no {run.checkpoints.name}/ folder, no"
+                        f" {run.plan_json.name}); give a run's folder (runs/NAME), its {run.checkpoints.name}/ folder,"
+                        " or one step folder in it")
+    found = [c for c in list_checkpoints(run, checksums=checksums) if step is None or c.step == step]
     if as_json:
         for c in found:
             m = c.manifest or {}
