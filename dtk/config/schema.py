@@ -119,7 +119,7 @@ class TransformerConfig(ModelParallelConfig):
 @dataclass
 class HfModelConfig(ModelParallelConfig):
     """A Hugging Face causal language model by its config.json (group `model`, option `hf`;
-    docs/byo.md). Local files only, no network; pip install "dtk[hf]"."""
+    docs/byo.md). Local files only, no network; pip install "dtk-train[hf]"."""
 
     _target_: str = "dtk.models.hf.build"
     """Factory that builds the transformers model (dtk.models.hf.build)."""
