@@ -15,6 +15,9 @@ root's reputation (dtk/launch/reputation.py): every node its runs exclude, with 
 suspect ones (excluded by cluster.suspect_after or more runs) are left out of every new
 submission under the root. `--readmit` gives a suspect node back to the root: only
 exclusions after it count from then on (each run keeps its own list).
+
+A name in an exclusion list that is no node name (dtk/launch/nodenames.py) is shown
+escaped and marked invalid: it is left out of every submission and counts for no node.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from pathlib import Path
 
 from dtk import audit
 from dtk.access.check import check_action
-from dtk.driver.exclusions import read_entries, read_exclusions, readmit
+from dtk.driver.exclusions import check_node, read_entries, read_exclusions, readmit
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import reputation
+from dtk.launch.nodenames import is_node_name, shown
 from dtk.rundir import PLAN_JSON, READMITTED_NODES, RunDir
 
 
@@ -65,12 +69,14 @@ def _last_job(run: RunDir) -> str | None:
 
 def listing(run: RunDir, slurm=None) -> list[dict]:
     states = _node_states(slurm)
-    return [dict(e, slurm_state=states.get(e["node"], "?")) for e in read_entries(run)]
+    return [dict(e, slurm_state=states.get(e["node"], "?") if is_node_name(e["node"]) else "?",
+                 valid=is_node_name(e["node"])) for e in read_entries(run)]
 
 
 def render(entries: list[dict]) -> str:
-    now = [e for e in entries if "readmitted" not in e]
-    back = [e for e in entries if "readmitted" in e]
+    now = [e for e in entries if "readmitted" not in e and e["valid"]]
+    back = [e for e in entries if "readmitted" in e and e["valid"]]
+    invalid = [e for e in entries if not e["valid"]]
     lines = [f"{len(now)} node(s) excluded" + (":" if now else "")]
     for e in now:
         lines.append(f"  {e['node']:<12} since {_when(e['time'])}  job {e['job_id']}  slurm: {e['slurm_state']}"
@@ -81,6 +87,10 @@ def render(entries: list[dict]) -> str:
             r = e["readmitted"]
             lines.append(f"  {e['node']:<12} excluded {_when(e['time'])} ({e['reason']}); back {_when(r['time'])}"
                          f" by {r['by']}: {r['reason']}")
+    if invalid:
+        lines.append(f"{len(invalid)} invalid node name(s), left out of every submission:")
+        lines += [f"  {shown(e['node'])}  job {shown(str(e.get('job_id')))}  reason: {shown(str(e.get('reason')))}"
+                  for e in invalid]
     return "\n".join(lines)
 
 
@@ -88,6 +98,7 @@ def readmit_node(run: RunDir, node: str, slurm=None) -> str:
     """Give `node` back to the run; the one line that says what was done."""
     from dtk.launch.slurmctl import SlurmUnavailable
 
+    check_node(node, flag="--readmit")
     excluded = read_exclusions(run)
     if node not in excluded:  # before readmit takes the run's exclusion lock (a file)
         raise UserError(f"--readmit {node}: the run does not exclude {node}"
@@ -116,9 +127,11 @@ def root_listing(root: Path) -> dict:
     """Every node the root's runs exclude now (since its readmission to the root), with
     those runs, and whether it is suspect."""
     after = reputation.root_threshold(root)
-    counted = reputation.suspects_of(reputation.exclusions_under(root), reputation.read_readmitted(root), after=1)
+    exclusions = reputation.exclusions_under(root)
+    counted = reputation.suspects_of(exclusions, reputation.read_readmitted(root), after=1)
     return {"suspect_after": after, "readmitted": reputation.read_readmitted(root),
-            "nodes": [{"node": n, "runs": runs, "suspect": 0 < after <= len(runs)} for n, runs in counted.items()]}
+            "nodes": [{"node": n, "runs": runs, "suspect": 0 < after <= len(runs)} for n, runs in counted.items()],
+            "invalid": [{"node": n, "runs": runs} for n, runs in reputation.invalid_of(exclusions).items()]}
 
 
 def render_root(root: Path, listed: dict) -> str:
@@ -132,12 +145,17 @@ def render_root(root: Path, listed: dict) -> str:
         lines.append("excluded by fewer runs:")
         lines += [f"  {e['node']:<12} excluded by {', '.join(e['runs'])}" for e in rest]
     for node, r in sorted(listed["readmitted"].items()):
-        lines.append(f"  {node:<12} re-admitted to the root {_when(r['time'])} by {r['by']}")
+        lines.append(f"  {node:<12} re-admitted to the root {_when(r['time'])} by {shown(str(r['by']))}")
+    if listed["invalid"]:
+        lines.append("invalid node names (no node names: left out of every submission, never suspect):")
+        lines += [f"  {e['node']}  in {', '.join(map(shown, e['runs']))}" for e in listed["invalid"]]
     return "\n".join(lines)
 
 
 def readmit_to_root(root: Path, node: str) -> str:
     """Give a suspect node (or `all` of them) back to the root; the line that says so."""
+    if node != "all":
+        check_node(node, flag="--readmit")
     suspect = reputation.suspects(root)
     nodes = sorted(suspect) if node == "all" else [node]
     if node != "all" and node not in suspect:

@@ -124,9 +124,10 @@ def _launch_slurm(plan: Plan, run: RunDir, *, lock: RunLock, created: Path | Non
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     from dtk.driver.supervisor import drive
-    from dtk.launch.sbatch import make_executor, submitit_folder
+    from dtk.launch.sbatch import make_executor, sbatch_text, submitit_folder
 
     inputs = submit_inputs(plan, run)
+    sbatch_text(plan, inputs)  # a flag the script cannot hold is refused before anything is written
     if inputs.note:
         print(inputs.note, flush=True)
     run = prepare_run_dir(plan, files)
@@ -171,6 +172,10 @@ def submit_inputs(plan: Plan, run: RunDir):
     listed = read_exclude_file(plan.config.cluster.exclude_from)
     root, after = run.path.parent, plan.config.cluster.suspect_after
     suspect = reputation.suspects(root, after=after)
-    note = reputation.submission_line(suspect, root=root, after=after) if suspect else ""
+    # Every name passed the node-name check (dtk/launch/nodenames.py); the ones that did
+    # not are said here, escaped, and left out.
+    invalid = reputation.invalid_of(reputation.exclusions_under(root))
+    notes = ([reputation.submission_line(suspect, root=root, after=after)] if suspect else []) + (
+        [reputation.invalid_line(invalid, root=root)] if invalid else [])
     return SubmitInputs(exclude=tuple(sorted(set(read_exclusions(run)) | set(listed) | set(suspect))),
-                        signal_lead_s=lead, note=note)
+                        signal_lead_s=lead, note="\n".join(notes))

@@ -12,6 +12,10 @@ excluded_nodes.json, plan.json, summary.json: dtk/rundir.py) and names what look
     spares_exhausted  as many nodes excluded as the run has spares
     suspect_node      a node in the exclusions of cluster.suspect_after or more runs of the
                       root since its readmission there (the rule: dtk/launch/reputation.py)
+    invalid_node      a name in a run's exclusions that is no node name (shown escaped;
+                      dtk/launch/nodenames.py): left out of every submission
+
+Give it the run root; a run directory is refused with the root to give instead.
 
 Each alert is raised once per condition: the conditions seen are kept in RUN_ROOT/STATE,
 an alert is new when its condition was not there at the previous check, and a condition
@@ -34,6 +38,7 @@ from typing import Any
 
 from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import reputation
+from dtk.launch.nodenames import is_node_name, shown
 from dtk.rundir import EVENTS, EXCLUDED_NODES, HEARTBEAT, PLAN_JSON, SUMMARY, read_jsonl, write_json_atomic
 
 STATE = ".dtk-watch.json"
@@ -84,7 +89,8 @@ class Run:
         except OSError:
             heartbeat = None
         entries = reputation.read_json(path / EXCLUDED_NODES, [])
-        exclusions = [e["node"] for e in entries if isinstance(e, dict) and "node" in e and "readmitted" not in e]
+        exclusions = [e["node"] for e in entries if isinstance(e, dict) and is_node_name(e.get("node"))
+                      and "readmitted" not in e]
         return Run(path, events, reputation.read_json(path / PLAN_JSON, {}), reputation.read_json(path / SUMMARY, {}), exclusions, heartbeat,
                    entries)
 
@@ -185,6 +191,15 @@ def suspect_nodes(runs: list[Run], root: Path) -> list[Alert]:
             for node, names in found.items()]
 
 
+def invalid_nodes(runs: list[Run]) -> list[Alert]:
+    """One alert per name, escaped, that runs of the root exclude but is no node name."""
+    found = reputation.invalid_of({r.name: r.entries for r in runs})
+    return [Alert("invalid_node", f"invalid_node:{node}", f"{node} in the exclusions of {', '.join(map(shown, names))}"
+                  " is no node name (letters, digits, '-', '_', '.', ranges like node[1-3,5]); every submission"
+                  " leaves it out", None, {"node": node, "runs": names})
+            for node, names in found.items()]
+
+
 def detect(root: Path, *, now: float, job_state: JobState) -> list[Alert]:
     """Every condition that holds now (a finished run raises none of its own)."""
     runs = runs_under(root)
@@ -195,7 +210,7 @@ def detect(root: Path, *, now: float, job_state: JobState) -> list[Alert]:
         for check in (restart_storm, stalled_progress, budget_low, spares_exhausted):
             alerts += [a for a in [check(run, now)] if a]
         alerts += [a for a in [silent(run, now, job_state)] if a]
-    return alerts + suspect_nodes(runs, root)
+    return alerts + suspect_nodes(runs, root) + invalid_nodes(runs)
 
 
 def job_state(job_id: str) -> str | None:
@@ -260,6 +275,9 @@ def main(argv: list[str]) -> int:
     root = Path(args.run_root)
     if not root.is_dir():
         raise UserError(f"RUN_ROOT={root}: no such folder; give the run root (run.root) that holds run directories")
+    if (root / EVENTS).is_file() or (root / PLAN_JSON).is_file():
+        raise UserError(f"RUN_ROOT={root}: is a run directory, not a run root; dtk.watch watches every run of a"
+                        f" root: python -m dtk.watch {root.resolve().parent}")
     while True:
         now = time.time()
         for alert in check(root, now=now):

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 
+from dtk import audit
 from dtk.launch import reputation
+from dtk.launch.nodenames import split, warning
 from dtk.launch.runlock import RunLock
 from dtk.launch.sbatch import SubmitInputs, make_executor
 from dtk.launch.slurmctl import Slurm, parse_kv_line
@@ -62,15 +65,27 @@ def signal_lead_of(run: RunDir, floor_s: int) -> int:
     return int(next((v for v in reversed(leads) if isinstance(v, int)), floor_s))
 
 
+def resubmit_inputs(run: RunDir, plan: Plan, job_id: str, *, exclude: list[str]) -> SubmitInputs:
+    """What the new job is submitted with: `exclude` and the root's suspect nodes, each a
+    valid node name (dtk/launch/nodenames.py: the others are left out with a warning),
+    this run's signal lead, and `--dependency=afterany:` the job it follows."""
+    suspect = reputation.suspects(run.path.parent, after=plan.config.cluster.suspect_after)  # as at any submission
+    names, invalid = split(sorted(set(exclude) | set(suspect)))
+    if invalid:
+        print(f"driver: {warning(invalid, source='the exclusions of the resubmission')}", file=sys.stderr, flush=True)
+    return SubmitInputs(exclude=tuple(names), signal_lead_s=signal_lead_of(run, plan.config.fault.signal_lead_floor_s),
+                        after_job=job_id)
+
+
 def resubmit(run: RunDir, plan: Plan, job_id: str, *, exclude: list[str], entry: Callable[..., int]) -> str:
     """Submit the run again as a new job that follows `job_id`; its id. `entry` is the
-    driver's entry point (dtk.driver.supervisor.drive)."""
-    suspect = reputation.suspects(run.path.parent, after=plan.config.cluster.suspect_after)  # as at any submission
-    inputs = SubmitInputs(exclude=tuple(sorted(set(exclude) | set(suspect))), signal_lead_s=signal_lead_of(run, plan.config.fault.signal_lead_floor_s),
-                          after_job=job_id)
+    driver's entry point (dtk.driver.supervisor.drive). The audit log records it."""
+    inputs = resubmit_inputs(run, plan, job_id, exclude=exclude)
     with _without_job_env():
         job = make_executor(plan, inputs).submit(entry, plan.run_dir)
     with RunLock(run.path) as lock:  # the new job holds the run from now on
         lock.acquire(job_state=lambda _job: None)  # this job is its holder, ending
         lock.record(kind="slurm", job_id=job.job_id)
+    audit.record_or_warn(run.path, "resubmit", job_ids=[str(job.job_id)], after_job=job_id, by="driver",
+                         exclude=list(inputs.exclude))
     return str(job.job_id)

@@ -12,7 +12,7 @@ from dtk.config.choices import TRACKER_MODULES, chosen_trackers
 from dtk.config.compose import to_yaml
 from dtk.config.schema import TrainConfig
 from dtk.errors import UserError
-from dtk.launch import runlock
+from dtk.launch import nodenames, runlock
 from dtk.launch.progress import Progress
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir, write_json_atomic
@@ -131,9 +131,9 @@ def read_exclude_file(path: str | None) -> tuple[str, ...]:
         raise UserError(f"cluster.exclude_from={path}: cannot read it ({exc.strerror or exc}); give a file of"
                         " node names, one per line (python -m dtk.doctor writes one)") from None
     names = [line.split("#", 1)[0].strip() for line in text.splitlines()]
-    bad = [n for n in names if n and not all(c.isalnum() or c in "-_.[],"  for c in n)]
+    bad = nodenames.split(n for n in names if n)[1]  # the one node-name check
     if bad:
-        raise UserError(f"cluster.exclude_from={path}: {bad[0]!r} is not a node name; one name per line")
+        raise UserError(f"cluster.exclude_from={path}: {nodenames.shown(bad[0])} is not a node name; one name per line")
     return tuple(n for n in names if n)
 
 

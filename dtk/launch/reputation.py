@@ -8,6 +8,10 @@ kept in RUN_ROOT/READMITTED_NODES). A suspect node is left out of every new subm
 under the root (sbatch --exclude, dtk.start), and `python -m dtk.watch` raises
 `suspect_node` for it; both ask `suspects` below. k=0 turns the rule off.
 
+Anyone who may write the root may write a run's exclusions, so a name there is counted
+only when it passes the one node-name check (dtk/launch/nodenames.py); the others are
+never suspect, never excluded, and `invalid_of` lists them for dtk.nodes and dtk.watch.
+
 Stdlib only: `dtk.watch` runs it from cron on a login node.
 """
 
@@ -21,6 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from dtk.launch.nodenames import is_node_name, shown
 from dtk.rundir import EVENTS, EXCLUDED_NODES, PLAN_JSON, READMITTED_NODES, READMITTED_NODES_LOCK, write_json_atomic
 
 DEFAULT_AFTER = 2
@@ -40,13 +45,14 @@ def read_json(path: Path, empty: Any) -> Any:
 def read_readmitted(root: Path) -> dict[str, dict[str, Any]]:
     """node -> its last readmission to the root ({time, by, reason})."""
     found = read_json(Path(root) / READMITTED_NODES, {})
-    return {n: r for n, r in found.items() if isinstance(r, dict) and isinstance(r.get("time"), (int, float))}
+    return {n: r for n, r in found.items() if is_node_name(n) and isinstance(r, dict)
+            and isinstance(r.get("time"), (int, float))}
 
 
 def counts(entries: Iterable[dict[str, Any]], since: float | None) -> set[str]:
     """The nodes one run's exclusion entries count against: in force, and newer than the
     node's readmission to the root (`since`: node -> time, via `suspects_of`)."""
-    return {e["node"] for e in entries if isinstance(e, dict) and "node" in e and "readmitted" not in e
+    return {e["node"] for e in entries if isinstance(e, dict) and is_node_name(e.get("node")) and "readmitted" not in e
             and (since is None or float(e.get("time") or 0) > since)}
 
 
@@ -60,11 +66,22 @@ def suspects_of(exclusions: Mapping[str, list[dict[str, Any]]], readmitted: Mapp
     for name in sorted(exclusions):
         entries = exclusions[name]
         nodes = {e.get("node") for e in entries if isinstance(e, dict)}
-        for node in sorted(n for n in nodes if isinstance(n, str)):
+        for node in sorted(n for n in nodes if is_node_name(n)):
             since = readmitted.get(node, {}).get("time")
             if node in counts([e for e in entries if e.get("node") == node], since):
                 by_node.setdefault(node, []).append(name)
     return {node: names for node, names in sorted(by_node.items()) if len(names) >= after}
+
+
+def invalid_of(exclusions: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[str]]:
+    """{a name in force that fails the node-name check, escaped for printing: the runs
+    whose exclusions hold it}; such a name is left out of every submission."""
+    found: dict[str, list[str]] = {}
+    for name in sorted(exclusions):
+        entries = [e for e in exclusions[name] if isinstance(e, dict) and "node" in e and "readmitted" not in e]
+        for node in sorted({shown(e["node"]) for e in entries if not is_node_name(e["node"])}):
+            found.setdefault(node, []).append(name)
+    return found
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -115,6 +132,7 @@ def _locked(root: Path) -> Iterator[dict[str, Any]]:
 def readmit(root: Path, nodes: Iterable[str], *, by: str, reason: str) -> list[str]:
     """Record the nodes' readmission to the root now: only later exclusions count."""
     nodes = sorted(set(nodes))
+    assert all(map(is_node_name, nodes)), "dtk.nodes checks a name before it readmits it"
     with _locked(root) as found:
         for node in nodes:
             found[node] = {"by": by, "reason": reason, "time": round(time.time(), 3)}
@@ -123,6 +141,13 @@ def readmit(root: Path, nodes: Iterable[str], *, by: str, reason: str) -> list[s
 
 def submission_line(nodes: Mapping[str, list[str]], *, root: Path, after: int) -> str:
     """What a submission says, in one line, when it leaves suspect nodes out."""
-    said = "; ".join(f"{n} (excluded by {', '.join(runs)})" for n, runs in nodes.items())
-    return (f"leaving out {len(nodes)} suspect node(s), each excluded by {after} or more runs under {root}: {said};"
-            f" python -m dtk.nodes {root} --readmit NODE gives one back")
+    said = "; ".join(f"{shown(n)} (excluded by {', '.join(map(shown, runs))})" for n, runs in nodes.items())
+    return (f"leaving out {len(nodes)} suspect node(s), each excluded by {after} or more runs under {shown(str(root))}:"
+            f" {said}; python -m dtk.nodes {shown(str(root))} --readmit NODE gives one back")
+
+
+def invalid_line(invalid: Mapping[str, list[str]], *, root: Path) -> str:
+    """What a submission says when runs under the root exclude names that are no node names."""
+    said = "; ".join(f"{n} (in {', '.join(map(shown, runs))})" for n, runs in invalid.items())
+    return (f"warning: ignoring {len(invalid)} invalid node name(s) in the exclusions of runs under"
+            f" {shown(str(root))}: {said}; they are no node names, so nothing is left out for them")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
+from dtk.launch.nodenames import is_node_name, shown
 from dtk.plan.plan import Plan
 from dtk.resources import templates_dir
 
@@ -42,7 +43,8 @@ class SubmitInputs:
     """A job of the same run that must end first (sbatch --dependency=afterany): the driver's
     resubmission when a preemption cancels its job (PreemptMode=CANCEL)."""
     note: str = ""
-    """One line the submission prints about `exclude` (suspect nodes left out, dtk/launch/reputation.py)."""
+    """What the submission prints about `exclude`, a line each: suspect nodes left out
+    (dtk/launch/reputation.py), invalid node names ignored (dtk/launch/nodenames.py)."""
 
 
 def signal_lead(*, floor_s: int, save_s: float | None, step_s: float | None) -> int:
@@ -117,6 +119,10 @@ def sbatch_flags(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str,
     if c.exclusive:
         flags["exclusive"] = True
     if inputs.exclude:
+        # Every source left its invalid names out already (dtk/launch/nodenames.py); one
+        # that did not is a bug, never a line of the script.
+        bad = [n for n in inputs.exclude if not is_node_name(n)]
+        assert not bad, f"invalid node name(s) reached the sbatch --exclude: {', '.join(map(shown, bad))}"
         flags["exclude"] = ",".join(inputs.exclude)
     if plan.config.submit.after:
         # A job this one depends on: it stays pending until that one completed successfully
@@ -151,13 +157,28 @@ def submit_command(folder: Path, python: str = sys.executable) -> str:
     return f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
 
 
+LINE_BREAKS = ("\n", "\r", "\0")
+"""What no `#SBATCH` line may hold: a `#SBATCH` line is a shell comment, and quoting does not
+keep a newline from ending it (the rest would run as a command, and sbatch would ignore
+every later `#SBATCH` line); a NUL ends the text where C reads it."""
+
+
+def check_flag(name: str, value: str | bool) -> None:
+    """A UserError naming the flag when its name or value would break its `#SBATCH` line."""
+    for text in (name, "" if value is True else str(value)):
+        if any(c in text for c in LINE_BREAKS):
+            raise UserError(f"sbatch --{shown(name)}={shown(str(value))}: a newline, carriage return or NUL cannot be"
+                            " part of a #SBATCH line; give the value on one line without control characters")
+
+
 def render_sbatch(flags: dict[str, str | bool], *, setup: list[str], command: str) -> str:
     """A batch script: flags sorted by name, each value shell-quoted (sbatch reads `#SBATCH`
     values with the shell's quoting rules, so a path with spaces or quotes survives), then
-    the setup lines and the command."""
+    the setup lines and the command. A flag with a line break or a NUL is refused (`check_flag`)."""
     lines = ["#!/bin/bash", "", "# Parameters"]
     for name in sorted(flags):
         value = flags[name]
+        check_flag(name, value)
         lines.append(f"#SBATCH --{name}" if value is True else f"#SBATCH --{name}={shlex.quote(str(value))}")
     lines += ["", "# setup", *setup, "", "# command", "export SUBMITIT_EXECUTOR=slurm", command, ""]
     return "\n".join(lines)
