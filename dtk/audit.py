@@ -10,7 +10,9 @@ not in a run directory, so that it outlives a deleted run.
 
 Why a file per entry: the kernel records who created each file, and in the sticky audit
 folder nobody removes or rewrites another user's file. An entry that claims another user
-than its file's owner is a forgery, and is reported, never shown as genuine. Each entry
+(uid or name) than its file's owner is a forgery, and is reported, never shown as genuine;
+the name shown is the owner's, from the user database, never the entry's own word.
+`sudo_user` cannot be checked that way, so it is shown as a claim. Each entry
 holds the SHA-256 of the one before it, so an entry removed or changed by its own writer
 breaks the chain where it was; the head file, append-only under an access policy (chattr
 +a: nobody takes a line back), tells when the newest entries were removed or replaced. An entry is written in full to a
@@ -27,6 +29,7 @@ import pwd
 import re
 import socket
 import stat
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from dtk.rundir import PLAN_JSON
 AUDIT_DIR = "audit"
 HEAD_FILE = "audit.head"
 OLD_FILE = "audit.jsonl"  # the unchained log of an older dtk: reported, never shown as genuine
-ACTIONS = ("submit", "stop", "cancel", "requeue", "drill", "export", "delete_checkpoint", "readmit")
+ACTIONS = ("submit", "stop", "cancel", "requeue", "resubmit", "drill", "export", "delete_checkpoint", "readmit")
 _ENTRY = re.compile(r"^(\d{8,})\.json$")  # 8 digits, more after 99999999
 
 
@@ -232,9 +235,11 @@ def verify(run_root: Path) -> AuditLog:
         if entry.get("seq") != seq:
             log.problems.append(f"entry {seq}: its file was renamed (it says entry {entry.get('seq')})")
         previous = (seq, data)
-        if st.st_uid != claimed:
-            log.problems.append(f"entry {seq} is forged: it names user {entry['user'].get('name')}({claimed}) but"
-                                f" was written by {_user_name(st.st_uid)}({st.st_uid}); not shown")
+        owner = _user_name(st.st_uid)
+        stated = entry["user"].get("name")
+        if st.st_uid != claimed or stated != owner:
+            log.problems.append(f"entry {seq} is forged: it names user {_shown(stated)}({claimed}) but"
+                                f" was written by {owner}({st.st_uid}); not shown")
             continue
         log.entries.append(entry)
     _check_head(Path(run_root) / HEAD_FILE, previous, log)
@@ -261,6 +266,12 @@ def _check_head(path: Path, last: tuple[int, bytes] | None, log: AuditLog) -> No
                             f" {', '.join(map(str, replaced))}")
 
 
+def _shown(text: Any) -> str:
+    """A value an entry states, printable: as it is when printable ASCII, else escaped."""
+    text = str(text)
+    return text if text.isascii() and text.isprintable() else ascii(text)
+
+
 def _user_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
@@ -280,6 +291,16 @@ def record_run(run_dir: Path, action: str, *, job_ids: Iterable[str] = (), **det
                   config_hash=plan.get("config_hash"), job_ids=job_ids, **details)
 
 
+def record_or_warn(run_dir: Path, action: str, *, job_ids: Iterable[str] = (), **details: Any) -> None:
+    """`record_run` for the driver inside a job (a requeue, a resubmission): an entry it
+    cannot write is one warning line on stderr, and the requeue goes on."""
+    try:
+        record_run(run_dir, action, job_ids=job_ids, **details)
+    except (OSError, UserError) as exc:
+        print(f"driver: could not record {action} in the audit log of {run_root_of(Path(run_dir))}: {exc}",
+              file=sys.stderr, flush=True)
+
+
 def read(run_root: Path, *, run: str | None = None) -> list[dict[str, Any]]:
     """Genuine entries oldest first, of one run when `run` is given (`verify` says what
     else the log holds)."""
@@ -289,7 +310,9 @@ def read(run_root: Path, *, run: str | None = None) -> list[dict[str, Any]]:
 def describe(entry: dict[str, Any]) -> str:
     """One line: `2025-01-01T10:00:00Z  alice@login1  submit  job 123  config 1a2b3c4d5e`."""
     user = entry.get("user") or {}
-    who = f"{user.get('name')}({user.get('uid')})@{entry.get('host')}"
+    who = f"{_shown(user.get('name'))}({user.get('uid')})@{_shown(entry.get('host'))}"
+    if user.get("sudo_user"):  # the environment's word, which no file owner confirms
+        who += f" claims sudo_user={_shown(user['sudo_user'])}"
     parts = [entry.get("time", "?"), who, entry.get("action", "?")]
     if entry.get("job_ids"):
         parts.append("job " + ",".join(entry["job_ids"]))

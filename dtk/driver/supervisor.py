@@ -301,6 +301,7 @@ class Supervisor(DriverCore):
         """Put the job back in the queue, its ExcNodeList set to the run's exclusions as
         they are now plus cluster.exclude_from (and only those: a node given back meanwhile
         may be allocated again)."""
+        from dtk import audit
         from dtk.errors import UserError
         from dtk.launch.launch import read_exclude_file
 
@@ -330,6 +331,7 @@ class Supervisor(DriverCore):
         refused, not_excluded = self.slurm.requeue_excluding(self.job_id, exclude)
         if refused:
             self._fail(f"scontrol requeue {self.job_id} failed: {refused}")
+        audit.record_or_warn(self.run.path, "requeue", job_ids=[self.job_id], by="driver", reason=reason, exclude=exclude)
         if not_excluded:
             print(f"driver: Slurm refused to exclude {','.join(exclude) or 'no node'}: {not_excluded}",
                   file=sys.stderr, flush=True)
