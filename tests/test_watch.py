@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dtk
+from conftest import REPO, dtk, run_main
 from dtk import watch
 
 T0 = 1_800_000_000.0
@@ -164,6 +164,15 @@ def test_a_run_root_that_is_not_there_is_one_error_line(tmp_path):
     lines = [line for line in done.stderr.splitlines() if "import time:" not in line]
     assert done.returncode == 2 and lines == [f"error: RUN_ROOT={tmp_path / 'nope'}: no such folder; give the run root"
                                               " (run.root) that holds run directories"]
+
+
+def test_a_run_directory_instead_of_its_root_is_one_error_line_naming_the_root(tmp_path):
+    run = make_run(tmp_path / "runs", "loop", crash_loop())
+    done = run_main("dtk.watch", str(run), "--once")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"error: RUN_ROOT={run}: is a run directory, not a run root; dtk.watch watches every run"
+                           f" of a root: python -m dtk.watch {tmp_path / 'runs'}\n")
+    assert not (run / watch.STATE).exists()
 
 
 CRASHING_YAML = """\
