@@ -114,6 +114,8 @@ class TransformerConfig(ModelParallelConfig):
     """RMSNorm epsilon."""
     dropout: float = field(default=0.0, metadata=IDENTITY)
     """Dropout probability after attention and feed-forward (training only). 0: off."""
+    tie_embeddings: bool = field(default=False, metadata=IDENTITY)
+    """The output head's weight is the token embedding's: one (vocab_size, dim) parameter (GPT-2 style)."""
 
 
 @dataclass
@@ -270,6 +272,8 @@ class DistConfig:
 class FaultConfig:
     max_restarts: int = 3
     """Relaunches after a crash or hang within one allocation before the job fails."""
+    max_steps: int = 1000
+    """Worker steps (srun) one Slurm job may start, over all its allocations (a requeue keeps the job id): the first start of each, relaunches after a crash or hang, starts after a lost node. The start beyond it fails the job with one line, and the same command goes on from the last checkpoint as a new job. Sites limit the steps of a job (slurm.conf MaxStepCount); keep it below theirs (docs/recovery.md)."""
     hang_timeout_s: int = 60
     """A start whose training thread shows no progress for this long is torn down and relaunched: no micro-batch, pipeline action, step or validation batch completed, outside a checkpoint save or load and the first step. Never shorter than twice the longest gap measured between two such ticks (docs/recovery.md, Liveness)."""
     startup_timeout_s: int = 300

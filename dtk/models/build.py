@@ -19,6 +19,7 @@ from torch import nn
 
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
+from dtk.models.ties import retie, tied_groups
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,21 @@ def materialize(parts: list[nn.Module], *, model_cfg: ModelConfig, device: torch
     generator seeded by (seed, name), one tensor at a time on the shards' device, so memory
     stays one parameter above the shards. Any other model is built once more on the CPU under `seed` with
     its own initialisation, and each rank copies its shards from that reference (memory:
-    one full model on the host while starting)."""
+    one full model on the host while starting).
+
+    Tied parameters (an output head that is the token embedding) stay one parameter:
+    `to_empty` gives each module its own tensor, so the ties are found before it and
+    restored after it (dtk.models.ties); the tensor takes the values of its first name."""
     for part in parts:
+        ties = tied_groups(part)
         part.to_empty(device=device)
+        retie(part, ties)
     if isinstance(parts[0], NamedInit):
         _init_by_name(parts, seed)
         return
     reference = build_model(model_cfg, device="cpu", seed=seed)
-    values: dict[str, torch.Tensor] = dict(reference.named_parameters())
+    # Every name of a tied parameter: a part may hold it under a later name only.
+    values: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
     values.update(reference.named_buffers())
     for _, name, t in _tensors(parts):
         if name not in values:

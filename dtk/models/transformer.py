@@ -89,6 +89,7 @@ class Transformer(nn.Module):
         seq_len: int,
         norm_eps: float,
         dropout: float,
+        tie_embeddings: bool,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
@@ -101,6 +102,8 @@ class Transformer(nn.Module):
         )
         self.norm: nn.Module | None = RMSNorm(dim, norm_eps)
         self.output: nn.Module | None = nn.Linear(dim, vocab_size, bias=False)
+        if tie_embeddings:  # one (vocab, dim) tensor, named tok_embeddings.weight (the first name)
+            self.output.weight = self.tok_embeddings.weight
 
     def reset_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter `name` in place.

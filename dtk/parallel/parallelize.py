@@ -9,7 +9,8 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
                             model (dtk.parallel.tp.check_tp_plan: a plan, styles dtk has, every
                             pattern matching a module), and whether logits stay sharded
     1. pipeline split       the (meta) model -> this rank's stage modules (the planner's cut)
-    2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis)
+    2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis);
+                            a tied weight (embedding and output head) is one DTensor again
     3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
     5. FSDP                 shard each block over dp_shard (HSDP: replicate over dp_replicate),
@@ -41,6 +42,7 @@ from dtk.config.choices import ActivationCheckpoint
 from dtk.config.schema import SchemeConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.models.build import ParallelSpec
+from dtk.models.ties import retie, tied_groups
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
 from dtk.plan.degrees import Axis
@@ -115,8 +117,10 @@ def parallelize(
         if degrees.tp > 1:
             from dtk.parallel.tp import apply_tp
 
+            ties = tied_groups(part)  # each module's weight becomes its own DTensor: tie them again
             apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel,
                      loss_parallel=loss_parallel)
+            retie(part, ties)
         # 3. activation checkpointing
         if scheme.activation_checkpoint != ActivationCheckpoint.none:
             from dtk.parallel.ac import apply_ac

@@ -20,7 +20,8 @@ from dtk.plan.shape import ModelShape
 # the factories' signatures. The transformer's keys are also its schema's (checked while composing).
 BUILTIN_ARGUMENTS = {
     "dtk.models.transformer.build": (
-        (), ("vocab_size", "dim", "num_layers", "num_heads", "ffn_hidden", "seq_len", "norm_eps", "dropout"),
+        (), ("vocab_size", "dim", "num_layers", "num_heads", "ffn_hidden", "seq_len", "norm_eps", "dropout",
+             "tie_embeddings"),
     ),
     "dtk.models.hf.build": (
         ("seq_len",), ("config", "init_from", "vocab_size", "attn_implementation", "config_overrides"),

@@ -172,7 +172,8 @@ def builtin_shape(model: TransformerConfig) -> ModelShape:
                         tp_dim_for(module, embedding=embedding, tp_plan=tp_plan), matmul, embedding)
         )
 
-    add("tok_embeddings", (vocab, dim), "tok_embeddings", False, embedding=True)
+    # Tied, the embedding is also the output head's matmul weight.
+    add("tok_embeddings", (vocab, dim), "tok_embeddings", False, embedding=True, matmul=model.tie_embeddings)
     add("pos_embeddings", (seq, dim), "pos_embeddings", False, embedding=True)
     for i in range(layers):
         unit = f"layers.{i}"
@@ -184,7 +185,8 @@ def builtin_shape(model: TransformerConfig) -> ModelShape:
         add(f"{unit}.mlp.w3", (hidden, dim), unit, True, matmul=True)
         add(f"{unit}.mlp.w2", (dim, hidden), unit, True, matmul=True)
     add("norm", (dim,), "norm", False)
-    add("output", (vocab, dim), "output", False, matmul=True)
+    if not model.tie_embeddings:  # tied: the head's weight is tok_embeddings.weight, counted once
+        add("output", (vocab, dim), "output", False, matmul=True)
     units = (
         ("tok_embeddings", False),
         ("pos_embeddings", False),

@@ -1,0 +1,109 @@
+"""A model whose output head is its token embedding (`model.tie_embeddings=true`) keeps one
+parameter through the meta build, tensor parallelism and materialization, under every data
+and tensor-parallel scheme, and trains as one process does (real gloo ranks: the tie's
+single gradient sums both uses). Pipelines that would split the tie across stages are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multirank import run_on_ranks
+from tie_checks import TIED, train_tied
+from torch import nn
+
+from dtk.config.compose import compose
+from dtk.errors import UserError
+from dtk.models.build import build_model, materialize
+
+STEPS = 3
+TIE = ["model.tie_embeddings=true"]
+
+# name -> (world size, overrides, parameter tolerance)
+CASES = {
+    "ddp": (2, ["+scheme=ddp"], 1e-5),
+    "zero": (2, ["+scheme=zero"], 1e-5),
+    "fsdp": (2, ["+scheme=fsdp"], 1e-5),
+    "hsdp": (4, ["+scheme=hsdp", "scheme.dp_replicate=2"], 1e-5),
+    "tp": (2, ["+scheme=tp", "scheme.dp_shard=1"], 1e-4),
+    "tp_sequence_parallel_loss_parallel": (2, ["+scheme=tp", "scheme.dp_shard=1", "scheme.sequence_parallel=true"],
+                                           1e-4),
+    "hybrid_dp2_tp2": (4, ["+scheme=hybrid", "scheme.dp_shard=2", "scheme.tp=2"], 1e-4),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    (one,) = run_on_ranks(train_tied, 1, tmp_path_factory.mktemp("one"), TIE, STEPS)
+    return one
+
+
+def test_the_built_in_transformer_ties_its_head_to_its_embedding_through_materialize():
+    cfg = compose(TIE)
+    model = build_model(cfg.model, device="meta", seed=0)
+    untied = build_model(compose([]).model, device="meta", seed=0)
+    materialize([model], model_cfg=cfg.model, device=torch.device("cpu"), seed=0)
+    assert model.get_parameter(TIED[0]) is model.get_parameter(TIED[1])
+    assert model.get_parameter(TIED[0]).device.type == "cpu"
+    assert len(list(model.parameters())) == len(list(untied.parameters())) - 1
+    assert TIED[1] not in dict(model.named_parameters())
+
+
+class TiedLM(nn.Module):
+    """A user's model with no dtk hook: the head is tied as GPT-2 code ties it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.lm_head = nn.Linear(8, 32, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied the other way round, as nanoGPT does
+
+
+def test_a_user_model_tied_the_other_way_round_keeps_its_tie_and_its_values():
+    """Initialised from a seeded CPU build (no reset_parameter): the tie's one tensor gets
+    the reference's values, which a fresh build reports under its first name only."""
+    from dtk.config.schema import ModelConfig
+
+    cfg = ModelConfig(_target_=f"{__name__}.TiedLM")
+    model = build_model(cfg, device="meta", seed=3)
+    materialize([model], model_cfg=cfg, device=torch.device("cpu"), seed=3)
+    reference = build_model(cfg, device="cpu", seed=3)
+    assert model.wte.weight is model.lm_head.weight
+    torch.testing.assert_close(model.lm_head.weight, reference.lm_head.weight, rtol=0, atol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_tied_model_trains_as_one_process_under_every_scheme(name, reference, tmp_path):
+    world, overrides, atol = CASES[name]
+    ranks = run_on_ranks(train_tied, world, tmp_path, [*TIE, *overrides], STEPS)
+    assert reference["one_object"] and reference["params"].keys() == ranks[0]["params"].keys()
+    for rank, got in enumerate(ranks):
+        assert got["one_object"], f"rank {rank}: {TIED} are two parameters"
+        assert got["num_parameters"] == reference["num_parameters"]
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        for key, want in reference["params"].items():
+            torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+    if "tp" in name:  # the vocab-parallel embedding and the column-parallel head: one Shard(0) DTensor
+        assert "Shard(dim=0)" in ranks[0]["placements"], ranks[0]["placements"]
+
+
+def test_a_pipeline_that_splits_the_tie_is_refused_by_name():
+    from dtk.parallel.pipeline import split_model
+
+    model = build_model(compose(TIE).model, device="meta", seed=0)
+    with pytest.raises(UserError, match=r"ties tok_embeddings.weight and output.weight.*use a scheme without pp"):
+        split_model(model, split_points=(), pp_rank=0, pp=2, virtual=1)
+
+
+def test_the_planner_counts_a_tied_weight_once_as_the_workers_build_it():
+    from dtk.plan.shape import builtin_config, builtin_shape
+
+    cfg = compose(TIE)
+    tied, untied = builtin_config(cfg.model), builtin_config(compose([]).model)
+    assert tied is not None and untied is not None
+    model = build_model(cfg.model, device="meta", seed=0)
+    shape = builtin_shape(tied)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.params == builtin_shape(untied).params - tied.vocab_size * tied.dim
+    assert [t.name for t in shape.tensors] == [name for name, _ in model.named_parameters()]

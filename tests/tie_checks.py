@@ -1,0 +1,85 @@
+"""A tied model trained a few steps on gloo ranks exactly as a worker builds it (meta build,
+parallelize, materialize, optimizer, clip), for tests/test_tied_embeddings.py.
+
+`train_tied(rank, world, overrides, steps)` composes the config from `overrides`, builds the
+mesh of `world` ranks, trains `steps` AdamW steps on a fixed global batch (each data-parallel
+rank its slice) and returns what a test holds against one process: the losses, the full
+parameters, whether the tied names are one parameter object, how many parameters the
+optimizer holds and the checkpoint's model state keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+GLOBAL_BATCH = 8
+TIED = ("tok_embeddings.weight", "output.weight")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _inner(part: torch.nn.Module) -> torch.nn.Module:
+    return getattr(part, "module", part)  # DDP wraps the model
+
+
+def train_tied(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from dtk.config.compose import compose
+    from dtk.dist.mesh import build_mesh
+    from dtk.models.build import ParallelSpec, build_model, materialize
+    from dtk.parallel.grad_norm import clip_grad_norm_
+    from dtk.parallel.parallelize import parallelize
+    from dtk.plan.degrees import resolve_degrees
+    from dtk.plan.layout import uses_zero1
+    from dtk.train.loss import TokenCrossEntropy, local_value, sharded_context
+    from dtk.train.optim import build_optimizer
+
+    cfg = compose(["model.num_layers=2", "model.vocab_size=64", "model.seq_len=16", "optim.warmup_steps=0",
+                   *overrides])
+    assert cfg.scheme is not None
+    degrees = resolve_degrees(cfg.scheme, world)
+    mesh = build_mesh(degrees, "cpu")
+    meta = build_model(cfg.model, device="meta", seed=0)
+    loss_fn = TokenCrossEntropy()
+    model = parallelize(
+        meta, mesh=mesh, scheme=cfg.scheme, spec=ParallelSpec.from_config(cfg.model).with_model_defaults(meta),
+        device=torch.device("cpu"), loss_fn=loss_fn, num_microbatches=1, sharded_logits=True,
+        materialize=lambda parts, on: materialize(parts, model_cfg=cfg.model, device=on, seed=0),
+    )
+    (part,) = model.parts
+    inner = _inner(part)
+    shard_group = mesh.dp_group if uses_zero1(cfg.scheme, mesh.degrees) else None
+    optimizer = build_optimizer(part.parameters(), optim=cfg.optim, shard_group=shard_group)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.model.vocab_size, (GLOBAL_BATCH, cfg.model.seq_len + 1), generator=g)
+    local = GLOBAL_BATCH // mesh.dp_size
+    mine = tokens[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
+    inputs, targets = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+    losses = []
+    for _ in range(steps):
+        logits = part(inputs)
+        loss = loss_fn(logits, targets)
+        with sharded_context(loss):
+            loss.backward()
+        clip_grad_norm_(list(part.parameters()), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = local_value(loss).detach()
+        if mesh.dp_size > 1:
+            torch.distributed.all_reduce(value, group=mesh.dp_group)
+        losses.append(value.item() / mesh.dp_size)
+    names_of_state = sorted(get_model_state_dict(part))
+    return {
+        "losses": losses,
+        "params": {name: _full(p) for name, p in inner.named_parameters()},
+        "one_object": inner.get_parameter(TIED[0]) is inner.get_parameter(TIED[1]),
+        "num_parameters": len(list(part.parameters())),
+        "state_keys": names_of_state,
+        "placements": str(getattr(inner.get_parameter(TIED[0]), "placements", "plain")),
+    }
