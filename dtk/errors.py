@@ -89,11 +89,31 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def shadowing_folder() -> str | None:
+    """Why the package `dtk` is not dtk, or None. Run from the folder that holds a checkout
+    named `dtk`, Python finds that folder first (the current folder leads the import path);
+    having no __init__.py (the package is one level down, dtk/dtk) it imports as an empty
+    namespace package, the installed dtk's modules still load through the editable install's
+    finder, and dtk's package data is then looked for in the wrong folder."""
+    import dtk
+
+    if getattr(dtk, "__file__", None) is not None:
+        return None
+    where = ", ".join(str(p) for p in getattr(dtk, "__path__", [])) or "a namespace package"
+    return (f"Python imported the package dtk from the folder {where}, not from the installed dtk"
+            f" ({Path(__file__).resolve().parent}): the current folder comes first on Python's import path, and a"
+            " folder named dtk there without an __init__.py (such as a checkout of dtk) shadows the package;"
+            " run dtk commands from another folder (cd into the checkout, or into your project)")
+
+
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None = None, *,
             on_denied: Callable[[str | None], str] | None = None) -> NoReturn:
     """Run a command's main; user errors become one `error:` line and exit code 2.
     `on_denied(filename)` says what a refused read or write means (the commands that act on
     team folders hand in dtk.access.check.explain_denied; errors imports no stage)."""
+    shadow = shadowing_folder()
+    if shadow is not None:
+        fail(shadow)
     try:
         code = main(sys.argv[1:] if argv is None else argv)
     except UserError as exc:
