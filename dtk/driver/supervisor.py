@@ -219,6 +219,7 @@ class Supervisor(DriverCore):
         request = self.run.read_stop_request()
         if request is not None:  # asked before this start: do not start
             return self._stop(stop_request_text(request))
+        self._check_step_bound()
         excluded = read_exclusions(self.run)
         usable = [n for n in self.allocation() if n not in excluded]
         plan = fit_plan(self.plan, len(usable), allow_shrink=self.fault.shrink)
@@ -230,6 +231,17 @@ class Supervisor(DriverCore):
                                partition=self.plan.config.cluster.partition)
                      if plan.nodes < self.plan.nodes else None)
         return None
+
+    def _check_step_bound(self) -> None:
+        """fault.max_steps: the worker steps this job started (the run's `started` events of
+        its id, across requeues) bound the next one; sites cap a job's steps (MaxStepCount)."""
+        started = sum(1 for e in self.run.events_list() if e.get("event") == "started" and e.get("job_id") == self.job_id)
+        bound = self.fault.max_steps
+        if started >= bound:
+            self._fail(f"job {self.job_id} started {started} worker steps (fault.max_steps={bound}); not starting"
+                       f" another: run the same command again to go on from checkpoint step {self.checkpoint_step()}"
+                       " as a new job, or raise fault.max_steps (below the site's MaxStepCount)",
+                       step=self.last_step())
 
     def start_workers(self, recovery_from: float) -> Outcome:
         assert self.next_start is not None, "before_start chooses the plan and nodes of each start"

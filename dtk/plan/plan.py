@@ -145,6 +145,7 @@ def make_plan(
         raise UserError(f"spare_nodes={spares}: spare nodes need a Slurm cluster; the local cluster has one machine")
     if fault.max_restarts < 0:
         raise UserError(f"fault.max_restarts={fault.max_restarts}: expected 0 or more")
+    _positive("fault.max_steps", fault.max_steps)
     for key in ("hang_timeout_s", "startup_timeout_s"):
         if getattr(fault, key) < 1:
             raise UserError(f"fault.{key}={getattr(fault, key)}: expected a positive number of seconds")
