@@ -112,6 +112,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 MEMORY_STORE_ENV = "DTK_MEMORY_STORE_ROOT"  # the in-memory snapshot tier's root; tests point it elsewhere
 """Unset: /dev/shm. The tier's store of a run on a node is <root>/dtk-<uid>/<run key>/<node>/."""
+MEMORY_STORE_REFUSED = "memory_store_refused"  # the event: a store root another user owns or can write
 
 
 def memory_store(run_path: Path) -> Path:

@@ -51,7 +51,8 @@ def _tier(run: Path, model, optimizer, scheduler, *, rank: int, world: int, per_
     from dtk.checkpoint.memory_tier import MemoryTier
 
     return MemoryTier(run, every=2, rank=rank, world=world, local_rank=rank % per_node, per_node=per_node,
-                      parts=[(model, optimizer)], scheduler=scheduler, identity={"config_hash": "x"}, fresh=fresh)
+                      parts=[(model, optimizer)], scheduler=scheduler, identity={"config_hash": "x"}, fresh=fresh,
+                      generation=0)
 
 
 def _snapshot(rank: int, world: int, root: str) -> dict:

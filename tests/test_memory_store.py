@@ -107,7 +107,7 @@ def test_prune_keeps_the_two_newest_complete_steps_and_a_newer_one_in_flight(tmp
         ms.write_shard(tmp_path, step, "own", 0, b"x", 1)
         if step != 4 and step != 10:
             ms.write_commit(tmp_path, ms.commit_record(step, world_size=1, identity={}, crcs=[1], layout_crcs=[2]))
-    ms.prune(tmp_path)
+    ms.prune(tmp_path, generation=0)
     assert sorted(ms.holdings(tmp_path)) == [6, 8, 10]
     data, crc = ms.read_shard(tmp_path, 8, "own", 0)
     assert (data, crc) == (b"x", 1)

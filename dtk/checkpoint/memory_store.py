@@ -13,11 +13,18 @@ Each node keeps, under `dtk.rundir.memory_store(run) / <node>/`:
         replica_00001.json
         commit.json         written last, by the node's first rank, once every rank of the
                             world wrote its shard and its replica: the step is complete; it
-                            holds every rank's shard CRC and layout CRC
+                            holds every rank's shard CRC and layout CRC, and the generation
 
 Rank r sends its replica to `partner(r)` = (r + ranks_per_node) % world: the same local rank
 of the next node, a ring over nodes. One node: no replica (the tier can only restore from
-`memory`). Files are written to a temporary name and renamed.
+`memory`). Files are written to a temporary name and renamed; files are 0600 and folders
+0700 (the root is checked by dtk.checkpoint.memory_root).
+
+The generation is the number of rollbacks of the run (dtk.train.rollback) when the step was
+taken. A rollback to step T ends the trajectory after T: its snapshots newer than T are
+removed on every node before the disk checkpoints are, and a restore or a prune counts only
+the snapshots of the run's current generation, so one that a node kept through the rollback
+(a node down at the time) is never restored and never crowds out the new trajectory's.
 
 A restore may run on another world size (a shrink): the layouts say which old shards hold
 the pieces a new rank needs; those are read from its node or sent by a rank whose node
@@ -33,6 +40,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dtk.checkpoint.memory_root import make_dirs
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 COMMIT = "commit.json"
@@ -67,8 +76,10 @@ def layout_name(kind: str, rank: int) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Readable by this user only (0600); the temporary name is never followed as a symlink."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         fh.write(data)
     os.replace(tmp, path)
 
@@ -77,7 +88,7 @@ def write_shard(node_store: Path, step: int, kind: str, rank: int, data: bytes, 
                 layout: bytes = b"{}") -> None:
     """A shard, its CRC and its layout; the shard last, so a shard that is there has both."""
     folder = step_dir(node_store, step)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dirs(folder)
     write_atomic(folder / layout_name(kind, rank), layout)
     write_atomic((folder / shard_name(kind, rank)).with_suffix(".crc"), f"{crc}\n".encode())
     write_atomic(folder / shard_name(kind, rank), data)
@@ -99,9 +110,14 @@ def read_shard(node_store: Path, step: int, kind: str, rank: int) -> tuple[bytes
 
 
 def commit_record(step: int, *, world_size: int, identity: dict[str, Any], crcs: list[int],
-                  layout_crcs: list[int]) -> dict[str, Any]:
+                  layout_crcs: list[int], generation: int = 0) -> dict[str, Any]:
     return {"step": step, "world_size": world_size, "identity": identity, "crcs": crcs,
-            "layout_crcs": layout_crcs}
+            "layout_crcs": layout_crcs, "generation": generation}
+
+
+def generation_of(record: dict[str, Any]) -> int:
+    """A commit record's generation (0 in a record written before rollbacks had one)."""
+    return int(record.get("generation", 0))
 
 
 def parse_commit(text: str) -> dict[str, Any] | None:
@@ -113,7 +129,7 @@ def parse_commit(text: str) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         return None
     ok = (isinstance(record.get("step"), int) and isinstance(record.get("world_size"), int)
-          and isinstance(record.get("identity"), dict)
+          and isinstance(record.get("identity"), dict) and isinstance(record.get("generation", 0), int)
           and all(isinstance(record.get(k), list) and len(record[k]) == record["world_size"]
                   and all(isinstance(c, int) for c in record[k]) for k in ("crcs", "layout_crcs")))
     return record if ok else None
@@ -149,15 +165,35 @@ def holdings(node_store: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def prune(node_store: Path, *, keep: int = KEEP) -> None:
-    """Keep the `keep` newest complete steps; delete older ones and incomplete ones below the newest complete."""
+def prune(node_store: Path, *, generation: int, keep: int = KEEP) -> None:
+    """Keep the `keep` newest complete steps of `generation`; delete older ones, incomplete ones
+    below the newest complete, and every step committed in another generation (abandoned)."""
     held = holdings(node_store)
-    complete = sorted(s for s, h in held.items() if h["commit"] is not None)
+    other = {s for s, h in held.items() if h["commit"] is not None and generation_of(h["commit"]) != generation}
+    complete = sorted(s for s, h in held.items() if h["commit"] is not None and s not in other)
     kept = set(complete[-keep:])
     newest = complete[-1] if complete else None
     for step in held:
-        if step not in kept and (newest is None or step < newest):
-            shutil.rmtree(step_dir(node_store, step), ignore_errors=True)
+        if step in other or (step not in kept and (newest is None or step < newest)):
+            _remove(step_dir(node_store, step))
+
+
+def remove_after(node_store: Path, step: int) -> list[int]:
+    """Delete every step newer than `step` (a rollback to `step` abandoned them); the removed steps."""
+    doomed = sorted(s for s in holdings(node_store) if s > step)
+    for s in doomed:
+        _remove(step_dir(node_store, s))
+    return doomed
+
+
+def _remove(folder: Path) -> None:
+    # Out of the step_NNNNNNNN pattern first, in one rename: no listing sees half a step.
+    gone = folder.with_name(f".removed-{folder.name}-{os.getpid()}")
+    try:
+        os.replace(folder, gone)
+    except OSError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 @dataclass
@@ -175,20 +211,29 @@ class Choice:
     """Why the tier is not used (None with step None: there was no snapshot to restore)."""
 
 
-def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any], disk_step: int) -> Choice:
-    """The newest step whose every shard is on some node and not older than the disk checkpoint.
+def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any], disk_step: int,
+           generation: int = 0) -> Choice:
+    """The newest step of `generation` whose every shard is on some node and not older than the
+    disk checkpoint.
 
     `reports[r]` is rank r's view of its node's store: {"node": name, "steps": holdings()}.
     The snapshot may be of another world size (a shrink, a growth): every old rank's shard
-    must be held by a node of the job now. Pure and deterministic: every rank computes the
-    same choice from the same reports."""
+    must be held by a node of the job now. A step committed in another generation (before a
+    rollback) is never chosen, and a node whose folder of a step holds such a commit holds
+    none of that step's shards. Pure and deterministic: every rank computes the same choice
+    from the same reports."""
+    reports = [_of_generation(report, generation) for report in reports]
     commits: dict[int, dict[str, Any]] = {}
+    abandoned: set[int] = set()
     for report in reports:
         for step, held in report["steps"].items():
             if held["commit"] is not None:
                 commits.setdefault(int(step), held["commit"])
+        abandoned |= set(report.get("abandoned", ()))
     if not commits:
-        return Choice(None)
+        newest = max(abandoned, default=None)
+        return Choice(None, reason=None if newest is None else
+                      f"the newest snapshot (step {newest}) was taken before a rollback")
     # a snapshot of the disk checkpoint's own step too: the same state, read from memory
     newer = sorted((s for s in commits if s >= disk_step), reverse=True)
     if not newer:
@@ -213,6 +258,17 @@ def choose(reports: list[dict[str, Any]], *, world: int, identity: dict[str, Any
         else:
             return Choice(step, record["world_size"], sources, list(record["crcs"]), list(record["layout_crcs"]))
     return Choice(None, reason="; ".join(reasons))
+
+
+def _of_generation(report: dict[str, Any], generation: int) -> dict[str, Any]:
+    """A node's report without the steps it committed in another generation (listed as abandoned)."""
+    steps, abandoned = {}, []
+    for step, held in report["steps"].items():
+        if held["commit"] is not None and generation_of(held["commit"]) != generation:
+            abandoned.append(int(step))
+        else:
+            steps[step] = held
+    return {**report, "steps": steps, "abandoned": abandoned}
 
 
 def _holder(reports: list[dict[str, Any]], old: int, step: int) -> tuple[int, str] | None:

@@ -17,6 +17,11 @@ whose node holds them, checks their CRCs, and loads them through DCP
 (dtk.checkpoint.memory_load). Every step is agreed by all ranks; a problem on any is the
 reason on all, and the disk checkpoint loads instead. It never reads the run directory's
 checkpoints.
+
+The store's root is checked at each use (dtk.checkpoint.memory_root): a root another user
+owns or can write is refused at the start with one line and a `memory_store_refused`
+event, and the start goes on with disk checkpoints only. Snapshots carry the run's
+generation (its number of rollbacks); `rolled_back` removes the abandoned trajectory's.
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dtk.checkpoint import memory_load as mload
+from dtk.checkpoint import memory_root as mroot
 from dtk.checkpoint import memory_store as ms
 from dtk.checkpoint.load import allocate_optimizer_state, set_parts
 from dtk.checkpoint.rng import rng_state, set_rng_state
 from dtk.checkpoint.safe import SafeLoadPlanner
 from dtk.checkpoint.sharded import Comm, _state_dicts
-from dtk.rundir import memory_store
+from dtk.rundir import MEMORY_STORE_REFUSED, RunDir, memory_store
 
 
 def _attempt(write: Callable[[], None]) -> str:
@@ -68,29 +74,71 @@ class MemoryTier:
 
     def __init__(self, run_path: Path, *, every: int, rank: int, world: int, local_rank: int, per_node: int,
                  parts: list[tuple[torch.nn.Module, torch.optim.Optimizer]], scheduler: Any,
-                 identity: dict[str, Any], fresh: bool) -> None:
+                 identity: dict[str, Any], fresh: bool, generation: int) -> None:
         self.every = every
         self.rank, self.world, self.local_rank, self.per_node = rank, world, local_rank, per_node
         self.parts = parts
         self.scheduler = scheduler
         self.identity = identity
+        self.generation = generation  # the run's rollbacks so far: a snapshot of another is abandoned
         self.node = node_name()
+        self.root = mroot.store_root(run_path)
         self.store = memory_store(run_path) / self.node
         self.comm = Comm.create()  # a gloo group of the tier's own: the snapshot thread's traffic
         self.group = self.comm.group
-        if fresh and local_rank == 0:  # a new run of this run directory: an earlier one's store is stale
-            shutil.rmtree(self.store, ignore_errors=True)
-        self.comm.barrier()
+        self.refused = self._claim(run_path, fresh=fresh)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-memtier")
         self._pending: tuple[int, Future] | None = None
         self.blocked_s: list[float] = []  # the training thread's time per snapshot (waiting + copying)
         self.failures: list[tuple[int, str]] = []  # (step, why) of the snapshots not kept
+
+    def _claim(self, run_path: Path, *, fresh: bool) -> str | None:
+        """Collective. Each node's first rank makes (or checks) the root, sweeps the stores of
+        runs that are over and records whose this store is; then every rank checks the root.
+        A refusal on any node turns the tier off on all (its replicas cross nodes): the reason,
+        printed and recorded by rank 0 as `memory_store_refused`; None: the store is trusted."""
+        problem = None
+        if self.local_rank == 0:
+            try:
+                mroot.check_root(self.root, make=True)
+                mroot.sweep(self.root, keep=self.store.parent)
+                if fresh:  # a new run of this run directory: an earlier one's store is stale
+                    shutil.rmtree(self.store, ignore_errors=True)
+                mroot.write_owner(self.store.parent, run_path=run_path, node=self.node)
+            except (mroot.StoreRefused, OSError) as exc:
+                problem = str(exc)
+        self.comm.barrier()
+        if problem is None:
+            problem = self._check()
+        refusals = [got for got in self.comm.all_gather((self.node, str(self.root), problem)) if got[2]]
+        if not refusals:
+            return None
+        node, path, why = refusals[0]
+        if self.local_rank == 0 and problem is None:  # a trusted node's claim: nothing will be kept there
+            shutil.rmtree(self.store.parent, ignore_errors=True)
+        if self.rank == 0:
+            print(f"memory tier off: the store on {node} is refused ({why}); checkpoints go to disk only", flush=True)
+            try:
+                RunDir(run_path).event(MEMORY_STORE_REFUSED, node=node, path=path, reason=why)
+            except OSError:  # the run directory's storage is gone: the line above says it
+                pass
+        return f"on {node}: {why}"
+
+    def _check(self) -> str | None:
+        """Local: the root checked again (owner, mode, no symlink); why it is refused, or None."""
+        try:
+            mroot.check_root(self.root)
+        except mroot.StoreRefused as exc:
+            return str(exc)
+        return None
 
     # --- snapshot -------------------------------------------------------------------------
 
     def snapshot(self, step: int) -> None:
         """Copy this rank's state of `step` to CPU (the training thread's part) and hand the rest
         to the background thread; the previous snapshot is finished first."""
+        if self.refused:
+            return
         t0 = time.perf_counter()
         self.wait()
         model_sd, optim_sd, _ = _state_dicts(self.parts)
@@ -121,7 +169,8 @@ class MemoryTier:
         torch.save(state, buf)
         data, meta = buf.getvalue(), mload.layout_bytes(layout)
         crc, meta_crc = zlib.crc32(data), zlib.crc32(meta)
-        failed = _attempt(lambda: ms.write_shard(self.store, step, "own", self.rank, data, crc, meta))
+        refused = self._check()
+        failed = f"the store is refused ({refused})" if refused else _attempt(lambda: ms.write_shard(self.store, step, "own", self.rank, data, crc, meta))
         partner = ms.partner(self.rank, self.world, self.per_node)
         source = ms.replica_of(self.rank, self.world, self.per_node)
         if partner is not None and source is not None and self.group is not None:
@@ -144,8 +193,9 @@ class MemoryTier:
         if self.local_rank == 0:
             ms.write_commit(self.store, ms.commit_record(step, world_size=self.world, identity=self.identity,
                                                          crcs=[c for c, _, _ in gathered],
-                                                         layout_crcs=[m for _, m, _ in gathered]))
-            ms.prune(self.store)
+                                                         layout_crcs=[m for _, m, _ in gathered],
+                                                         generation=self.generation))
+            ms.prune(self.store, generation=self.generation)
 
     def _exchange(self, out: torch.Tensor, to: int, into: torch.Tensor, source: int) -> None:
         works = [dist.isend(out, to, group=self.group), dist.irecv(into, source, group=self.group)]
@@ -160,8 +210,15 @@ class MemoryTier:
         this world. Returns the choice (step None: nothing restored, with its reason), each
         rank's tier (memory or peer) and the seconds it took."""
         t0 = time.perf_counter()
-        reports = self.comm.all_gather({"node": self.node, "steps": ms.holdings(self.store)})
-        choice = ms.choose(reports, world=self.world, identity=self.identity, disk_step=disk_step)
+        check = self._check() if not self.refused else None
+        problem = self.refused or (check and f"on {self.node}: {check}")
+        reports = self.comm.all_gather({"node": self.node, "steps": {} if problem else ms.holdings(self.store),
+                                        "problem": problem})
+        problems = [r["problem"] for r in reports if r["problem"]]
+        if problems:
+            return ms.Choice(None, reason=f"the memory store is refused ({problems[0]})"), {}, time.perf_counter() - t0
+        choice = ms.choose(reports, world=self.world, identity=self.identity, disk_step=disk_step,
+                           generation=self.generation)
         if choice.step is None:
             return choice, {}, time.perf_counter() - t0
         try:
@@ -280,5 +337,16 @@ class MemoryTier:
         self._thread.shutdown(wait=True)
         if discard:
             self.comm.barrier()
-            if self.local_rank == 0:
+            if self.local_rank == 0 and not self.refused and not self._check():
                 shutil.rmtree(self.store.parent, ignore_errors=True)
+
+    def rolled_back(self, to_step: int) -> None:
+        """Collective, before the rollback's disk checkpoints are removed: the snapshot in flight
+        is finished, every node removes its snapshots newer than `to_step` (the abandoned
+        trajectory), and later snapshots are of the next generation (the rollback's record in
+        data_skips.json counts it at a later start)."""
+        self.wait()
+        if self.local_rank == 0 and not self.refused and not self._check():
+            ms.remove_after(self.store, to_step)
+        self.comm.barrier()
+        self.generation += 1

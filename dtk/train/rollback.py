@@ -1,10 +1,17 @@
 """The rollback of a divergence (dtk.train.divergence), inside the running worker: every
 rank reached the same verdict at the same step. The save in flight is settled; rank 0
-picks the newest committed checkpoint before the first bad step, removes the newer ones
-(they hold the abandoned steps: a later resume must not start from them), records the
-skipped data window in RUN_DIR/data_skips.json and writes `rolled_back`; then every rank
-loads that checkpoint and reads the new order. The steps from there to the rollback are
-redone: lost work in the goodput account.
+picks the newest committed checkpoint before the first bad step; the memory tier, if on,
+finishes its snapshot in flight and every node removes its snapshots newer than that step
+(the memory tier's generation goes up: dtk.checkpoint.memory_store); then rank 0 removes
+the newer disk checkpoints (they hold the abandoned steps: a later resume must not start
+from them), records the skipped data window in RUN_DIR/data_skips.json (which counts the
+generation for a later start) and writes `rolled_back`; then every rank loads that
+checkpoint and reads the new order. The steps from there to the rollback are redone: lost
+work in the goodput account.
+
+The snapshots go first: a crash after them and before the skip record leaves a run whose
+newest state on either tier is the rollback's checkpoint, and one after the record finds
+only snapshots of the old generation, which no restore takes.
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ def roll_back(rollback: Rollback, run: RunDir, checkpoints: Any, batches: Any, t
     if rank0:
         before = [s for s in run.committed_steps() if s < first]
         to_step = before[-1] if before else None
+    to_step = checkpoints.comm.broadcast(to_step)
+    if checkpoints.memory is not None and to_step is not None:
+        checkpoints.memory.rolled_back(to_step)
+    if rank0:
         if to_step is not None:
             for step, path, _ in run.checkpoint_steps():
                 if step > to_step:
@@ -62,7 +73,7 @@ def roll_back(rollback: Rollback, run: RunDir, checkpoints: Any, batches: Any, t
                       checkpoint=str(run.checkpoint_dir(to_step)), data_window=window,
                       batch_hashes=skip["batch_hashes"], rollback=trainer.watch.rollbacks_done,
                       redone_steps=first - 1 - to_step)
-    to_step = checkpoints.comm.broadcast(to_step)
+    checkpoints.comm.barrier()  # the record is written before any rank goes on
     if to_step is None:
         if rank0:
             run.event("diverged", step=last, steps=[b.step for b in bad], batch_hashes=[b.batch_hash for b in bad])

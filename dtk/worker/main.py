@@ -135,7 +135,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         busy=heartbeat.busy,  # a long save is not a hang
         memory=lambda parts, sched, identity: MemoryTier(
             run.path, every=cfg.checkpoint.memory_every, rank=env.rank, world=env.world_size, local_rank=env.local_rank,
-            per_node=env.local_world_size, parts=parts, scheduler=sched, identity=identity, fresh=env.restart == 0),
+            per_node=env.local_world_size, parts=parts, scheduler=sched, identity=identity, fresh=env.restart == 0,
+            generation=len(read_skips(run.path))),  # rollbacks so far: older snapshots are abandoned
     )
     torch.manual_seed(seed + env.rank)  # per-rank stream for anything stochastic; a resume restores it
     # Beating from here on: a checkpoint load longer than fault.startup_timeout_s is no hang.
