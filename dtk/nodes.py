@@ -80,13 +80,13 @@ def render(entries: list[dict]) -> str:
     lines = [f"{len(now)} node(s) excluded" + (":" if now else "")]
     for e in now:
         lines.append(f"  {e['node']:<12} since {_when(e['time'])}  job {e['job_id']}  slurm: {e['slurm_state']}"
-                     f"  reason: {e['reason']}")
+                     f"  reason: {shown(str(e['reason']))}")
     if back:
         lines.append("re-admitted:")
         for e in back:
             r = e["readmitted"]
-            lines.append(f"  {e['node']:<12} excluded {_when(e['time'])} ({e['reason']}); back {_when(r['time'])}"
-                         f" by {r['by']}: {r['reason']}")
+            lines.append(f"  {e['node']:<12} excluded {_when(e['time'])} ({shown(str(e['reason']))});"
+                         f" back {_when(r['time'])} by {shown(str(r['by']))}: {shown(str(r['reason']))}")
     if invalid:
         lines.append(f"{len(invalid)} invalid node name(s), left out of every submission:")
         lines += [f"  {shown(e['node'])}  job {shown(str(e.get('job_id')))}  reason: {shown(str(e.get('reason')))}"

@@ -186,7 +186,7 @@ def suspect_nodes(runs: list[Run], root: Path) -> list[Alert]:
     after = reputation.threshold(r.plan for r in runs)
     found = reputation.suspects_of({r.name: r.entries for r in runs}, reputation.read_readmitted(root), after=after)
     return [Alert("suspect_node", f"suspect_node:{node}", f"node {node} is excluded by {len(names)} runs"
-                  f" ({', '.join(names)}); new submissions under this root leave it out until"
+                  f" ({', '.join(map(shown, names))}); new submissions under this root leave it out until"
                   f" python -m dtk.nodes {root} --readmit {node}", None, {"node": node, "runs": names})
             for node, names in found.items()]
 

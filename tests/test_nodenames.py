@@ -160,3 +160,12 @@ def test_the_resubmission_leaves_invalid_names_out(tmp_path, capsys):
     assert inputs.exclude == ("node2", "node3") and inputs.after_job == "41"
     assert r"'node5\nid'" in capsys.readouterr().err
     assert "#SBATCH --exclude=node2,node3\n" in sbatch_text(plan, inputs)
+
+
+def test_dtk_nodes_prints_what_the_file_says_of_a_valid_node_escaped(tmp_path):
+    run = run_dir(tmp_path, "r")
+    entry = {"node": "node2", "job_id": "1", "reason": "left\nforged line", "time": time.time()}
+    (run.path / "excluded_nodes.json").write_text(json.dumps([entry]))
+    shown_run = run_main("dtk.nodes", str(run.path))
+    assert shown_run.returncode == 0 and "forged line" not in shown_run.stdout.splitlines()
+    assert shown_run.stdout.splitlines()[1].endswith(r"reason: 'left\nforged line'")
