@@ -246,11 +246,49 @@ def _report(run_dir: Path, tmp: Path) -> Artifact:
     return Artifact("report/", "the run's report (python -m dtk.report): numbers and PNG plots", missing=missing)
 
 
+def _data_lines(plan, run_dir: Path) -> list[str]:
+    """Where the run's data is and which version it trained on: the version the workers
+    recorded (summary.json, or a user dataset's data.json), else the dataset's own manifest."""
+    from dtk.rundir import DATA_SPLIT
+
+    data = plan.config.data
+    recorded = _json(run_dir / SUMMARY).get("data_version") or _json(run_dir / DATA_SPLIT).get("version")
+    kind = data.kind.value
+    if kind == "synthetic":
+        where = [f"Generated (`data=synthetic`, seed {data.seed}, {data.num_samples} samples): no files."]
+    elif kind == "hdf5":
+        from dtk.data.hdf5 import MANIFEST
+
+        manifest = _json(Path(data.path).expanduser() / MANIFEST)
+        tokenizer = f", tokenizer `{manifest['tokenizer']}`" if "tokenizer" in manifest else ""
+        split = (f"; validation split: the shards {', '.join(manifest['val_shards'])}" if manifest.get("val_shards")
+                 and not data.val_shards else "")
+        where = [f"The dataset folder `{data.path}` (`data=hdf5`{tokenizer}, python -m dtk.data prepare){split};"
+                 " it must be at that path, on storage every node sees, or `data.path=` names its new place."]
+        recorded = recorded or (f"{manifest['version']} (the folder's manifest today; the run recorded none)"
+                                if "version" in manifest else None)
+    else:
+        kwargs = json.dumps(dict(data.kwargs), sort_keys=True)
+        where = [f"The project's data function `{data._target_}` with the arguments `{kwargs}` (`data=user`);"
+                 " it reads whatever those arguments name, so the same files must be there."]
+    return where + ["", f"Version: `{recorded}`." if recorded else
+                    "Version: not recorded (the run has not trained yet); a resume on other data is refused."]
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _readme(plan, run_dir: Path, made: list[Artifact]) -> str:
     lines = [f"# Handover of run {plan.run_name}", "",
              f"From `{run_dir.resolve()}` (config hash `{plan.config_hash}`), made by `python -m dtk.handover`.", "",
              "| file | what | |", "| --- | --- | --- |"]
     lines += [f"| `{a.name}` | {a.what} | {'MISSING: ' + a.missing if a.missing else 'ok'} |" for a in made]
+    lines += ["", "## The data", "", *_data_lines(plan, run_dir)]
     lines += ["", "## Repeating the run", ""]
     over = next((a for a in made if a.name == "config/overrides.txt"), None)
     if over is not None and over.missing is None and plan.import_path:

@@ -172,3 +172,52 @@ def test_a_hugging_face_run_is_repeated_from_the_handover_folder(tmp_path):
     assert "model=hf" in overrides
     again = make_plan(compose([*overrides, f"run.root={tmp_path / 'runs'}"], search=SearchPath()))
     assert (again.config_hash, again.run_name) == (plan.config_hash, plan.run_name)
+
+
+def _user_data_project(tmp_path):
+    """A project (python -m dtk.init) with a data function of its own, chosen by its defaults."""
+    project = tmp_path / "proj"
+    assert run_main("dtk.init", str(project)).returncode == 0
+    (project / "tokens.py").write_text(
+        "import numpy as np\n\n\ndef load(n: int = 64, seq_len: int = 16):\n"
+        "    return np.random.default_rng(0).integers(0, 64, size=(n, seq_len + 1))\n")
+    (project / "conf" / "data" / "tokens.yaml").write_text("_target_: tokens.load\nn: 96\nval_fraction: 0.25\n")
+    default = project / "conf" / "project" / "default.yaml"
+    default.write_text(default.read_text().replace("override /data: proj", "override /data: tokens"))
+    return project
+
+
+def test_a_run_of_a_project_with_its_own_data_gets_its_overrides_and_says_where_its_data_is(tmp_path):
+    from dtk.config.compose import search_path
+
+    project = _user_data_project(tmp_path)
+    search = search_path([str(project)], cwd=tmp_path)
+    run, plan = _recorded_run(tmp_path / "runs", ["optim.lr=1e-3"], search=search)
+    assert plan.config.data._target_ == "tokens.load"
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "data_version": "1a2b3c4d-5e6f"}))
+    out = tmp_path / "handover"
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    overrides = (out / "config" / "overrides.txt").read_text().split()
+    assert "data=tokens" in overrides and "data=user" not in overrides
+    again = make_plan(compose([*overrides, f"run.root={tmp_path / 'runs'}"], search=search_path([str(out)], cwd=tmp_path)),
+                      import_path=(str(project),))
+    assert (again.config_hash, again.run_name) == (plan.config_hash, plan.run_name)
+    readme = (out / "README.md").read_text()
+    assert "## The data" in readme and "python -m dtk.submit --config-dir THIS_FOLDER" in readme
+    data = readme.split("## The data")[1]
+    assert "tokens.load" in data and '"n": 96' in data and "1a2b3c4d-5e6f" in data
+
+
+def test_the_handover_of_a_prepared_dataset_names_its_folder_and_version(tmp_path):
+    from dtk.data.prepare import prepare
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("a small corpus of text, " * 400)
+    m = prepare(text, tmp_path / "data", seq_len=16, tokenizer="chars", val_fraction=0.1)
+    run, _ = _recorded_run(tmp_path / "runs", ["data=hdf5", f"data.path={tmp_path / 'data'}", "model.seq_len=16"])
+    out = tmp_path / "handover"
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    data = (out / "README.md").read_text().split("## The data")[1]
+    assert f"`{tmp_path / 'data'}`" in data and m["version"] in data and "chars" in data
+    assert "val_00000.h5" in data

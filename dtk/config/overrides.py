@@ -72,7 +72,7 @@ def _target_choices(plain: dict[str, Any], choices: list[str], search: SearchPat
     the plain config those choices compose)."""
     from dtk.config.compose import compose
 
-    found = list(choices)
+    found = _data_choice(plain, choices, search)
     composed = to_dict(compose(found, search=search))
     for group in _BY_TARGET:
         wanted = plain[group].get("_target_")
@@ -84,6 +84,29 @@ def _target_choices(plain: dict[str, Any], choices: list[str], search: SearchPat
                 found, composed = [*found, f"{group}={option}"], tried
                 break
     return found, composed
+
+
+def _data_choice(plain: dict[str, Any], choices: list[str], search: SearchPath) -> list[str]:
+    """The data choice with what it needs to compose: `data=hdf5` its `data.path`; a dataset
+    of the user's own: `data=user` names no function (it composes none), so the
+    choice is the option of the data group (a project's conf/data/NAME.yaml) whose function
+    is the run's, else `data=user` with the function as an override."""
+    from dtk.config.compose import compose
+
+    if plain["data"]["kind"] == "hdf5":  # data=hdf5 composes only with its folder
+        return [*choices, f"data.path={value_text(plain['data']['path'])}"]
+    if plain["data"]["kind"] != "user":
+        return list(choices)
+    others = [c for c in choices if not c.startswith("data=")]
+    wanted = plain["data"].get("_target_")
+    for option in _options("data", search):
+        try:
+            tried = to_dict(compose([*others, f"data={option}"], search=search))
+        except UserError:
+            continue
+        if tried["data"]["kind"] == "user" and tried["data"].get("_target_") == wanted:
+            return [*others, f"data={option}"]
+    return [*others, "data=user", f"data._target_={value_text(wanted)}"]
 
 
 def repeat_overrides(cfg: Config, config_hash: str, *,
@@ -103,7 +126,7 @@ def repeat_overrides(cfg: Config, config_hash: str, *,
     except (UserError, KeyError) as exc:
         return None, f"the run's config groups are not among this dtk's ({exc})"
     wanted = flatten(plain)
-    overrides = choices + [f"{key}={value_text(value)}" for key, value in wanted.items()
+    overrides = choices + [f"{'' if key in base else '+'}{key}={value_text(value)}" for key, value in wanted.items()
                            if key not in LEFT_OUT and base.get(key, object()) != value]
     overrides += [f"~{key}" for key in base if key not in wanted and key not in LEFT_OUT and _removable(key)]
     try:
