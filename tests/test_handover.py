@@ -221,3 +221,20 @@ def test_the_handover_of_a_prepared_dataset_names_its_folder_and_version(tmp_pat
     data = (out / "README.md").read_text().split("## The data")[1]
     assert f"`{tmp_path / 'data'}`" in data and m["version"] in data and "chars" in data
     assert "val_00000.h5" in data
+
+
+def test_a_data_function_named_on_the_command_line_is_repeated_with_its_arguments(tmp_path):
+    from dtk.config.compose import search_path
+
+    project = _user_data_project(tmp_path)
+    (project / "more.py").write_text("from tokens import load as load_more\n")
+    search = search_path([str(project)], cwd=tmp_path)
+    run, plan = _recorded_run(tmp_path / "runs", ["data=user", "data._target_=more.load_more", "+data.kwargs.n=80"],
+                              search=search)
+    out = tmp_path / "handover"
+    assert handover_main([str(run), "--out", str(out)]) == 0
+    overrides = (out / "config" / "overrides.txt").read_text().split()
+    assert {"data=user", "data._target_=more.load_more", "+data.kwargs.n=80"} <= set(overrides)
+    again = make_plan(compose([*overrides, f"run.root={tmp_path / 'runs'}"], search=search_path([str(out)], cwd=tmp_path)),
+                      import_path=(str(project),))
+    assert (again.config_hash, again.run_name) == (plan.config_hash, plan.run_name)
