@@ -169,3 +169,12 @@ def test_dtk_nodes_prints_what_the_file_says_of_a_valid_node_escaped(tmp_path):
     shown_run = run_main("dtk.nodes", str(run.path))
     assert shown_run.returncode == 0 and "forged line" not in shown_run.stdout.splitlines()
     assert shown_run.stdout.splitlines()[1].endswith(r"reason: 'left\nforged line'")
+
+
+def test_a_configured_flag_with_a_newline_is_one_error_line_and_nothing_written(tmp_path):
+    proc = run_main("dtk.submit", "cluster=lab", "nodes=1", f"run.root={tmp_path / 'runs'}", "submit.dry_run=true",
+                    "cluster.sbatch_extra=['--comment=a\ntouch /tmp/dtk-injected']")
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr == (
+        r"error: sbatch --comment='a\ntouch /tmp/dtk-injected': a newline, carriage return or NUL cannot be part of"
+        " a #SBATCH line; give the value on one line without control characters\n")
+    assert not (tmp_path / "runs").exists()
