@@ -57,6 +57,8 @@ EXCLUDED_NODES_LOCK = "excluded_nodes.lock"
 READMITTED_NODES = "readmitted_nodes.json"
 READMITTED_NODES_LOCK = ".readmitted_nodes.lock"
 SRUN_LOG = "srun.log"  # in a start's log folder: the Slurm step's own output
+WORKER_ERROR = "error_rank_{rank}.json"  # in a start's log folder: the exception a worker died of (dtk/worker/failure.py)
+USER_CODE_ERROR = "user_code_error"  # the event: the same exception in user code ended two starts in a row
 HEALTH_DIR = "health"  # a spare node's health check beats, one file per node
 TENSORBOARD_DIR = "tensorboard"
 TRACKER_STATE = "tracker.json"  # per tracker: its run id (reused by every start) and the last step it holds
@@ -204,6 +206,10 @@ class RunDir:
 
     def log_dir(self, start: int) -> Path:
         return self.path / LOGS_DIR / f"start_{start:02d}"
+
+    def worker_error(self, start: int, rank: int) -> Path:
+        """The record of the exception rank `rank` of start `start` died of (WORKER_ERROR)."""
+        return self.log_dir(start) / WORKER_ERROR.format(rank=rank)
 
     def event(self, event: str, **details: Any) -> None:
         append_jsonl(self.events, {"time": round(time.time(), 3), "event": event, **details})

@@ -55,6 +55,9 @@ class Start:
     """Rank 0 stops beating this long after the start (a hang)."""
     logs: dict[int, str] | None = None
     """What each rank writes to its log when it ends (rank -> text)."""
+    errors: dict[int, dict] | None = None
+    """The record of the exception each rank died of (rank -> type, message, file, line), as
+    dtk/worker/failure.py writes it when it ends."""
     at_s: dict[float, Callable[[], None]] | None = None
     """Things that happen while the start runs (a dtk.stop request), by seconds since it began."""
     logged: bool = False
@@ -90,6 +93,10 @@ class FakeWorker:
         self._log_steps_and_save(self.start.checkpoint)
         if self.start.logs and self.rank in self.start.logs:
             self.log.write_text(self.start.logs[self.rank] + "\n")
+        if self.start.errors and self.rank in self.start.errors:
+            restart = int(self.env["DTK_RESTART"])
+            path = self.run.worker_error(restart, self.rank)
+            path.write_text(json.dumps({"rank": self.rank, "start": restart, **self.start.errors[self.rank]}))
         self.returncode = code
 
     def poll(self) -> int | None:
@@ -300,3 +307,55 @@ def test_a_configuration_error_fails_at_once_even_with_relaunches_left(tmp_path,
     assert failed["error"] == CONFIG_LOG.removeprefix("error: ") and failed["rank"] == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"{CONFIG_LOG} (worker rank 1; log {job.run.log_dir(0) / 'rank_1.log'})"
+
+
+VIEW_ERROR = {"type": "RuntimeError", "file": "/home/alice/proj/loss.py", "line": 12,
+              "message": "view size is not compatible with input tensor's size and stride (at least one dimension"
+                         " spans across two contiguous subspaces). Use .reshape(...) instead."}
+
+
+def test_the_same_error_in_user_code_at_two_starts_fails_the_run_after_the_second(tmp_path, capsys):
+    bug = {0: VIEW_ERROR, 1: VIEW_ERROR}
+    job = Local(tmp_path, [Start(exit=1, steps=3, errors=bug), Start(exit=1, errors=bug), Start(exit=0)], max_restarts=3)
+    assert job.driver.run_to_end() == 1
+    assert len(job.spawned) == 2 and len(job.events("relaunched")) == 1  # not the third start
+    (event,) = job.events("user_code_error")
+    assert {k: event[k] for k in ("type", "message", "file", "line", "step", "rank")} == {**VIEW_ERROR, "step": 3,
+                                                                                       "rank": 0}
+    (failed,) = job.events("failed")
+    assert failed["error"].startswith("error in user code, the same at two starts in a row without progress,"
+                                      " not relaunched (job local-")
+    assert failed["error"].endswith("RuntimeError: view size is not compatible with input tensor's size and stride"
+                                    " (at least one dimension spans across two contiguous subspaces). Use"
+                                    " .reshape(...) instead. at /home/alice/proj/loss.py:12 (step 3)")
+    assert job.summary()["status"] == "failed" and job.summary()["error"] == failed["error"]
+    (line,) = capsys.readouterr().err.strip().splitlines()[1:]  # after the relaunch line of the first crash
+    assert line == f"error: {failed['error']}; log {job.run.log_dir(1) / 'rank_0.log'}"
+    assert "again" not in line and "resume" not in line
+
+
+@pytest.mark.parametrize("second", [
+    {"errors": {0: {**VIEW_ERROR, "line": 13}}},  # raised from another line
+    {"errors": {0: {**VIEW_ERROR, "message": "CUDA error: an illegal memory access"}}},  # another message
+    {"errors": {0: {**VIEW_ERROR, "type": "ValueError"}}},
+    {"errors": {0: VIEW_ERROR}, "steps": 2},  # the same error, but at a later step: progress between
+    {"errors": {0: {**VIEW_ERROR, "file": None, "line": None}}},  # no frame of the user's (a lost peer)
+    {"errors": None},  # no record: killed by a signal, a segfault
+], ids=["line", "message", "type", "progress", "not-user-code", "no-record"])
+def test_a_fault_that_differs_between_starts_is_relaunched(tmp_path, second):
+    first = Start(exit=1, steps=3, errors={0: VIEW_ERROR})
+    job = Local(tmp_path, [first, Start(exit=1, **second), Start(exit=0)], max_restarts=3)
+    assert job.driver.run_to_end() == 0
+    assert len(job.spawned) == 3 and len(job.events("relaunched")) == 2
+    assert job.events("user_code_error") == [] and job.events("failed") == []
+
+
+def test_the_same_error_after_a_start_that_was_not_a_crash_is_relaunched(tmp_path):
+    """Between the two crashes a start hung: the second crash is compared with the hang's
+    start, which died of no exception, so it is relaunched."""
+    bug = {0: VIEW_ERROR}
+    starts = [Start(exit=1, errors=bug), Start(exit=None, stop_beating_s=10), Start(exit=1, errors=bug),
+              Start(exit=0)]
+    job = Local(tmp_path, starts, max_restarts=3)
+    assert job.driver.run_to_end() == 0
+    assert [e["cause"] for e in job.events("relaunched")] == ["crashed", "hung", "crashed"]

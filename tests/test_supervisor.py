@@ -8,6 +8,7 @@ the real Supervisor, which writes into a real run directory; the lab tests
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from dtk.config.compose import compose
 from dtk.config.schema import Config
-from dtk.driver.decide import Action, Facts, Kind, Outcome, classify, decide
+from dtk.driver.decide import Action, Facts, Kind, Outcome, UserFault, classify, decide
 from dtk.driver.exclusions import add_exclusions, read_exclusions, readmit
 from dtk.driver.record import record_failure
 from dtk.driver.supervisor import DriverFailed, Supervisor, drive
@@ -355,6 +356,39 @@ def test_crashes_beyond_max_restarts_fail_the_job_with_the_last_cause(tmp_path, 
     assert job.summary()["restarts"] == 2
 
 
+USER_BUG = {"type": "RuntimeError", "message": "view size is not compatible with input tensor's size and stride",
+            "file": "/home/alice/proj/loss.py", "line": 12}
+
+
+def test_the_same_error_in_user_code_at_two_starts_fails_the_job_without_a_third(tmp_path, base_config):
+    def died(**record):  # what dtk/worker/failure.py writes for rank 0 of the current start
+        return lambda: job.run.worker_error(job.run.starts() - 1, 0).write_text(json.dumps({**USER_BUG, **record}))
+
+    scripts = [Script(exit=1, steps=5, log=CRASH_LOG, at_s={1.0: died()}),
+               Script(exit=1, log=CRASH_LOG, at_s={1.0: died()}), Script(exit=0)]
+    job = Job(tmp_path, base_config, scripts, max_restarts=5)
+    with pytest.raises(DriverFailed) as failed:
+        job.sup.drive()
+    assert str(failed.value) == ("error in user code, the same at two starts in a row without progress, not"
+                                 " relaunched (job 42): RuntimeError: view size is not compatible with input"
+                                 " tensor's size and stride at /home/alice/proj/loss.py:12 (step 5)")
+    assert len(job.fake.steps) == 2 and len(job.events("relaunched")) == 1 and job.requeue_calls() == []
+    (event,) = job.events("user_code_error")
+    assert event["file"] == USER_BUG["file"] and event["line"] == 12 and event["step"] == 5
+    assert job.summary()["status"] == "failed" and job.summary()["error"] == str(failed.value)
+
+
+def test_a_user_code_error_that_moves_to_another_line_is_relaunched(tmp_path, base_config):
+    def died(**record):
+        return lambda: job.run.worker_error(job.run.starts() - 1, 0).write_text(json.dumps({**USER_BUG, **record}))
+
+    scripts = [Script(exit=1, steps=5, log=CRASH_LOG, at_s={1.0: died()}),
+               Script(exit=1, log=CRASH_LOG, at_s={1.0: died(line=40)}), Script(exit=0, steps=5)]
+    job = Job(tmp_path, base_config, scripts, max_restarts=5)
+    assert job.sup.drive() == 0
+    assert len(job.events("relaunched")) == 2 and job.events("user_code_error") == []
+
+
 def test_a_silent_step_is_torn_down_after_the_hang_timeout_and_relaunched(tmp_path, base_config):
     job = Job(tmp_path, base_config, [Script(exit=None, steps=5, stop_beating_s=10), Script(exit=0, steps=10)])
     assert job.sup.drive() == 0
@@ -467,6 +501,20 @@ def test_the_decision_table_in_one_place():
     assert row(Kind.NODE_FAILED, relaunches=99) is Action.EXCLUDE
     for kind in (Kind.CRASHED, Kind.HUNG):
         assert [row(kind, relaunches=r) for r in range(4)] == [Action.RELAUNCH] * 2 + [Action.FAIL] * 2
+    # The same exception from the same user frame at the same step as the start before, with
+    # no checkpoint between: USER_CODE_ERROR, whatever budget is left; anything else relaunches.
+    bug = UserFault("RuntimeError", "view size", "/p/loss.py", 12, step=5)
+
+    def user(fault, previous, *, kind=Kind.CRASHED, progressed=False) -> Action:
+        return decide(Outcome(kind, cause="c"), job_id="1", relaunches=0, max_restarts=2, progressed=progressed,
+                      step=5, fault=fault, previous=previous).action
+
+    assert user(bug, bug) is Action.USER_CODE_ERROR
+    assert user(bug, dataclasses.replace(bug, rank=1)) is Action.USER_CODE_ERROR  # whichever rank recorded it
+    assert user(bug, None) is user(None, bug) is user(bug, bug, progressed=True) is Action.RELAUNCH
+    for change in ({"type": "ValueError"}, {"message": "other"}, {"file": "/p/x.py"}, {"line": 13}, {"step": 6}):
+        assert user(bug, dataclasses.replace(bug, **change)) is Action.RELAUNCH, change
+    assert user(bug, bug, kind=Kind.HUNG) is Action.RELAUNCH
     # classify's order: configuration error > stop > lost node > crash.
     every = Facts(code=1, workers_stopped=True, signalled=True, lost=("n2",), error_line="rank 0: error: x")
     assert classify(every, detected_at=1).kind is Kind.CONFIG_ERROR

@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtk.config.schema import FaultConfig
-from dtk.driver.decide import Decision, Kind, Outcome, decide
-from dtk.driver.record import last_completed_step, latest_checkpoint_step
+from dtk.driver.decide import Decision, Kind, Outcome, UserFault, decide
+from dtk.driver.record import last_completed_step, latest_checkpoint_step, read_user_fault
 from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
-from dtk.rundir import HEARTBEAT, RunDir, remove_memory_store
+from dtk.rundir import HEARTBEAT, USER_CODE_ERROR, RunDir, remove_memory_store
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class DriverCore:
         self.fault = plan.config.fault
         self.relaunches = 0  # after crashes and hangs, in this allocation (the local run is one)
         self.recovery_from = 0.0  # when the fault the next start recovers from was detected; 0.0: none
+        self.died_of: UserFault | None = None  # what the latest start died of in user code; None: not that
 
     # --- the backend's part ----------------------------------------------------------------
     def before_start(self) -> int | None:
@@ -108,8 +109,10 @@ class DriverCore:
             step_at_start = self.checkpoint_step()
             outcome = self.start_workers(self.recovery_from)
             step = self.checkpoint_step()
+            previous, self.died_of = self.died_of, self.user_fault(outcome)
             decision = decide(outcome, job_id=self.job_id, relaunches=self.relaunches,
-                              max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step)
+                              max_restarts=self.fault.max_restarts, progressed=step > step_at_start, step=step,
+                              fault=self.died_of, previous=previous)
             code = self.act(decision, outcome, step)
             if code is not None:
                 return code
@@ -129,6 +132,18 @@ class DriverCore:
         self.run.event("relaunched", job_id=self.job_id, cause=outcome.kind.value, detail=outcome.cause,
                        step=self.last_step(), resume_from=step, attempt=self.relaunches, **self.relaunch_details())
         return None
+
+    def on_user_code_error(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
+        """The same exception in user code ended this start and the one before: a
+        `user_code_error` event, then the run fails as the backend fails it."""
+        self.record_user_code_error()
+        return self.on_fail(decision, outcome, step)
+
+    def record_user_code_error(self) -> None:
+        fault = self.died_of
+        assert fault is not None, "decide chooses USER_CODE_ERROR only with a fault"
+        self.run.event(USER_CODE_ERROR, job_id=self.job_id, type=fault.type, message=fault.message, file=fault.file,
+                       line=fault.line, step=fault.step, rank=fault.rank)
 
     def on_stop(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
         raise NotImplementedError
@@ -160,6 +175,13 @@ class DriverCore:
     def last_step(self) -> int:
         """The last step the current start completed (rank 0's progress file, exact)."""
         return last_completed_step(self.run)
+
+    def user_fault(self, outcome: Outcome) -> UserFault | None:
+        """What the start that just ended died of in user code (its workers' records); None
+        for any end but a crash."""
+        if outcome.kind is not Kind.CRASHED:
+            return None
+        return read_user_fault(self.run, self.run.starts() - 1, step=self.last_step())
 
     def restarts(self) -> int:
         return max(0, self.run.starts() - 1)

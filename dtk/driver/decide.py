@@ -19,6 +19,11 @@ here, so every branch is a unit test (tests/test_supervisor.py).
     a node left the job          NODE_FAILED    EXCLUDE the node(s) and start again: on the
                                                   spares, else on fewer nodes; not counted
                                                   against fault.max_restarts
+    any other exit, the same     CRASHED        USER_CODE_ERROR: fail at once with the
+      exception in user code as                   exception and the user's file:line (a bug in
+      the previous start's (type,                 user code fails every start alike; starting
+      message, file:line, step),                  again only spends fault.max_restarts)
+      no checkpoint since
     any other exit               CRASHED        RELAUNCH from the last verified checkpoint,
     no heartbeat in time         HUNG             up to fault.max_restarts times per
                                                   allocation; then FAIL with the last cause
@@ -55,6 +60,7 @@ class Action(str, Enum):
     FINISH = "finish"
     STOP = "stop"
     FAIL = "fail"
+    USER_CODE_ERROR = "user_code_error"
     REQUEUE = "requeue"
     EXCLUDE = "exclude"
     RELAUNCH = "relaunch"
@@ -79,6 +85,28 @@ class Facts:
     stop_asked: str = ""
     """Who asked the run to stop (`dtk.stop by alice`, `scancel`), or empty: a stop request
     file, or Slurm showing the job cancelled after the driver was signalled."""
+
+
+@dataclass(frozen=True)
+class UserFault:
+    """What a crashed start's workers died of, from their records (dtk/worker/failure.py):
+    the exception and the user's frame it came from, and the run's last completed step."""
+
+    type: str
+    message: str
+    file: str
+    line: int
+    step: int
+    rank: int = 0
+    """The rank whose record it is (not compared: another rank may die first next time)."""
+
+    def same_as(self, other: UserFault | None) -> bool:
+        return other is not None and (self.type, self.message, self.file, self.line, self.step) == (
+            other.type, other.message, other.file, other.line, other.step)
+
+    def text(self) -> str:
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type}: {first} at {self.file}:{self.line} (step {self.step})"
 
 
 @dataclass(frozen=True)
@@ -119,10 +147,11 @@ class Decision:
 
 
 def decide(outcome: Outcome, *, job_id: str, relaunches: int, max_restarts: int, progressed: bool,
-           step: int) -> Decision:
+           step: int, fault: UserFault | None = None, previous: UserFault | None = None) -> Decision:
     """The action after a start: `relaunches` is how many crash or hang relaunches this
     allocation made before it, `progressed` whether a checkpoint was committed since the
-    start, `step` the last checkpoint's."""
+    start, `step` the last checkpoint's; `fault` what this start's workers died of in user
+    code, `previous` what the start before it died of (None: not of an exception in user code)."""
     kind = outcome.kind
     if kind is Kind.FINISHED:
         return Decision(Action.FINISH)
@@ -137,6 +166,9 @@ def decide(outcome: Outcome, *, job_id: str, relaunches: int, max_restarts: int,
                         " since its start; not requeued (is the time limit shorter than start-up plus a save?)")
     if kind is Kind.NODE_FAILED:
         return Decision(Action.EXCLUDE)
+    if kind is Kind.CRASHED and fault is not None and fault.same_as(previous) and not progressed:
+        return Decision(Action.USER_CODE_ERROR, f"error in user code, the same at two starts in a row without"
+                        f" progress, not relaunched (job {job_id}): {fault.text()}")
     if relaunches < max_restarts:
         return Decision(Action.RELAUNCH)
     return Decision(Action.FAIL, f"{kind.value} {relaunches + 1} times in job {job_id}"

@@ -270,6 +270,15 @@ class LocalDriver(DriverCore):
               f" {self.fault.max_restarts - self.relaunches} relaunch(es) left", file=sys.stderr)
         return None
 
+    def on_user_code_error(self, decision: Decision, outcome: Outcome, step: int) -> int:
+        """One line: the exception and the user's file:line. No log excerpt (the line is the
+        excerpt) and no advice to run the command again: it fails the same way until the
+        code is fixed."""
+        self.record_user_code_error()
+        record_failure(self.run, error=decision.error, restarts=self.restarts(), **self.failure)
+        print(f"error: {decision.error}; log {self.failure.get('log')}", file=sys.stderr)
+        return 1
+
     def on_stop(self, decision: Decision, outcome: Outcome, step: int) -> int:
         checkpoint = record_stopped(self.run, by=outcome.cause, restarts=self.restarts(), job_id=self.job_id)
         print(stopped_line(outcome.cause, checkpoint))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from typing import Any
 
-from dtk.rundir import PROGRESS, RunDir, read_jsonl, write_json_atomic
+from dtk.driver.decide import UserFault
+from dtk.rundir import PROGRESS, WORKER_ERROR, RunDir, read_jsonl, write_json_atomic
 
 
 def read_progress(run: RunDir) -> tuple[int, int] | None:
@@ -95,3 +97,25 @@ def record_stopped(run: RunDir, *, by: str, restarts: int, **details: Any) -> in
     )
     run.stop_request.unlink(missing_ok=True)
     return checkpoint
+
+
+def read_user_fault(run: RunDir, start: int, *, step: int) -> UserFault | None:
+    """What start `start` died of in user code: the lowest rank's record (dtk/worker/failure.py)
+    that names a frame of the user's (a rank that died of a lost peer names none), with the
+    run's last completed step `step`. None when no rank left such a record."""
+    prefix, _, suffix = WORKER_ERROR.partition("{rank}")
+    found: list[tuple[int, dict[str, Any]]] = []
+    folder = run.log_dir(start)
+    for path in folder.glob(f"{prefix}*{suffix}") if folder.is_dir() else ():
+        number = path.name.removeprefix(prefix).removesuffix(suffix)
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if number.isdigit() and isinstance(record, dict) and record.get("file"):
+            found.append((int(number), record))
+    if not found:
+        return None
+    rank, record = min(found, key=lambda f: f[0])
+    return UserFault(type=str(record.get("type")), message=str(record.get("message")), file=str(record["file"]),
+                     line=int(record.get("line") or 0), step=step, rank=rank)

@@ -23,7 +23,7 @@ from dtk.config.convert import to_dict
 from dtk.data.loader import StepBatches, build_splits
 from dtk.dist.init import init_process_group, pick_device
 from dtk.dist.mesh import ParallelMesh, build_mesh
-from dtk.errors import ArgumentParser
+from dtk.errors import ArgumentParser, UserError
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
@@ -61,6 +61,7 @@ from dtk.train.trainer import Trainer, peak_memory_gib
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import WorkerEnv, read_env
 from dtk.worker.fabric import after_process_group, before_process_group, place_worker, record_placement
+from dtk.worker.failure import data_function_errors, record_exception
 from dtk.worker.memory import Prediction, gather_memory, is_out_of_memory, measure_index, oom_error
 from dtk.worker.meshfile import record_mesh
 from dtk.worker.signals import stop_flag, vote_group
@@ -115,7 +116,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     scheduler = SchedulerGroup(
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
     )
-    dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
+    with data_function_errors(cfg.data, first=run.latest_committed_step() is None):
+        dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
     if rank0 and hasattr(dataset, "split"):  # a user's dataset: how its split came about
         write_json_atomic(run.path / DATA_SPLIT, dataclasses.asdict(dataset.split))
     clock.lap("model")
@@ -354,6 +356,8 @@ def main(argv: list[str]) -> int:
         return EXIT_CONFIG
     except Exception as exc:
         if not is_out_of_memory(exc):
+            if not isinstance(exc, UserError):  # a configuration error fails at once anyway
+                record_exception(run, start=env.restart, rank=env.rank, exc=exc)  # the driver compares starts
             raise
         # Not a crash to relaunch: the same job runs out again. One line, the driver's to report.
         device = pick_device(plan.config.dist.device, env)
