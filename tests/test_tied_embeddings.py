@@ -6,18 +6,21 @@ single gradient sums both uses). Pipelines that would split the tie across stage
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from multirank import run_on_ranks
 from tie_checks import TIED, train_tied
 from torch import nn
 
+from conftest import require
 from dtk.config.compose import compose
 from dtk.errors import UserError
 from dtk.models.build import build_model, materialize
 
 STEPS = 3
-TIE = ["model.tie_embeddings=true"]
+TIE = ["model.tie_embeddings=true", "model.num_layers=2", "model.vocab_size=64", "model.seq_len=16"]
 
 # name -> (world size, overrides, parameter tolerance)
 CASES = {
@@ -41,7 +44,7 @@ def reference(tmp_path_factory) -> dict:
 def test_the_built_in_transformer_ties_its_head_to_its_embedding_through_materialize():
     cfg = compose(TIE)
     model = build_model(cfg.model, device="meta", seed=0)
-    untied = build_model(compose([]).model, device="meta", seed=0)
+    untied = build_model(compose(TIE[1:]).model, device="meta", seed=0)
     materialize([model], model_cfg=cfg.model, device=torch.device("cpu"), seed=0)
     assert model.get_parameter(TIED[0]) is model.get_parameter(TIED[1])
     assert model.get_parameter(TIED[0]).device.type == "cpu"
@@ -100,10 +103,57 @@ def test_the_planner_counts_a_tied_weight_once_as_the_workers_build_it():
     from dtk.plan.shape import builtin_config, builtin_shape
 
     cfg = compose(TIE)
-    tied, untied = builtin_config(cfg.model), builtin_config(compose([]).model)
+    tied, untied = builtin_config(cfg.model), builtin_config(compose(TIE[1:]).model)
     assert tied is not None and untied is not None
     model = build_model(cfg.model, device="meta", seed=0)
     shape = builtin_shape(tied)
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.params == builtin_shape(untied).params - tied.vocab_size * tied.dim
     assert [t.name for t in shape.tensors] == [name for name, _ in model.named_parameters()]
+
+
+HF_TIED = ("model.embed_tokens.weight", "lm_head.weight")
+HF_CASES = {"ddp": ["+scheme=ddp"], "fsdp": ["+scheme=fsdp"], "tp": ["+scheme=tp", "scheme.dp_shard=1"]}
+
+
+@pytest.fixture(scope="module")
+def hf_tied(tmp_path_factory) -> tuple[list[str], dict]:
+    """A tiny Llama with tie_word_embeddings (as Llama-3.2-1B and Qwen2-0.5B have it), and
+    its one-process run."""
+    require(importlib.util.find_spec("transformers") is not None, "transformers is not installed (pip install '.[hf]')")
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("hf_tied")
+    AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    ).save_pretrained(root / "tiny")
+    keys = ["model=hf", f"model.config={root / 'tiny'}", "model.seq_len=16", "model.vocab_size=64"]
+    (one,) = run_on_ranks(train_tied, 1, root / "one", keys, STEPS, HF_TIED)
+    return keys, one
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_a_tied_hugging_face_model_trains_as_one_process(name, hf_tied, tmp_path):
+    """tie_word_embeddings is honoured: embed_tokens and lm_head are one parameter (before,
+    materialize split them and each got its own initial values)."""
+    keys, reference = hf_tied
+    ranks = run_on_ranks(train_tied, 2, tmp_path, [*keys, *HF_CASES[name]], STEPS, HF_TIED)
+    assert reference["one_object"] and HF_TIED[1] not in reference["params"]
+    for rank, got in enumerate(ranks):
+        assert got["one_object"], f"rank {rank}: {HF_TIED} are two parameters"
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        for key, want in reference["params"].items():
+            torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_the_planner_refuses_a_pipeline_that_splits_the_tie_before_the_queue(tmp_path):
+    from conftest import run_main
+
+    ran = run_main("dtk.plan", *TIE, "+scheme=pp", "scheme.pp=2", "tasks_per_node=2", cwd=tmp_path)
+    assert ran.returncode == 2
+    assert ran.stderr.strip().splitlines()[-1].startswith(
+        "error: the model ties tok_embeddings.weight and output.weight, which pipeline parallelism puts in different"
+    )
+    assert run_main("dtk.plan", *TIE[1:], "+scheme=pp", "scheme.pp=2", "tasks_per_node=2", cwd=tmp_path).returncode == 0

@@ -1,10 +1,10 @@
 """A tied model trained a few steps on gloo ranks exactly as a worker builds it (meta build,
 parallelize, materialize, optimizer, clip), for tests/test_tied_embeddings.py.
 
-`train_tied(rank, world, overrides, steps)` composes the config from `overrides`, builds the
+`train_tied(rank, world, overrides, steps, tied)` composes the config from `overrides`, builds the
 mesh of `world` ranks, trains `steps` AdamW steps on a fixed global batch (each data-parallel
 rank its slice) and returns what a test holds against one process: the losses, the full
-parameters, whether the tied names are one parameter object, how many parameters the
+parameters, whether the two `tied` names are one parameter object, how many parameters the
 optimizer holds and the checkpoint's model state keys.
 """
 
@@ -27,7 +27,7 @@ def _inner(part: torch.nn.Module) -> torch.nn.Module:
     return getattr(part, "module", part)  # DDP wraps the model
 
 
-def train_tied(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, Any]:
+def train_tied(rank: int, world: int, overrides: list[str], steps: int, tied: tuple[str, str] = TIED) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from dtk.config.compose import compose
@@ -40,8 +40,7 @@ def train_tied(rank: int, world: int, overrides: list[str], steps: int) -> dict[
     from dtk.train.loss import TokenCrossEntropy, local_value, sharded_context
     from dtk.train.optim import build_optimizer
 
-    cfg = compose(["model.num_layers=2", "model.vocab_size=64", "model.seq_len=16", "optim.warmup_steps=0",
-                   *overrides])
+    cfg = compose(["optim.warmup_steps=0", *overrides])
     assert cfg.scheme is not None
     degrees = resolve_degrees(cfg.scheme, world)
     mesh = build_mesh(degrees, "cpu")
@@ -78,8 +77,8 @@ def train_tied(rank: int, world: int, overrides: list[str], steps: int) -> dict[
     return {
         "losses": losses,
         "params": {name: _full(p) for name, p in inner.named_parameters()},
-        "one_object": inner.get_parameter(TIED[0]) is inner.get_parameter(TIED[1]),
+        "one_object": inner.get_parameter(tied[0]) is inner.get_parameter(tied[1]),
         "num_parameters": len(list(part.parameters())),
         "state_keys": names_of_state,
-        "placements": str(getattr(inner.get_parameter(TIED[0]), "placements", "plain")),
+        "placements": str(getattr(inner.get_parameter(tied[0]), "placements", "plain")),
     }

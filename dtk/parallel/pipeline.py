@@ -29,6 +29,7 @@ from dtk.models.ties import tied_groups
 from dtk.parallel.units import pipeline_units
 from dtk.plan.layout import local_stage_ids
 from dtk.plan.layout import stage_units as cut_stages
+from dtk.plan.parts import check_ties_in_stages
 
 SCHEDULES = {
     PipelineSchedule("gpipe"): ScheduleGPipe,
@@ -79,29 +80,12 @@ def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
     return stage
 
 
-def check_ties_within_stages(model: nn.Module, units: list[list[str]]) -> None:
-    """A tied parameter (an output head that is the token embedding) whose names fall in
-    different stages would need its copies' gradients summed across the pipeline each step,
-    which dtk does not do: refused, by name, rather than trained as two weights."""
-    def stage_of(name: str) -> int | None:
-        return next((s for s, paths in enumerate(units) if any(name.startswith(f"{p}.") for p in paths)), None)
-
-    for names in tied_groups(model):
-        stages = {stage_of(n) for n in names}
-        if len(stages) > 1:
-            raise UserError(
-                f"the model ties {' and '.join(names)}, which pipeline parallelism puts in different stages;"
-                " a weight tied across stages is not supported: use a scheme without pp (ddp, fsdp, tp, hsdp),"
-                " or untie it (model.tie_embeddings=false for the built-in transformer)"
-            )
-
-
 def split_model(
     model: nn.Module, *, split_points: tuple[str, ...], pp_rank: int, pp: int, virtual: int
 ) -> tuple[list[nn.Module], list[int]]:
     """This pipeline rank's stage modules and their stage indices."""
     units = stage_units(model, split_points=split_points, num_stages=pp * virtual)
-    check_ties_within_stages(model, units)
+    check_ties_in_stages(tuple(tied_groups(model)), units)  # the planner checked it too
     ids = local_stage_ids(pp_rank, pp, virtual)
     return [stage_module(model, units[i]) for i in ids], ids
 
