@@ -11,11 +11,11 @@ from pathlib import Path
 
 from dtk import audit
 from dtk.errors import ArgumentParser, UserError, check_out, run_cli
-from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, repeatability
+from dtk.report.compare import DEFAULT_TOLERANCE, against_baseline, describe_verdict, pair_kind, repeatability
 from dtk.report.numbers import run_numbers
 from dtk.report.planned import planned, planned_lines
-from dtk.report.runs import label_by_differences, load_baseline, load_run
-from dtk.report.text import baseline_block, run_block
+from dtk.report.runs import RunData, flat_config, label_by_differences, load_baseline, load_run
+from dtk.report.text import baseline_block, run_block, sweep_block, sweep_row
 
 AUDIT_LINES = 10  # the newest entries of each run's audit log shown in the text report
 
@@ -30,8 +30,11 @@ checkpoint, straggler), goodput over the job's lifetime, MFU where the device's 
 known, restarts, checkpoints, stragglers, host and GPU load, and who submitted, drilled,
 exported or deleted what (the run root's audit/). Plots (PNG) go to
 RUN_DIR/report/ (loss.png, phases.png, ranks.png, goodput.png), or to --out.
-Given several runs, each is compared with the first: identical (bit-for-bit equal losses),
-within the tolerance (with the largest difference), or diverged (from which step).
+Given several runs, each is compared with the first. Runs of one identity (config hash) get
+a verdict: identical (bit-for-bit equal losses), within the tolerance (with the largest
+difference), equal within float tolerance (another layout or scheme of the same run), or
+diverged (from which step). Runs of other identities (a sweep) get a table instead: final
+loss, validation loss and tokens/s of each, named by the keys that differ.
 docs/report.md explains every figure.
 """
 
@@ -82,10 +85,7 @@ def report(args: argparse.Namespace) -> dict:
     out["audit"] = [{"run": r.name, "entries": audit.read(audit.run_root_of(r.path), run=r.plan.get("run_name", r.name))}
                     for r in runs]
     if len(runs) > 1:
-        out["repeatability"] = [
-            {"reference": runs[0].label, "run": r.label, **repeatability(runs[0].losses, r.losses, tolerance=args.tolerance)}
-            for r in runs[1:]
-        ]
+        out.update(compare_runs(runs, numbers, tolerance=args.tolerance))
     if args.baseline is not None:
         base = run_numbers(load_baseline(args.baseline))
         out["baseline"] = {"run_dir": base["run_dir"],
@@ -97,10 +97,33 @@ def report(args: argparse.Namespace) -> dict:
     return out
 
 
+def compare_runs(runs: list[RunData], numbers: list[dict], *, tolerance: float) -> dict:
+    """Each run against the first: a repeatability verdict where both are one run identity
+    (bitwise expected for one config, float noise for another layout or scheme), else a row
+    of the sweep table, by the keys that differ."""
+    ref, ref_flat = runs[0], flat_config(runs[0])
+    verdicts, swept = [], []
+    for run, n in zip(runs[1:], numbers[1:], strict=True):
+        flat = flat_config(run)
+        differs = sorted(k for k in set(ref_flat) | set(flat) if ref_flat.get(k) != flat.get(k))
+        kind = pair_kind(ref.plan.get("config_hash"), run.plan.get("config_hash"), differs)
+        if kind == "sweep":
+            swept.append(n)
+            continue
+        v = repeatability(ref.losses, run.losses, tolerance=tolerance, layout=kind == "layout")
+        verdicts.append({"reference": ref.label, "run": run.label, **v, **({"differs": differs} if differs else {})})
+    out: dict = {"repeatability": verdicts} if verdicts else {}
+    if swept:
+        out["sweep"] = [sweep_row(n) for n in [numbers[0], *swept]]
+    return out
+
+
 def render(out: dict) -> str:
     blocks = ["\n".join(run_block(n) + planned_lines(p)) for n, p in zip(out["runs"], out["planned"], strict=True)]
     for v in out.get("repeatability", []):
         blocks.append(f"repeatability of {v['run']} against {v['reference']}: {describe_verdict(v)}")
+    if out.get("sweep"):
+        blocks.append("\n".join(sweep_block(out["sweep"])))
     if "baseline" in out:
         for c in out["baseline"]["comparisons"]:
             blocks.append("\n".join(baseline_block(f"{out['baseline']['run_dir']} (run {c['run']})", c["rows"])))

@@ -154,4 +154,27 @@ def run_numbers(run: RunData) -> dict[str, Any]:
         "stragglers": stragglers(run),
         "ranks": per_rank(latest),
         "system": system_load(run.system),
+        "validation": validation(run),
+    }
+
+
+def validation(run: RunData) -> dict[str, Any] | None:
+    """The last evaluation of eval.jsonl (val_loss and every val_NAME metric), the first and the
+    best val_loss, and how many there were (a step evaluated twice after a restart: the later)."""
+    by_step = {int(r["step"]): r for r in run.evals if r.get("val_loss") is not None}
+    if not by_step:
+        return None
+    steps = sorted(by_step)
+    last, first = by_step[steps[-1]], by_step[steps[0]]
+    best = min(steps, key=lambda s: float(by_step[s]["val_loss"]))
+    return {
+        "evaluations": len(steps),
+        "step": steps[-1],
+        "val_loss": float(last["val_loss"]),
+        "metrics": {k: v for k, v in last.items() if k.startswith("val_") and k not in ("val_loss", "val_samples")},
+        "val_samples": last.get("val_samples"),
+        "first_step": steps[0],
+        "first_val_loss": float(first["val_loss"]),
+        "best_step": best,
+        "best_val_loss": float(by_step[best]["val_loss"]),
     }

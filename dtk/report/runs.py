@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dtk.errors import UserError
-from dtk.rundir import PLAN_JSON, SYSTEM_LOG, RunDir, read_jsonl
+from dtk.rundir import EVAL_LOG, PLAN_JSON, SYSTEM_LOG, RunDir, read_jsonl
 
 
 @dataclass
@@ -23,6 +23,8 @@ class RunData:
     events: list[dict[str, Any]]
     summary: dict[str, Any] | None
     system: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The validation records of eval.jsonl (step, val_loss, val_NAME ...), in file order."""
     label: str = ""
     """What the report calls the run beside others: the keys in which its config differs
     from theirs (`optim.lr=0.001`), else its name (see `label_by_differences`)."""
@@ -61,6 +63,7 @@ def load_run(path: Path, *, key: str = "RUN_DIR") -> RunData:
         events=list(read_jsonl(run.events)),
         summary=run.read_summary(),
         system=list(read_jsonl(path / SYSTEM_LOG)),
+        evals=[r for r in read_jsonl(path / EVAL_LOG) if "step" in r],
     )
     data.label = data.name
     return data
@@ -95,6 +98,11 @@ def _text(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return json.dumps(value, separators=(",", ":")) if isinstance(value, (list, dict)) else str(value)
+
+
+def flat_config(run: RunData) -> dict[str, Any]:
+    """The run's config as `section.key` -> value, less where it lives and how it was submitted."""
+    return {k: v for k, v in _flat(run.plan.get("config") or {}).items() if not k.startswith(_NOT_LABELS)}
 
 
 def label_by_differences(runs: list[RunData]) -> None:

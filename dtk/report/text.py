@@ -25,6 +25,14 @@ def run_block(n: dict[str, Any]) -> list[str]:
         f" restarts {n['restarts']}",
         f"final loss   {loss}",
     ]
+    v = n.get("validation")
+    if v:
+        extra = "".join(f", {k} {_fmt(x)}" for k, x in sorted(v["metrics"].items()))
+        lines.append(f"validation   val_loss {v['val_loss']:.6f} at step {v['step']}{extra} ({v['evaluations']} evaluation(s);"
+                     f" first {v['first_val_loss']:.6f} at step {v['first_step']}, best {v['best_val_loss']:.6f} at"
+                     f" step {v['best_step']})")
+    else:
+        lines.append("validation   - (no eval.jsonl: train.eval_every=0, or no evaluation yet)")
     if n["step_time_s_median"]:
         speed = f"{n['steps_per_s']:.2f} steps/s (median step {_s(n['step_time_s_median'])})"
         if n["samples_per_s"]:
@@ -102,3 +110,24 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def sweep_row(n: dict[str, Any]) -> dict[str, Any]:
+    v = n.get("validation") or {}
+    return {"run": n["label"], "run_dir": n["run_dir"], "step": n["step"], "final_loss": n["final_loss"],
+            "val_loss": v.get("val_loss"), "val_step": v.get("step"), "tokens_per_s": n["tokens_per_s"]}
+
+
+def sweep_block(rows: list[dict[str, Any]]) -> list[str]:
+    """Runs of other identities side by side, each named by the keys that differ (no verdict:
+    they are not meant to be equal)."""
+    width = max(len(r["run"]) for r in rows)
+    lines = [f"sweep: {len(rows)} runs of different configurations (no repeatability verdict)",
+             f"  {'run':<{width}}  {'step':>6}  {'final loss':>12}  {'val_loss':>12}  {'tokens/s':>10}"]
+    for r in rows:
+        val = "-" if r["val_loss"] is None else f"{r['val_loss']:.6f}"
+        loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.6f}"
+        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"
+        lines.append(f"  {r['run']:<{width}}  {r['step'] if r['step'] is not None else '-':>6}  {loss:>12}  {val:>12}"
+                     f"  {tps:>10}")
+    return lines
