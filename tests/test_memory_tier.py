@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dtk
+from conftest import REPO, dtk, require
 from dtk.checkpoint import memory_store as ms
 from dtk.driver.record import read_progress
 from dtk.report.goodput import account
@@ -174,3 +174,36 @@ def test_a_stopped_run_leaves_no_store_in_dev_shm(tmp_path):
         if driver.poll() is None:
             driver.kill()
     assert not store.exists(), sorted(store.rglob("*"))
+
+
+@pytest.mark.parametrize("forge", ["another_user", "world_writable", "symlink"])
+def test_a_store_root_this_user_does_not_own_alone_is_refused_and_the_run_finishes_on_disk(reference, tmp_path,
+                                                                                              forge):
+    """The store's root was made first by someone else (another uid), is writable by others, or
+    is a symlink: the tier is refused at the start with one `memory_store_refused` event, no
+    snapshot is written into it (nor any attempt counted as a failed snapshot), and the run
+    finishes with the losses of the run without the tier."""
+    if forge == "another_user":
+        require(os.getuid() == 0, "needs root to give a folder to another user")
+    store = tmp_path / "shm"
+    root = store / f"dtk-{os.getuid()}"
+    store.mkdir()
+    if forge == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        root.symlink_to(tmp_path / "elsewhere")
+    else:
+        root.mkdir(mode=0o700)
+        os.chmod(root, 0o777) if forge == "world_writable" else os.chown(root, 65534, 65534)
+    driver = submit(tmp_path, store=store)
+    assert driver.wait(timeout=300) == 0, [p.read_text() for p in tmp_path.glob("driver_*.log")]
+    run = RunDir(tmp_path / "r")
+    (refused,) = [e for e in run.events_list() if e["event"] == "memory_store_refused"]
+    assert refused["path"] == str(root) and refused["node"] == ms_node(), refused
+    assert {"another_user": "is owned by uid 65534", "world_writable": "mode 0777: group or others can write",
+            "symlink": "is a symlink"}[forge] in refused["reason"], refused
+    assert not [e for e in run.events_list() if e["event"] == "memory_snapshot_failed"]
+    assert list((tmp_path / "elsewhere" if forge == "symlink" else root).iterdir()) == []
+    assert losses(run) == reference
+    assert run.read_summary()["status"] == "finished"
+    log = (run.log_dir(0) / "rank_0.log").read_text()
+    assert log.count("memory tier off: the store on") == 1, log
