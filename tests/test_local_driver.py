@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_main
 from dtk.config.compose import compose
 from dtk.driver.core import DriverCore, Silence, silence
 from dtk.driver.decide import Action
@@ -140,9 +141,9 @@ class FakeWorker:
 class Local:
     """A run directory and the LocalDriver of a 2-worker run whose starts play `starts`."""
 
-    def __init__(self, tmp_path: Path, starts: list[Start], **fault) -> None:
+    def __init__(self, tmp_path: Path, starts: list[Start], *, overrides: tuple[str, ...] = (), **fault) -> None:
         fault = {"max_restarts": 2, "hang_timeout_s": 30, "startup_timeout_s": 120, **fault}
-        overrides = ["tasks_per_node=2", "train.global_batch=32", f"run.root={tmp_path}"]
+        overrides = ["tasks_per_node=2", "train.global_batch=32", f"run.root={tmp_path}", *overrides]
         self.plan = make_plan(compose(overrides + [f"fault.{k}={v}" for k, v in fault.items()]))
         self.run = RunDir(Path(self.plan.run_dir))
         self.run.path.mkdir(parents=True)
@@ -359,3 +360,28 @@ def test_the_same_error_after_a_start_that_was_not_a_crash_is_relaunched(tmp_pat
     job = Local(tmp_path, starts, max_restarts=3)
     assert job.driver.run_to_end() == 0
     assert [e["cause"] for e in job.events("relaunched")] == ["crashed", "hung", "crashed"]
+
+
+def test_a_relaunch_restored_from_memory_names_the_step_the_workers_loaded_as_status_does(tmp_path, capsys):
+    """With checkpoint.memory_every the workers choose at the start where they resume (the
+    newest snapshot, else the disk): the relaunch line and event do not name the disk step
+    as the resume point, and the step is said once the workers loaded it, from the same
+    event dtk.status reads."""
+    def loaded():  # what the relaunched workers write: their snapshot of step 4, then ready
+        job.run.event("checkpoint_loaded", step=4, tier="memory", seconds=0.1)
+        job.run.event("ready", step=4, restart=1)
+
+    starts = [Start(exit=1, steps=5, logs={0: CRASH_LOG}), Start(exit=0, steps=3, at_s={1.0: loaded})]
+    job = Local(tmp_path, starts, overrides=("checkpoint.memory_every=2",))
+    assert job.driver.run_to_end() == 0
+    (relaunched,) = job.events("relaunched")
+    assert relaunched["resume_from"] is None and relaunched["disk_checkpoint"] == 0  # no checkpoint on disk
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"relaunching (crashed: worker rank 0 on {HOST} exit code 1); from the newest in-memory"
+                      " snapshot, else checkpoint step 0 on disk, 1 relaunch(es) left")
+    assert err[1] == "resumed from step 4 (memory)"
+    status = run_main("dtk.status", str(job.run.path), "--json")
+    assert status.returncode == 0, status.stderr
+    second = json.loads(status.stdout)["starts"][1]
+    assert second["resumed_from"] == 4 and second["tier"] == "memory"
+

@@ -130,8 +130,20 @@ class DriverCore:
     def on_relaunch(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
         self.relaunches += 1
         self.run.event("relaunched", job_id=self.job_id, cause=outcome.kind.value, detail=outcome.cause,
-                       step=self.last_step(), resume_from=step, attempt=self.relaunches, **self.relaunch_details())
+                       step=self.last_step(), **self.resume_fields(step), attempt=self.relaunches,
+                       **self.relaunch_details())
         return None
+
+    def resume_fields(self, step: int) -> dict:
+        """What a recovery event says the next start resumes from. The disk checkpoint
+        `step`, as `resume_from`, unless the in-memory tier is on (checkpoint.memory_every):
+        then the workers choose at the start (the newest snapshot not older than the disk,
+        else the disk), the driver cannot know which, and `resume_from` is null beside
+        `disk_checkpoint`; the next start's `checkpoint_loaded` event says the step, as
+        dtk.status does."""
+        if self.plan.config.checkpoint.memory_every:
+            return {"resume_from": None, "disk_checkpoint": step}
+        return {"resume_from": step}
 
     def on_user_code_error(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
         """The same exception in user code ended this start and the one before: a

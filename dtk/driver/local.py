@@ -125,6 +125,7 @@ class LocalDriver(DriverCore):
         self.procs: list[Any] = []  # Popen, or the fork server's ForkedWorker
         self.stop_signalled = False
         self.failure: dict = {}  # the failed rank of the latest start: rank, host, exit code, log, last line
+        self.announce_resume = False  # say where the relaunched start resumed once it loaded (the memory tier)
 
     def start(self, recovery_from: float | None = None) -> Path:
         restart = self.run.starts()
@@ -201,6 +202,8 @@ class LocalDriver(DriverCore):
             codes = [p.poll() for p in self.procs]
             if self.progress is not None:
                 self.progress.poll()
+            if self.announce_resume:
+                self._announce_resumed()
             request = self.run.read_stop_request()
             if request is not None and not self.stop_signalled:
                 self.stop_signalled = True
@@ -266,9 +269,29 @@ class LocalDriver(DriverCore):
 
     def on_relaunch(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
         super().on_relaunch(decision, outcome, step)
-        print(f"relaunching ({outcome.kind.value}: {outcome.cause}); from checkpoint step {step},"
+        # With the in-memory tier the workers choose the step (resume_fields): said once they loaded.
+        self.announce_resume = bool(self.plan.config.checkpoint.memory_every)
+        source = (f"from the newest in-memory snapshot, else checkpoint step {step} on disk" if self.announce_resume
+                  else f"from checkpoint step {step}")
+        print(f"relaunching ({outcome.kind.value}: {outcome.cause}); {source},"
               f" {self.fault.max_restarts - self.relaunches} relaunch(es) left", file=sys.stderr)
         return None
+
+    def _announce_resumed(self) -> None:
+        """Once the relaunched workers are ready: the step they resumed from and where it came
+        from, read from their `ready` and `checkpoint_loaded` events, as dtk.status reads them."""
+        events = self.run.events_list()
+        last_start = max((i for i, e in enumerate(events) if e.get("event") == "started"), default=-1)
+        since = events[last_start + 1:]
+        ready = next((e for e in since if e.get("event") == "ready"), None)
+        if ready is None:
+            return
+        self.announce_resume = False
+        loaded = next((e for e in since if e.get("event") == "checkpoint_loaded"), None)
+        if loaded is None:
+            print("resumed from the beginning (step 0): no snapshot or checkpoint to load", file=sys.stderr)
+        else:
+            print(f"resumed from step {loaded.get('step')} ({loaded.get('tier') or 'disk'})", file=sys.stderr)
 
     def on_user_code_error(self, decision: Decision, outcome: Outcome, step: int) -> int:
         """One line: the exception and the user's file:line. No log excerpt (the line is the

@@ -262,7 +262,7 @@ class Supervisor(DriverCore):
     def on_exclude(self, decision: Decision, outcome: Outcome, step: int) -> int | None:
         add_exclusions(self.run, list(outcome.lost), job_id=self.job_id, reason=outcome.cause)
         self.run.event("node_failed", job_id=self.job_id, nodes=list(outcome.lost), step=self.last_step(),
-                       resume_from=step)
+                       **self.resume_fields(step))
         return None
 
     def _stop_before_the_limit(self) -> None:
