@@ -2,7 +2,10 @@
 real fault into a live run (Slurm, or any run for storage and nan), to see (and test) that
 it recovers.
 
-    preempt     a high-priority job on the `high` partition takes the run's nodes
+    preempt     a high-priority job on the `high` partition takes the run's nodes; with
+                --full, SIGTERM first reaches every process of the job (scancel --signal=TERM
+                --full: the batch script, the driver, each worker), as where a site's Slurm
+                signals them all: the save it starts completes, or is never resumed from
     timelimit   the job's time limit is cut so that it ends shortly after the signal lead;
                 once the workers stopped, the limit is given back (the command waits)
     node-fail   a node of the run (not the batch host) is set DOWN
@@ -137,11 +140,21 @@ def _timelimit(run: RunDir, job: str, *, poll_s: float = 1.0) -> str:
     return f"job {job} time limit restored: Slurm shows {_job_field(job, 'TimeLimit')} (was {original})"
 
 
-def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) -> str:
+def _signal_every_process(job: str) -> str:
+    """SIGTERM to every process of the job, the batch script's too (scancel --full), not
+    only to each step's tasks: what Slurm does where a site signals the whole job."""
+    proc = subprocess.run(["scancel", "--signal=TERM", "--full", job], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"scancel --signal=TERM --full {job}: {proc.stderr.strip()}")
+    return f"SIGTERM to every process of job {job} (the batch script, the driver, each worker); "
+
+
+def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30, full: bool = False) -> str:
     start = _last_start(run)
     job = str(start["job_id"])
     nodes = start["nodes"]
     if kind == "preempt":
+        signalled = _signal_every_process(job) if full else ""
         proc = subprocess.run(
             ["sbatch", "--parsable", "--partition=high", "--exclusive", f"--nodes={len(nodes)}",
              f"--nodelist={','.join(nodes)}", "--job-name=dtk-drill-preempt", "--output=/dev/null",
@@ -149,7 +162,8 @@ def drill(kind: str, run: RunDir, *, rank: int | None = None, hold_s: int = 30) 
             capture_output=True, text=True)
         if proc.returncode != 0:
             raise UserError(f"could not submit the preempting job: {proc.stderr.strip()}")
-        return f"high-priority job {proc.stdout.strip()} takes {','.join(nodes)} for {hold_s} s; job {job} is preempted"
+        return (f"{signalled}high-priority job {proc.stdout.strip()} takes {','.join(nodes)} for {hold_s} s;"
+                f" job {job} is preempted")
     if kind == "timelimit":
         return _timelimit(run, job)
     if kind == "node-fail":
@@ -178,7 +192,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--at-step", type=int, default=None,
                         help="nan: the first step (completed steps after it) whose loss is NaN (default: the next)")
     parser.add_argument("--steps", type=int, default=3, help="nan: how many steps in a row get a NaN loss")
+    parser.add_argument("--full", action="store_true",
+                        help="preempt: SIGTERM to every process of the job first, the batch script's too"
+                             " (scancel --signal=TERM --full)")
     args = parser.parse_args(argv)
+    if args.full and args.kind != "preempt":
+        raise UserError(f"--full: only the preempt drill signals every process of the job, not {args.kind}")
     run = RunDir(args.run_dir)
     run.read_plan()  # a folder that is not a run directory stops here
     check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
@@ -196,7 +215,7 @@ def main(argv: list[str]) -> int:
         first = f"step {args.at_step}" if args.at_step else "the next step"
         said = f"{path}: the loss of {args.steps} step(s) from {first} on is NaN (rank 0 reads it at a step boundary)"
     else:
-        said = drill(args.kind, run, rank=args.rank, hold_s=args.hold)
+        said = drill(args.kind, run, rank=args.rank, hold_s=args.hold, full=args.full)
     job = next((str(e["job_id"]) for e in reversed(run.events_list()) if e.get("event") == "started"), None)
     audit.record_run(run.path, "drill", job_ids=[job] if job else [], kind=args.kind, said=said)
     print(said)

@@ -35,7 +35,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.data verify": ["path"],
     "dtk.doctor": ["KEY=VALUE ..."],
     "dtk.doctor.worker": ["OUT"],
-    "dtk.drill": ["--at-step", "--hold", "--rank", "--steps", "kind {preempt,timelimit,node-fail,crash,hang,storage,nan}",
+    "dtk.drill": ["--at-step", "--full", "--hold", "--rank", "--steps", "kind {preempt,timelimit,node-fail,crash,hang,storage,nan}",
                   "run_dir"],
     "dtk.handover": ["--out", "RUN_DIR"],
     "dtk.init": ["--name", "DIR"],
