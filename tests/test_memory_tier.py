@@ -207,3 +207,27 @@ def test_a_store_root_this_user_does_not_own_alone_is_refused_and_the_run_finish
     assert run.read_summary()["status"] == "finished"
     log = (run.log_dir(0) / "rank_0.log").read_text()
     assert log.count("memory tier off: the store on") == 1, log
+
+
+def test_a_later_job_on_the_node_sweeps_the_stores_that_ended_runs_left_there(tmp_path, monkeypatch):
+    """A multi-node job that failed or was stopped with --now leaves its store on every node
+    but the driver's. The next dtk job on such a node, here one with the tier off, removes the
+    stores of this user's runs that are over, and leaves those of runs still going."""
+    from dtk.checkpoint import memory_root as mroot
+
+    store = tmp_path / "shm"
+    monkeypatch.setenv(MEMORY_STORE_ENV, str(store))
+    planted = {}
+    for name, ends in (("failed", "failed"), ("stopped", "stopped"), ("running", "started")):
+        run = RunDir(tmp_path / "old" / name)
+        run.path.mkdir(parents=True)
+        for event in ("submitted", "started", ends):
+            run.event(event)
+        planted[name] = memory_store(run.path)
+        mroot.check_root(planted[name].parent, make=True)
+        mroot.write_owner(planted[name], run_path=run.path, node="node2")
+        ms.write_shard(planted[name] / "node2", 8, "own", 1, b"x" * 1000, 1)
+    driver = submit(tmp_path, "checkpoint.memory_every=0", "train.steps=4", store=store)
+    assert driver.wait(timeout=300) == 0, [p.read_text() for p in tmp_path.glob("driver_*.log")]
+    assert {name: path.exists() for name, path in planted.items()} == {"failed": False, "stopped": False,
+                                                                       "running": True}

@@ -140,3 +140,37 @@ def test_after_a_rollback_the_new_trajectorys_snapshot_is_restored_and_kept_by_t
     run.mkdir()
     for g in run_on_ranks(_new_trajectory, 2, tmp_path, roots, str(run)):
         assert g["held"] == [6] and (g["step"], g["weight"]) == (6, 106.0), g
+
+
+def _left_behind(rank: int, world: int, roots: list[str], runs: dict[str, str]) -> dict:
+    from dtk.rundir import memory_store
+
+    for name in ("failed", "running"):  # two earlier jobs, killed on this node before their stores went
+        tier, model, optimizer = _tier(rank, roots, Path(runs[name]), fresh=True, generation=0)
+        _train_to(model, optimizer, 2)
+        tier.snapshot(2)
+        tier.close(discard=False)
+    if rank == 0:
+        from dtk.rundir import RunDir
+
+        for name, ends in (("failed", "failed"), ("running", "relaunched")):
+            for event in ("submitted", "started", ends):
+                RunDir(Path(runs[name])).event(event)
+    torch.distributed.barrier()
+    left = {name: memory_store(Path(path)).is_dir() for name, path in runs.items()}
+    tier, _, _ = _tier(rank, roots, Path(runs["new"]), fresh=True, generation=0)  # a later job on these nodes
+    kept = {name: memory_store(Path(path)).is_dir() for name, path in runs.items()}
+    tier.close(discard=True)
+    return {"left": left, "kept": kept}
+
+
+def test_a_tier_start_on_a_node_sweeps_the_stores_that_ended_runs_left_there(tmp_path):
+    roots = [str(tmp_path / "shm_a"), str(tmp_path / "shm_b")]
+    for r in roots:
+        os.mkdir(r)
+    runs = {name: str(tmp_path / name) for name in ("failed", "running", "new")}
+    for path in runs.values():
+        os.mkdir(path)
+    for g in run_on_ranks(_left_behind, 2, tmp_path, roots, runs):
+        assert g["left"] == {"failed": True, "running": True, "new": False}
+        assert g["kept"] == {"failed": False, "running": True, "new": True}  # on node a and on node b

@@ -156,3 +156,17 @@ def sweep(root: Path, *, keep: Path) -> list[Path]:
             shutil.rmtree(doomed, ignore_errors=True)
             removed.append(folder)
     return removed
+
+
+def sweep_host(run_path: Path) -> list[Path]:
+    """A start of `run_path` on this node with the tier off: the stores that ended runs left here
+    (the tier's own start sweeps them otherwise). A root that is missing or not this user's
+    own is not touched."""
+    root = store_root(run_path)
+    if not root.is_dir():
+        return []
+    try:
+        check_root(root)
+    except StoreRefused:
+        return []
+    return sweep(root, keep=memory_store(run_path))

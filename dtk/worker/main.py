@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.checkpoint.memory_root import sweep_host
 from dtk.checkpoint.memory_tier import MemoryTier
 from dtk.config.choices import Tracker, chosen_trackers
 from dtk.config.convert import to_dict
@@ -125,6 +126,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     # Rank 0's liveness file; its thread beats from the first step on (dtk.train.policies.Heartbeat).
     heartbeat = Heartbeat(run.path / HEARTBEAT if rank0 else None, hang_timeout_s=cfg.fault.hang_timeout_s,
                           progress=run.path / PROGRESS if rank0 else None, restart=env.restart)
+    if env.local_rank == 0 and not cfg.checkpoint.memory_every:  # the tier's own start sweeps when it is on
+        sweep_host(run.path)  # memory stores that ended runs left on this node (dtk.checkpoint.memory_root)
     checkpoints = CheckpointManager(
         run,
         checkpoint=cfg.checkpoint,
