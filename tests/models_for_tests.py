@@ -9,6 +9,7 @@ from a seeded CPU build.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -128,6 +129,23 @@ def build_worker_only_mistake(*, vocab_size: int, width: int, depth: int, expans
 
 
 def build_crashing(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
-    """A model whose factory fails at every start, as a bug in a user's model does: a crash
-    (not a configuration error), which the driver relaunches until its budget is spent."""
-    raise RuntimeError("the test model fails at every start")
+    """A model whose factory fails at every start with a fault that differs between starts
+    (its message names the process, as a failing node or device does): a crash, not a
+    configuration error and not a repeated user error, which the driver relaunches until its
+    budget is spent."""
+    raise RuntimeError(f"the test model fails at every start (process {os.getpid()})")
+
+
+class TiedMlpLM(MlpLM):
+    """MlpLM whose embedding is its output head, tied as nanoGPT ties them
+    (`wte.weight = lm_head.weight`): one (vocab_size, width) parameter."""
+
+    def __init__(self, vocab_size: int, width: int, depth: int, expansion: int) -> None:
+        super().__init__(vocab_size, width, depth, expansion)
+        assert self.embed is not None and self.head is not None
+        self.embed.weight = self.head.weight
+
+
+def build_tied(*, vocab_size: int, width: int, depth: int, expansion: int = 4, seq_len: int = 64) -> MlpLM:
+    del seq_len
+    return TiedMlpLM(vocab_size, width, depth, expansion)
