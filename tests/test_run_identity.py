@@ -63,6 +63,8 @@ IDENTITY_FIELDS = {
     schema.UserDataConfig: {"kind", "_target_", "kwargs", "val_fraction", "split_seed", "version"},
     schema.TaskConfig: {"_target_", "form", "inputs"},
     schema.ModelConfig: {"_target_", "kwargs"},
+    schema.SchemeConfig: {"grad_compression", "powersgd_rank"},
+    schema.SyncConfig: {"mode", "every", "outer_lr", "outer_momentum", "outer_nesterov"},
 }
 
 
@@ -87,6 +89,7 @@ def _changed(value):
 @pytest.mark.parametrize("base, section", [
     ([], "optim"), ([], "train"), ([], "data"), ([], "task"),
     (["data=hdf5", "data.path=/d"], "data"), (["data=user", "data._target_=m.f"], "data"),
+    ([], "scheme"), (["+sync=diloco"], "sync"),
 ])
 def test_each_identity_key_changes_the_name(base, section):
     cfg = compose(base)

@@ -54,6 +54,21 @@ class DataParallel(Choice):
     fsdp = "fsdp"
 
 
+class SyncMode(Choice):
+    """How data-parallel replicas synchronize when they do not every step (group `sync`, dtk/train/sync.py)."""
+
+    local_sgd = "local_sgd"
+    diloco = "diloco"
+
+
+class GradCompression(Choice):
+    """What DDP's every-step gradient all-reduce sends (scheme.grad_compression, dtk/parallel/compression.py)."""
+
+    none = "none"
+    bf16 = "bf16"
+    powersgd = "powersgd"
+
+
 class AsyncMode(Choice):
     """Who writes an asynchronous checkpoint's shards (dtk/checkpoint/sharded.py)."""
 

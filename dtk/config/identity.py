@@ -39,6 +39,9 @@ def identity_values(cfg: Any) -> dict[str, Any]:
         out.update({f"model.{k}": plain(v) for k, v in model.kwargs.items()})
     for section in IDENTITY_SECTIONS:
         _differing(getattr(cfg, section), section, out)
+    _differing(cfg.scheme, "scheme", out)  # its few identity keys (grad_compression): how the rest never forks
+    if cfg.sync is not None:  # +sync=...: a run of its own, whatever its values
+        out.update({f"sync.{f.name}": plain(getattr(cfg.sync, f.name)) for f in dataclasses.fields(cfg.sync)})
     return out
 
 

@@ -19,6 +19,7 @@ from dtk.config.choices import (
     DataParallel,
     DeviceKind,
     Dtype,
+    GradCompression,
     MatmulPrecision,
     OptimizerName,
     PipelineSchedule,
@@ -30,6 +31,7 @@ from dtk.config.fields import IDENTITY  # marks what a run computes (its name's 
 from dtk.config.sections import DATA_SCHEMAS as DATA_SCHEMAS  # the data and task sections, part of this schema
 from dtk.config.sections import CheckpointConfig as CheckpointConfig  # part of this schema
 from dtk.config.sections import Hdf5DataConfig, SyntheticDataConfig, TaskConfig, UserDataConfig
+from dtk.config.sync import SyncConfig as SyncConfig  # part of this schema
 
 
 @dataclass
@@ -228,6 +230,10 @@ class SchemeConfig:
     """Dtype of the FSDP gradient reduction: `auto` (float32), `float32` or `bfloat16`."""
     matmul_precision: MatmulPrecision = MatmulPrecision.auto
     """float32 matmuls (torch.set_float32_matmul_precision): `auto` (`high` on a GPU: TF32 tensor cores; `highest` on CPU), `highest` (exact float32), `high` or `medium`."""
+    grad_compression: GradCompression = field(default=GradCompression.none, metadata=IDENTITY)
+    """DDP only: what the every-step gradient all-reduce sends, by torch's DDP communication hooks: `none`, `bf16` (half the bytes) or `powersgd` (low-rank, `powersgd_rank`, with error feedback kept in the checkpoint). docs/schemes.md."""
+    powersgd_rank: int = field(default=2, metadata=IDENTITY)
+    """With grad_compression=powersgd: the rank of the gradient approximation (>= 1); higher sends more, approximates better."""
 
 
 @dataclass
@@ -342,6 +348,8 @@ class Config:
     """Checkpoint interval and retention (group `checkpoint`)."""
     scheme: SchemeConfig | None = None
     """Parallelism (group `scheme`, added with `+scheme=NAME`). None: DDP (after compose(), SchemeConfig())."""
+    sync: SyncConfig | None = None
+    """Synchronize the data-parallel replicas every `sync.every` steps (group `sync`, `+sync=local_sgd` or `+sync=diloco`). None: every step."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop."""
     dist: DistConfig = field(default_factory=DistConfig)
@@ -382,4 +390,5 @@ def register() -> None:
     cs.store(group="optim", name="optim_schema", node=OptimConfig)
     cs.store(group="checkpoint", name="checkpoint_schema", node=CheckpointConfig)
     cs.store(group="scheme", name="scheme_schema", node=SchemeConfig)
+    cs.store(group="sync", name="sync_schema", node=SyncConfig)
     cs.store(group="access", name="access_schema", node=AccessConfig)

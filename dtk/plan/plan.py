@@ -17,12 +17,13 @@ from dtk.config.choices import ClusterKind, DataKind, DeviceKind, Dtype
 from dtk.config.convert import builtin_transformer, from_dict, to_dict
 from dtk.config.fabric import PlanConfig
 from dtk.config.hf_json import HF_TARGET, check_hf_model
-from dtk.config.schema import Config, ModelConfig
+from dtk.config.schema import Config, ModelConfig, SchemeConfig
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES
 from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.identity import run_identity
 from dtk.plan.parts import check_builtin_arguments
+from dtk.plan.sync import check_compression, check_sync, describe_sync
 from dtk.plan.whatif import check_whatif, whatif_of
 from dtk.rundir import RunDir
 
@@ -85,6 +86,7 @@ class Plan:
             f"run         {self.run_dir}",
             f"cluster     {self.cluster_kind}: {self.nodes} node(s) x {self.tasks_per_node} worker(s) = world {self.world_size}",
             f"scheme      {self.scheme}: {d.describe()}",
+            f"sync        {describe_sync(self.config.sync, self.config.scheme or SchemeConfig())}",
             f"batch       global {self.global_batch} = micro {self.micro_batch} x accumulation {self.grad_accum}"
             f" x data-parallel {d.dp}",
             f"train       {self.steps} steps, checkpoint every {ckpt.every}, keep {ckpt.keep}",
@@ -204,6 +206,8 @@ def make_plan(
     whatif = whatif_of(cfg)  # a what-if model is checked by its own dimensions, not the config's model
     checked_model = ModelConfig(_target_="(what-if: plan.*)") if whatif else cfg.model
     check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
+    check_compression(scheme, degrees)
+    check_sync(cfg.sync, scheme, degrees, memory_every=ckpt.memory_every)
     if whatif:
         check_whatif(degrees, whatif, virtual_stages=scheme.pp_virtual_stages)
     if degrees.pp > 1 and cfg.model._target_ == HF_TARGET:

@@ -1,0 +1,26 @@
+"""The schema of the `sync` section: replicas that synchronize every H steps instead of every
+step (part of dtk/config/schema.py, which imports it; kept here to keep each module short).
+docs/schemes.md, "Synchronizing less often", says when each mode pays off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtk.config.choices import SyncMode
+from dtk.config.fields import IDENTITY
+
+
+@dataclass
+class SyncConfig:
+    """Chosen with `+sync=local_sgd` or `+sync=diloco`; without it every step synchronizes."""
+
+    mode: SyncMode = field(default=SyncMode.local_sgd, metadata=IDENTITY)
+    """`local_sgd`: each data-parallel replica takes `every` optimizer steps on its own data, then the replicas average their parameters. `diloco`: the same inner steps, then the replicas average their parameter deltas since the last synchronization and an outer optimizer (SGD, `outer_lr`, `outer_momentum`) applies them."""
+    every: int = field(default=8, metadata=IDENTITY)
+    """Optimizer steps between two synchronizations (H); >= 1. 1 with local_sgd and plain SGD is every-step data parallelism."""
+    outer_lr: float = field(default=0.7, metadata=IDENTITY)
+    """diloco: learning rate of the outer SGD (the DiLoCo paper's 0.7). Ignored by local_sgd."""
+    outer_momentum: float = field(default=0.9, metadata=IDENTITY)
+    """diloco: momentum of the outer SGD, in [0, 1) (the DiLoCo paper's 0.9). Ignored by local_sgd."""
+    outer_nesterov: bool = field(default=True, metadata=IDENTITY)
+    """diloco: Nesterov momentum in the outer SGD (the DiLoCo paper's). Needs outer_momentum > 0."""
