@@ -57,13 +57,13 @@ class PlanConfig:
     vocab_size: int | None = None
     """Vocabulary of the what-if model (embedding, output head and logits)."""
     param_bytes: float | None = None
-    """Bytes per parameter held, to follow another framework's accounting (the ZeRO paper: 2). None: dtk's fp32 (4)."""
+    """Bytes per parameter held, to follow another framework's accounting (the ZeRO paper: 2); > 0. None: dtk's fp32 (4). python -m dtk.plan only: dtk.submit refuses it (its memory check counts what the workers hold)."""
     grad_bytes: float | None = None
-    """Bytes per gradient element (the ZeRO paper: 2). None: dtk's fp32 (4)."""
+    """Bytes per gradient element (the ZeRO paper: 2); > 0. None: dtk's fp32 (4). python -m dtk.plan only, like param_bytes."""
     optimizer_bytes: float | None = None
-    """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments). None: AdamW's two fp32 moments (8)."""
+    """Optimizer state bytes per parameter (the ZeRO paper: 12, fp32 master copy and two moments); 0 or more. None: AdamW's two fp32 moments (8). python -m dtk.plan only, like param_bytes."""
     max_nodes: int | None = None
-    """Most nodes the planner's search may recommend. None: up to 4096."""
+    """Most nodes the planner's search may recommend, 1 to 4096. None: up to 4096."""
     count_timeout_s: float = 60.0
     """Seconds the planner (dtk.plan, dtk.submit) gives a `_target_` model to be built on the meta device and counted, in a subprocess; past it, dtk.plan fails and dtk.submit submits without the memory check. Raise it for a model whose construction is slow or a loaded machine."""
     doctor: str | None = None
