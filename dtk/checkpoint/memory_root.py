@@ -134,7 +134,7 @@ def run_over(run_path: Path) -> bool:
 def sweep(root: Path, *, keep: Path) -> list[Path]:
     """Remove this user's stores under a checked `root` whose run is over, but `keep` (the
     store of the run starting). A folder without a readable owner record is left alone."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(root.iterdir())
     except OSError:
