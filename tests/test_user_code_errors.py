@@ -6,6 +6,8 @@
   its rows against fakes: tests/test_local_driver.py, tests/test_supervisor.py);
 - a user data function that fails before the run's first step (a missing file) is a
   configuration error: the first start fails, nothing is relaunched, no advice to resume.
+
+The loss bug also runs as a lab job (Slurm's driver, the same rule; under the lab's lock).
 """
 
 from __future__ import annotations
@@ -85,3 +87,19 @@ def test_a_user_data_function_that_fails_before_the_first_step_is_a_configuratio
     run = only_run_dir(tmp_path / "runs")
     assert len(events(run, "started")) == 1 and events(run, "relaunched") == []
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slurm
+def test_a_bug_in_a_user_loss_fails_the_lab_job_after_its_second_start(lab, tmp_path):
+    folder = project(tmp_path)
+    proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", *JOB[:-1], "task._target_=badloss.ce",
+               "task.form=model", "submit.wait=true", f"run.root={tmp_path / 'runs'}", cwd=folder, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run = only_run_dir(tmp_path / "runs")
+    assert len(events(run, "started")) == 2 and len(events(run, "relaunched")) == 1
+    (event,) = events(run, "user_code_error")
+    assert event["file"] == str(folder / "badloss.py") and event["line"] == LOSS_LINE and event["step"] == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("error in user code, the same at two starts")
+    (err,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "RuntimeError: view size is not compatible" in err and f"badloss.py:{LOSS_LINE}" in err, err
