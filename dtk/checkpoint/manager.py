@@ -212,6 +212,13 @@ class CheckpointManager:
                 f"train.global_batch={self.global_batch}: checkpoint {path.name} was written with"
                 f" global batch {manifest['global_batch']}; the data position would not match"
             )
+        replicas = self.identity.get("sync_replicas")  # +sync: one state per replica (dtk.train.sync)
+        if replicas is not None and manifest.get("sync_replicas") != replicas:
+            raise UserError(
+                f"checkpoint {path.name} of this +sync run was written by {manifest.get('sync_replicas')} data-parallel"
+                f" replicas and this job has {replicas}: each replica's parameters and optimizer state since the last"
+                " synchronization are its own; run on as many replicas as wrote it, or start a new run (another run.name)"
+            )
 
     def _reject(self, step: int, path, reason: str) -> None:
         if self.rank == 0:

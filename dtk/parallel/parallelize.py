@@ -76,6 +76,7 @@ def parallelize(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_microbatches: int,
     sharded_logits: bool,
+    local_replicas: bool = False,
 ) -> Parallelized:
     """Return this rank's model ready to train under `scheme`, by the steps of the module doc.
     `model` is on the meta device; `materialize(parts, on)` gives parts storage on device `on`
@@ -84,13 +85,15 @@ def parallelize(
     parallel without a pipeline then keeps them sharded: `Parallelized.loss_parallel`).
     Raises UserError for param_dtype=bfloat16 on a GPU without it and for a model's tp_plan
     style dtk has no equivalent of; ValueError for a tp_plan that is missing or names no
-    module, and for split points that do not fit the model."""
+    module, and for split points that do not fit the model. `local_replicas`: the
+    dp_replicate replicas step on their own and synchronize every few steps (dtk.train.sync):
+    no DDP, and FSDP shards over dp_shard inside a replica only."""
     # 0. decide
     degrees = mesh.degrees
     param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype")
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32, key="scheme.reduce_dtype")
     # The planner's decisions (dtk.plan.layout), so the budget lays out what runs here.
-    use_fsdp, use_ddp = uses_fsdp(scheme, degrees), uses_ddp(scheme, degrees)
+    use_fsdp, use_ddp = uses_fsdp(scheme, degrees), uses_ddp(scheme, degrees) and not local_replicas
 
     if degrees.tp > 1:
         from dtk.parallel.tp import check_tp_plan
@@ -137,7 +140,7 @@ def parallelize(
 
             # 1-D when there is nothing to replicate: HSDP with one replica would only add
             # a no-op all-reduce per step.
-            fsdp_mesh = mesh[Axis.dp_shard] if degrees.dp_replicate == 1 else mesh.data_parallel_2d
+            fsdp_mesh = mesh[Axis.dp_shard] if degrees.dp_replicate == 1 or local_replicas else mesh.data_parallel_2d
             apply_fsdp(
                 part,
                 mesh=fsdp_mesh,

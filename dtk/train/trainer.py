@@ -55,6 +55,7 @@ from dtk.train.task import LmTask, Task
 
 if TYPE_CHECKING:
     from dtk.train.policies import StepPolicies
+    from dtk.train.sync import Synchronizer
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -119,6 +120,7 @@ class Trainer:
         watch: DivergenceWatch | None = None,
         nan_drill: NanDrill | None = None,
         event: Callable[..., None] | None = None,
+        sync: Synchronizer | None = None,
     ) -> None:
         if not isinstance(model, Parallelized):
             model = Parallelized(parts=[model], pipeline=None, autocast_dtype=None, loss_parallel=False)
@@ -150,6 +152,7 @@ class Trainer:
         self.watch = watch
         self.nan_drill = nan_drill  # rank 0: `dtk.drill nan` requests
         self.event = event or (lambda name, **details: None)  # rank 0 writes events.jsonl
+        self.sync = sync  # +sync: the replicas synchronize every sync.every steps (dtk.train.sync)
 
     def _sync_context(self, last_micro: bool):
         """Skip gradient traffic that would be repeated on the next micro-batch anyway."""
@@ -285,6 +288,9 @@ class Trainer:
         for index in range(start_step, total_steps):
             result = self.step(index)  # laps: data, forward, backward (+ sync), optimizer, comm
             step = index + 1
+            if self.sync is not None:  # before the policies: a checkpoint sees the synchronized state
+                self.sync.after_step(step, result)
+                lap("comm")
             policies.metrics.after_step(step, result)  # the step's metrics.jsonl record, kept
             policies.heartbeat.after_step(step, result)  # the driver's liveness file
             policies.resumed.after_step(step, result)  # once after a restart: the recovery is over

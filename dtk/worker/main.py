@@ -53,6 +53,7 @@ from dtk.train.policies import STOP_VOTE_SHARE, AgreedStop, Heartbeat, ResumedEv
 from dtk.train.profile import StepProfiler
 from dtk.train.rollback import divergence_watch, roll_back
 from dtk.train.startup import StartupClock
+from dtk.train.sync import checkpointed, synchronizer
 from dtk.train.system import SystemSampler
 from dtk.train.task import LmTask, Task, build_task
 from dtk.train.tensorboard import TensorBoardLog
@@ -110,6 +111,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         num_microbatches=plan.grad_accum,
         # the token loss computes on vocabulary shards; a user's loss or metric gets whole logits
         sharded_logits=isinstance(task, LmTask) and not task.metrics,
+        local_replicas=cfg.sync is not None,  # +sync: replicas step on their own (dtk.train.sync)
     )
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
     shard_group = mesh.dp_group if uses_zero1(cfg.scheme, mesh.degrees) else None
@@ -117,6 +119,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     scheduler = SchedulerGroup(
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
     )
+    sync = synchronizer(cfg.sync, model=model.parts[0], mesh=mesh)  # None: every step synchronizes
+    ckpt_parts, ckpt_identity = checkpointed(
+        sync, [(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)], mesh=mesh)
     with data_function_errors(cfg.data, first=run.latest_committed_step() is None):
         dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
     if rank0 and hasattr(dataset, "split"):  # a user's dataset: how its split came about
@@ -131,12 +136,13 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     checkpoints = CheckpointManager(
         run,
         checkpoint=cfg.checkpoint,
-        parts=[(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)],
+        parts=ckpt_parts,
         scheduler=scheduler,
         mesh=mesh,
         global_batch=plan.global_batch,
         total_steps=plan.steps,
-        identity={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme},
+        identity={"config_hash": plan.config_hash, "data_version": dataset.version, "scheme": plan.scheme,
+                  **ckpt_identity},
         busy=heartbeat.busy,  # a long save is not a hang
         memory=lambda parts, sched, identity: MemoryTier(
             run.path, every=cfg.checkpoint.memory_every, rank=env.rank, world=env.world_size, local_rank=env.local_rank,
@@ -184,6 +190,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         else None,
         nan_drill=NanDrill(run.path if rank0 else None),
         event=run.event if rank0 else None,
+        sync=sync,
     )
     # One sampler per node, in a thread of its own: host and GPU load in system.jsonl.
     sampler = None
