@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,15 @@ def test_a_model_that_prints_is_counted_by_plan_and_submit(project):
     assert proc.returncode == 0, proc.stderr
     assert "memory not checked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (project / "runs").exists()
+
+
+def test_submit_plans_the_memory_of_a_model_that_prints_from_its_count(project, monkeypatch):
+    from dtk.submit import plan_points
+
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the project folder goes first on it
+    [point] = plan_points(["model=talky", f"run.root={project / 'runs'}"], multirun=False)
+    assert point.budget is not None and point.budget.ctx.shape.params == expected_params()
 
 
 def test_the_count_time_limit_is_a_key_its_message_names_for_each_command(project):
