@@ -3,7 +3,8 @@ under every data and tensor-parallel scheme on 4 CPU processes (gloo) against on
 each a real `python -m dtk.submit` run, as tests/test_schemes.py does for the untied model;
 4 steps each (the tie is in every step's gradient from the first), so the cases add a
 fraction of that suite's time. A checkpoint written under tp continues under fsdp on 2
-processes with the tie intact. Pipelines that would split the tie are refused (one
+processes with the tie intact; the checkpoint holds the tied weight once and its export
+loads into the tied model. Pipelines that would split the tie are refused (one
 `error:` line, exit 2; tests/test_tied_embeddings.py holds the check itself).
 
 Tolerances as tests/test_schemes.py's: loss rtol 1e-5; parameters rtol 1e-5 with atol 1e-6
@@ -56,8 +57,8 @@ def train(root: Path, *overrides: str) -> Path:
 
 
 def assert_tied(params: dict) -> None:
-    """The checkpoint's head is its embedding, value for value."""
-    assert params["output.weight"].equal(params["tok_embeddings.weight"])
+    """The checkpoint holds the tied weight once, under its first name."""
+    assert "tok_embeddings.weight" in params and "output.weight" not in params
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +122,23 @@ def test_a_pipeline_that_would_split_the_tie_is_one_error_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "ties tok_embeddings.weight and output.weight" in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_export_of_a_tied_checkpoint_loads_into_the_tied_model(tied_runs, tmp_path):
+    """`checkpoint export` writes the tensor under both names, as load_state_dict asks;
+    the loaded model's head is its embedding, with the trained values."""
+    import torch
+
+    from dtk.models.transformer import build
+
+    run = tied_runs("fsdp")
+    out = tmp_path / "model.pt"
+    proc = dtk("dtk.checkpoint", "export", str(run), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(out.with_name("model.pt.json").read_text())
+    assert info["tied"] == {"output.weight": "tok_embeddings.weight"}
+    model = build(tie_embeddings=True, num_layers=4)
+    model.load_state_dict(torch.load(out, weights_only=True))
+    trained = final_parameters(run)["tok_embeddings.weight"]
+    assert model.output.weight is model.tok_embeddings.weight and model.output.weight.equal(trained)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())

@@ -10,7 +10,6 @@ import importlib.util
 
 import pytest
 import torch
-from multirank import run_on_ranks
 from tie_checks import TIED, train_tied
 from torch import nn
 
@@ -18,6 +17,7 @@ from conftest import require
 from dtk.config.compose import compose
 from dtk.errors import UserError
 from dtk.models.build import build_model, materialize
+from multirank import run_on_ranks
 
 STEPS = 3
 TIE = ["model.tie_embeddings=true", "model.num_layers=2", "model.vocab_size=64", "model.seq_len=16"]
@@ -157,3 +157,46 @@ def test_the_planner_refuses_a_pipeline_that_splits_the_tie_before_the_queue(tmp
         "error: the model ties tok_embeddings.weight and output.weight, which pipeline parallelism puts in different"
     )
     assert run_main("dtk.plan", *TIE[1:], "+scheme=pp", "scheme.pp=2", "tasks_per_node=2", cwd=tmp_path).returncode == 0
+
+
+USER_YAML = """\
+_target_: tests.models_for_tests.build_tied
+vocab_size: 64
+seq_len: 16
+width: 32
+depth: 2
+expansion: 2
+wrap_classes: [ResidualMLP]
+tp_plan:
+  embed: rowwise
+  blocks.*.up: colwise
+  blocks.*.down: rowwise
+  head: colwise_output
+"""
+USER_TIED = ("embed.weight", "head.weight")
+USER_CASES = {"fsdp": ["+scheme=fsdp"], "tp": ["+scheme=tp", "scheme.dp_shard=1"]}
+
+
+@pytest.fixture(scope="module")
+def user_tied(tmp_path_factory) -> tuple[list[str], dict]:
+    """A user's tied model (tests/models_for_tests.py, no dtk hook: initialised from a seeded
+    CPU build) by its yaml, and its one-process run."""
+    conf = tmp_path_factory.mktemp("user_conf")
+    (conf / "model").mkdir()
+    (conf / "model" / "tied_lm.yaml").write_text(USER_YAML)
+    keys = [f"hydra.searchpath=[file://{conf}]", "model=tied_lm"]
+    (one,) = run_on_ranks(train_tied, 1, conf / "one", keys, STEPS, USER_TIED)
+    return keys, one
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(USER_CASES))
+def test_a_tied_user_model_trains_as_one_process(name, user_tied, tmp_path):
+    keys, reference = user_tied
+    ranks = run_on_ranks(train_tied, 2, tmp_path, [*keys, *USER_CASES[name]], STEPS, USER_TIED)
+    assert reference["one_object"] and list(reference["params"]) == ["embed.weight", *list(reference["params"])[1:]]
+    for rank, got in enumerate(ranks):
+        assert got["one_object"], f"rank {rank}: {USER_TIED} are two parameters"
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        for key, want in reference["params"].items():
+            torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")

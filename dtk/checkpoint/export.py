@@ -8,10 +8,14 @@ the unwrapped model, full tensors, no optimizer - so
 works on one process without dtk's parallel wrappers; `--format safetensors` writes the
 same tensors as a safetensors file, `--format hf` a folder transformers loads (see
 dtk.checkpoint.formats). A JSON sidecar `OUT.json` says where it came from (run, step,
-model config, data version, checkpoint manifest).
+model config, data version, checkpoint manifest). A tied weight (an output head that is
+the token embedding) is one tensor in the checkpoint; the torch and safetensors files hold
+it under each of its names, as the model's `load_state_dict` expects (`tied` in the
+sidecar: later name -> first).
 
-It needs no process group and no model code: the tensors' shapes and dtypes come from
-DCP's own metadata, and DCP assembles each one from however many shards it was saved in.
+It needs no process group, and no model code for the tensors: their shapes and dtypes
+come from DCP's own metadata, and DCP assembles each one from however many shards it was
+saved in (the model is built on the meta device only to learn its tied names).
 """
 
 from __future__ import annotations
@@ -76,6 +80,24 @@ def load_model_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Te
     return state["model"]
 
 
+def tied_names(model_cfg: dict[str, Any] | None) -> dict[str, str] | None:
+    """Each later name of the run's model's tied weights -> the first, under which the
+    checkpoint holds the tensor (dtk.checkpoint.sharded): from the model built on the meta
+    device. None where it cannot be built here (a user's model whose code is not importable):
+    the export then holds the checkpoint's names only, and says so in its sidecar."""
+    if model_cfg is None:
+        return None
+    from dtk.config.convert import model_config
+    from dtk.models.build import build_model
+    from dtk.models.ties import tied_aliases
+
+    try:
+        with torch.random.fork_rng(devices=[]):  # build_model seeds the global generator
+            return tied_aliases(build_model(model_config(model_cfg), device="meta", seed=0))
+    except (UserError, ImportError):
+        return None
+
+
 def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt: str = "torch") -> dict[str, Any]:
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
@@ -91,11 +113,16 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt
         tensors = load_model_state(path, manifest)
     except Rejected as exc:  # changed since it verified a moment ago
         raise UserError(f"checkpoint {path}: {exc}") from None
+    counted = sum(t.numel() for t in tensors.values())  # a tied weight once, as the checkpoint holds it
+    tied = tied_names(model_cfg)
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
-        write_hf(tensors, out, model_cfg=model_cfg)
+        write_hf(tensors, out, model_cfg=model_cfg)  # transformers ties the head itself
     else:
+        # Every name the model's load_state_dict asks for; safetensors stores no shared tensors.
+        copy = fmt == "safetensors"
+        tensors |= {a: tensors[f].clone() if copy else tensors[f] for a, f in (tied or {}).items() if f in tensors}
         write_file(tensors, out, fmt=fmt)
     info = {
         "run": str(run.path),
@@ -104,7 +131,8 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt
         "model": model_cfg,
         "data_version": manifest.get("data_version"),
         "config_hash": manifest.get("config_hash"),
-        "parameters": sum(t.numel() for t in tensors.values()),
+        "parameters": counted,
+        "tied": tied,
         "tensors": len(tensors),
         "format": fmt,
         "bytes": size_of(out),

@@ -33,6 +33,7 @@ from dtk.checkpoint.rng import set_rng_state
 from dtk.checkpoint.safe import SafeLoadPlanner
 from dtk.checkpoint.sharded import _OPTIONS, TRAINER_STATE, Comm, Parts, _state_dicts, cause, rng_file
 from dtk.checkpoint.trust import check_metadata, read_checked
+from dtk.models.ties import tied_aliases
 
 
 class CheckpointLoadError(RuntimeError):
@@ -132,10 +133,13 @@ def allocate_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Opt
 def set_parts(parts: Parts, keys: list[tuple[set, set]], state: dict[str, Any]) -> None:
     """Hand each part (a module and its optimizer) its keys of the loaded flat state."""
     for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
+        model_state = {k: state["model"][k] for k in mkeys}
+        # A tied weight was saved once, under its first name: its other names load it too.
+        model_state |= {alias: model_state[first] for alias, first in tied_aliases(module).items()}
         set_state_dict(
             module,
             optimizer,
-            model_state_dict={k: state["model"][k] for k in mkeys},
+            model_state_dict=model_state,
             optim_state_dict={k: state["optim"][k] for k in okeys},
             options=_OPTIONS,
         )

@@ -25,6 +25,19 @@ def tied_groups(module: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(names) for names in by_id.values() if len(names) > 1]
 
 
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Each later name of a tied parameter -> its first name, as state-dict keys (no
+    `module.` or `_orig_mod.` prefix): a checkpoint holds the tensor once, under its first
+    name (dtk.checkpoint.sharded), and a load hands it to the other names too."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    aliases = {}
+    for names in tied_groups(module):
+        first, *later = (next(iter(_get_fqns(module, n))) for n in names)
+        aliases.update(dict.fromkeys(later, first))
+    return aliases
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     owner_name, _, leaf = name.rpartition(".")
     return (module.get_submodule(owner_name) if owner_name else module), leaf
