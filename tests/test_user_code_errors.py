@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import dtk, only_run_dir
@@ -30,7 +31,7 @@ def ce(model, batch):
     flat = logits.view(-1)
     return F.cross_entropy(flat.view(logits.shape), batch[:, 1:])
 """
-LOSS_LINE = 6  # the `view`
+LOSS_LINE = 1 + LOSS_PY.splitlines().index("    flat = logits.view(-1)")
 
 DATA_PY = """\
 import numpy as np
@@ -87,6 +88,52 @@ def test_a_user_data_function_that_fails_before_the_first_step_is_a_configuratio
     run = only_run_dir(tmp_path / "runs")
     assert len(events(run, "started")) == 1 and events(run, "relaunched") == []
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+FLAKY_PY = """\
+import os
+
+import numpy as np
+import torch.nn.functional as F
+
+calls = 0
+
+
+def hiccup_in_the_first_start(model, batch):  # the first start dies at its 4th step, the way a machine fault would
+    global calls
+    calls += 1
+    if os.environ["DTK_RESTART"] == "0" and calls > 3:
+        raise RuntimeError("the machine hiccuped")
+    return F.cross_entropy(model(batch[:, :-1]).transpose(1, 2), batch[:, 1:])
+
+
+def load(path, broken_once):
+    if os.path.exists(broken_once):  # rank 0's progress file: the run has trained
+        raise OSError(f"cannot read {path}: the storage went away")
+    return np.load(path)
+"""
+FLAKY_LINE = 1 + FLAKY_PY.splitlines().index('        raise OSError(f"cannot read {path}: the storage went away")')
+
+
+def test_a_data_function_that_fails_after_the_run_trained_is_a_crash_and_its_repeat_stops_the_run(tmp_path):
+    """After the run's first step the same failure is no configuration error: a crash,
+    relaunched, and the repeat rule ends it after the second start that fails alike."""
+    folder = project(tmp_path)
+    (folder / "flaky.py").write_text(FLAKY_PY)
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 256, size=(64, 17)))
+    runs = tmp_path / "runs"
+    proc = dtk("dtk.submit", *JOB, "train.log_every=1", "run.name=r", "data=user", "data._target_=flaky.load",
+               f"+data.kwargs.path={tmp_path / 'tokens.npy'}", f"+data.kwargs.broken_once={runs / 'r' / 'progress'}",
+               "task._target_=flaky.hiccup_in_the_first_start", "task.form=model", f"run.root={runs}", cwd=folder,
+               timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"OSError: cannot read {tmp_path / 'tokens.npy'}: the storage went away" in line, line
+    assert f"{folder / 'flaky.py'}:{FLAKY_LINE}" in line and "before the run's first step" not in line, line
+    run = runs / "r"
+    assert len(events(run, "started")) == 3 and len(events(run, "relaunched")) == 2
+    (event,) = events(run, "user_code_error")
+    assert event["type"] == "OSError" and event["line"] == FLAKY_LINE
 
 
 @pytest.mark.slurm

@@ -9,9 +9,10 @@ frame of the traceback outside dtk, torch, the standard library and installed pa
 the user's file and line (none when every frame is theirs, as for a lost peer). The
 driver (dtk/driver/decide.py) compares the record of a start with the previous start's.
 
-A user's data function (`data._target_`) that raises while the run has no checkpoint yet
-(a missing file) is a configuration error instead (`data_function_errors`): one `error:`
-line, exit 2, no relaunch; with a checkpoint, its failure is a crash like any other.
+A user's data function (`data._target_`) that raises before the run's first step (no step
+completed, no checkpoint: a missing file) is a configuration error instead
+(`data_function_errors`): one `error:` line, exit 2, no relaunch; later, its failure is a
+crash like any other (a flaky read is relaunched; a repeated one is the rule above).
 
 No torch here: what is excluded is found from the modules' own paths.
 """
@@ -77,8 +78,8 @@ def record_exception(run: RunDir, *, start: int, rank: int, exc: BaseException) 
 
 @contextmanager
 def data_function_errors(data: Any, *, first: bool) -> Iterator[None]:
-    """Around building the datasets: an exception of a user's data function while the run
-    has no checkpoint yet (`first`) is a configuration error, one line naming the function,
+    """Around building the datasets: an exception of a user's data function before the run's
+    first step (`first`) is a configuration error, one line naming the function,
     the exception and the user's file:line. Nothing was trained, so there is nothing to
     resume, and starting again reads the same missing file."""
     try:

@@ -122,7 +122,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     sync = synchronizer(cfg.sync, model=model.parts[0], mesh=mesh)  # None: every step synchronizes
     ckpt_parts, ckpt_identity = checkpointed(
         sync, [(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)], mesh=mesh)
-    with data_function_errors(cfg.data, first=run.latest_committed_step() is None):
+    # Before the run's first step: no step completed (rank 0's progress file) and nothing to resume.
+    first = not (run.path / PROGRESS).exists() and run.latest_committed_step() is None
+    with data_function_errors(cfg.data, first=first):
         dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
     if rank0 and hasattr(dataset, "split"):  # a user's dataset: how its split came about
         write_json_atomic(run.path / DATA_SPLIT, dataclasses.asdict(dataset.split))
