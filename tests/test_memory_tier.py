@@ -139,12 +139,17 @@ def test_a_corrupt_shard_falls_back_to_disk_with_the_reason(reference, tmp_path)
     assert losses(run) == reference
 
 
-def test_a_store_that_cannot_be_written_costs_the_tier_only(reference, tmp_path):
-    """Every snapshot fails (the store's folder is a file): each is a `memory_snapshot_failed`
-    event with the reason, no rank waits on another, and the run ends with the losses of the
-    run without the tier."""
+def test_a_store_that_cannot_be_written_costs_the_tier_only(reference, tmp_path, monkeypatch):
+    """Every snapshot fails (the node's folder of the store is a file; the root itself is fine,
+    else the tier is refused at the start): each is a `memory_snapshot_failed` event with the
+    reason, no rank waits on another, and the run ends with the losses of the run without the
+    tier."""
     store = tmp_path / "shm"
-    store.write_text("not a folder")
+    monkeypatch.setenv(MEMORY_STORE_ENV, str(store))
+    node_store = memory_store(tmp_path / "r") / ms_node()
+    node_store.parent.mkdir(parents=True, mode=0o700)
+    os.chmod(store / f"dtk-{os.getuid()}", 0o700)
+    node_store.write_text("not a folder")
     driver = submit(tmp_path, store=store)
     assert driver.wait(timeout=300) == 0, (tmp_path / "r" / "logs").glob("*")
     run = RunDir(tmp_path / "r")
