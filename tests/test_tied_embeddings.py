@@ -75,8 +75,12 @@ def test_a_user_model_tied_the_other_way_round_keeps_its_tie_and_its_values():
     torch.testing.assert_close(model.lm_head.weight, reference.lm_head.weight, rtol=0, atol=0)
 
 
+# 2 ranks in the fast tier; 4 ranks and the sequence-parallel variant (seconds more each) in the slow one.
+FAST = ("ddp", "zero", "fsdp", "tp")
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_a_tied_model_trains_as_one_process_under_every_scheme(name, reference, tmp_path):
     world, overrides, atol = CASES[name]
     ranks = run_on_ranks(train_tied, world, tmp_path, [*TIE, *overrides], STEPS)
@@ -133,6 +137,7 @@ def hf_tied(tmp_path_factory) -> tuple[list[str], dict]:
     return keys, one
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(HF_CASES))
 def test_a_tied_hugging_face_model_trains_as_one_process(name, hf_tied, tmp_path):
@@ -189,6 +194,7 @@ def user_tied(tmp_path_factory) -> tuple[list[str], dict]:
     return keys, one
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(USER_CASES))
 def test_a_tied_user_model_trains_as_one_process(name, user_tied, tmp_path):
