@@ -185,3 +185,25 @@ def test_the_sweep_removes_this_users_stores_of_runs_that_are_over_only(tmp_path
     assert sorted(p.name for p in root.iterdir()) == ["mine", "no-owner", "requeued", "resubmitted", "running"]
     owner = json.loads((root / "running" / mroot.OWNER).read_text())
     assert owner["run"] == str(runs["running"].resolve()) and owner["node"] == "n1"
+
+
+def test_a_local_run_whose_driver_on_this_host_died_without_an_end_is_over(tmp_path):
+    """A local driver SIGKILLed writes no end: its `started` event names a pid of this host that
+    is gone. A live one (this process) runs; one on another host cannot be asked, so it runs."""
+    import socket
+    import subprocess
+    import sys
+
+    from dtk.rundir import process_identity
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = process_identity(dead.pid)
+    dead.wait()
+    here = [socket.gethostname()]
+    for name, nodes, who in (("killed", here, identity), ("alive", here, process_identity()),
+                             ("elsewhere", ["another-host"], identity)):
+        run = RunDir(tmp_path / name)
+        run.path.mkdir()
+        run.event("submitted")
+        run.event("started", nodes=nodes, **who)
+    assert [mroot.run_over(tmp_path / n) for n in ("killed", "alive", "elsewhere")] == [True, False, False]

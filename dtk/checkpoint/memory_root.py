@@ -20,10 +20,12 @@ file 0600 (dtk.checkpoint.memory_store).
 
 Each run's folder holds `owner.json` (the run directory, the Slurm job, the node). A job
 that fails, or is stopped with --now, leaves its store on every node but the driver's (the
-driver removes its own node's); so every start of the tier on a node first sweeps this
-user's stores whose run is no longer running: its run directory is gone, or the newest of
-its lifecycle events is an end (finished, failed, stopped). Removing a store is always
-safe: the disk is the durable tier, and a restore that finds a store gone falls back to it.
+driver removes its own node's); so every worker start on a node (the tier's start, or
+`sweep_host` where the tier is off) first sweeps this user's stores whose run is no longer
+running: its run directory is gone, the newest of its lifecycle events is an end
+(finished, failed, stopped), or its local driver on this host was killed before it wrote
+one. Removing a store is always safe: the disk is the durable tier, and a restore that
+finds a store gone falls back to it.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import errno
 import json
 import os
 import shutil
+import socket
 import stat
 import time
 from pathlib import Path
 
-from dtk.rundir import RunDir, memory_store
+from dtk.rundir import RunDir, driver_alive, memory_store
 
 OWNER = "owner.json"  # in a run's folder of the store, not in the run directory
 LIFECYCLE = ("submitted", "resubmitted", "started", "relaunched", "requeued", "finished", "failed", "stopped")
@@ -119,16 +122,21 @@ def write_owner(run_store: Path, *, run_path: Path, node: str) -> None:
 
 
 def run_over(run_path: Path) -> bool:
-    """Whether the run of a store is no longer running: its directory is gone, or the newest
-    of its lifecycle events is an end. A run just submitted, started or requeued runs."""
+    """Whether the run of a store is no longer running: its directory is gone, the newest of
+    its lifecycle events is an end, or it is a start of a local driver on this host that is
+    no longer alive (killed before it could write an end). A run just submitted, started by
+    a live driver, requeued or relaunched runs."""
     run = RunDir(Path(run_path))
     if not run.path.is_dir():
         return True
-    last = None
+    last: dict = {}
     for event in run.events_list():
         if event.get("event") in LIFECYCLE:
-            last = event["event"]
-    return last in ENDS
+            last = event
+    if last.get("event") in ENDS:
+        return True
+    here = last.get("event") == "started" and last.get("driver_pid") and last.get("nodes") == [socket.gethostname()]
+    return bool(here) and not driver_alive(last)
 
 
 def sweep(root: Path, *, keep: Path) -> list[Path]:
