@@ -78,14 +78,14 @@ def test_a_root_of_this_user_that_others_can_read_is_closed_to_0700(tmp_path):
     assert mode(root) == 0o700
 
 
-def test_a_parent_every_user_can_write_and_not_sticky_is_refused(tmp_path):
-    require(os.getuid() == 0, "needs root to give a folder to another user")
+@pytest.mark.parametrize("bits", [0o777, 0o770])
+def test_a_parent_others_can_write_and_not_sticky_is_refused_even_this_users_own(tmp_path, bits):
     parent = tmp_path / "open"
     parent.mkdir()
-    os.chmod(parent, 0o777)
-    os.chown(parent, NOBODY, NOBODY)
-    assert "is writable by every user and not sticky" in refusal(parent / "dtk-0")
-    os.chmod(parent, 0o1777)  # /dev/shm: sticky, so no one renames another user's entry
+    os.chmod(parent, bits)  # whoever may write in it may rename the root away and put another there
+    assert "is writable by group or others and not sticky" in refusal(parent / "dtk-0")
+    assert not (parent / "dtk-0").exists()
+    os.chmod(parent, 0o1000 | bits)  # /dev/shm: sticky, so no one renames another user's entry
     mroot.check_root(parent / "dtk-0", make=True)
 
 

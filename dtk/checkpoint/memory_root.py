@@ -68,8 +68,9 @@ def check_root(root: Path, *, make: bool = False) -> None:
         pst = os.stat(parent)
     except OSError as exc:
         raise StoreRefused(f"{parent}: {exc.strerror}") from None
-    if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX and pst.st_uid != os.getuid():
-        raise StoreRefused(f"{parent} is writable by every user and not sticky: another user could replace {root}")
+    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+        raise StoreRefused(f"{parent} is writable by group or others and not sticky: another user could replace"
+                           f" {root}")
     if make:
         try:
             os.mkdir(root, 0o700)
