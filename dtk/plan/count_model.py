@@ -58,7 +58,10 @@ def count_user_model(model: ModelConfig, timeout_s: float) -> ModelShape:
                 f"model._target_={target}: building it on the meta device to count its parameters took over"
                 f" plan.count_timeout_s={timeout_s:g} s; give it longer (plan.count_timeout_s={4 * timeout_s:g})"
             ) from None
-        written = json.loads(result.read_text()) if result.exists() else {}
+        try:
+            written = json.loads(result.read_text())
+        except (OSError, ValueError):  # not written: the subprocess died before its end
+            written = {}
     if proc.returncode == EXIT_USER_ERROR and "error" in written:
         # The keys do not fit the model: the workers would fail the same way, after the queue.
         raise UserError(written["error"])
