@@ -169,8 +169,9 @@ class MemoryTier:
         torch.save(state, buf)
         data, meta = buf.getvalue(), mload.layout_bytes(layout)
         crc, meta_crc = zlib.crc32(data), zlib.crc32(meta)
-        refused = self._check()
-        failed = f"the store is refused ({refused})" if refused else _attempt(lambda: ms.write_shard(self.store, step, "own", self.rank, data, crc, meta))
+        refused = self._check()  # at each use: the root may have changed hands since the start
+        failed = (f"the store is refused ({refused})" if refused
+                  else _attempt(lambda: ms.write_shard(self.store, step, "own", self.rank, data, crc, meta)))
         partner = ms.partner(self.rank, self.world, self.per_node)
         source = ms.replica_of(self.rank, self.world, self.per_node)
         if partner is not None and source is not None and self.group is not None:
