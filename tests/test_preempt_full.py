@@ -8,10 +8,11 @@ the losses equal the run without the fault (conftest's lab_reference)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from test_faults import drill, finish, named, step_reached, submit, wait_for
+from test_faults import drill, job_field, named, step_reached, submit, wait_for
 
 from conftest import losses
 from lab_support import job_gone
@@ -25,18 +26,41 @@ def unfinished(run: Path) -> set[int]:
     return {int(f.name.split("_")[1]) for f in folders if f.is_dir() and not (f / "manifest.json").is_file()}
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def ended(job: str) -> bool:
+    """The job is over for good: a final state (not the moment of a requeue, when squeue may
+    list it nowhere), or purged."""
+    if job_gone(job) and not job_field(job, "JobState"):
+        return True  # purged after MinJobAge
+    return job_field(job, "JobState") in ENDED
+
+
+def status(run: Path) -> str | None:
+    """The run's summary status; None when the job ended before its driver wrote one."""
+    try:
+        return json.loads((run / "summary.json").read_text())["status"]
+    except FileNotFoundError:
+        return None
+
+
 def test_signal_to_every_process_then_preemption_resumes_only_from_a_committed_save(lab, tmp_path, lab_reference):
     job, run = submit(tmp_path)
-    wait_for(lambda: step_reached(run, 60), 120, "step 60")
-    drill("preempt", run, "--full", "--hold", "5")
-    wait_for(lambda: job_gone(job) or named(run, "resumed"), 120, f"job {job} to end or resume")
-    left = unfinished(run)  # what the signal left behind before any resume could clean it up
-    summary = finish(job, run)
-    if summary["status"] != "finished":  # the job ended on the signal: the same command goes on
-        wait_for(lambda: job_gone(job), 60, f"job {job} to end")
-        left |= unfinished(run)
-        job2, _ = submit(tmp_path)
-        summary = finish(job2, run)
+    jobs = [job]
+    try:
+        wait_for(lambda: step_reached(run, 60), 120, "step 60")
+        drill("preempt", run, "--full", "--hold", "5")
+        wait_for(lambda: ended(job) or named(run, "resumed"), 120, f"job {job} to end or resume")
+        left = unfinished(run)  # what the signal left behind before any resume could clean it up
+        wait_for(lambda: ended(job), 240, f"job {job} to end")
+        if status(run) != "finished":  # the job ended on the signal (its driver too): the same command goes on
+            left |= unfinished(run)
+            jobs.append(submit(tmp_path)[0])
+            wait_for(lambda: ended(jobs[-1]), 240, f"job {jobs[-1]} to end")
+    finally:
+        subprocess.run(["scancel", *jobs], capture_output=True)
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished", summary
     committed = {e["step"] for e in named(run, "checkpoint_saved")}
     resumed = [e for e in named(run, "resumed") if e["restart"] >= 1]
