@@ -7,7 +7,7 @@
 - a user data function that fails before the run's first step (a missing file) is a
   configuration error: the first start fails, nothing is relaunched, no advice to resume.
 
-The loss bug also runs as a lab job (Slurm's driver, the same rule; under the lab's lock).
+Both also run as lab jobs (Slurm's driver, the same rules; under the lab's lock).
 """
 
 from __future__ import annotations
@@ -150,3 +150,20 @@ def test_a_bug_in_a_user_loss_fails_the_lab_job_after_its_second_start(lab, tmp_
     assert summary["status"] == "failed" and summary["error"].startswith("error in user code, the same at two starts")
     (err,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert "RuntimeError: view size is not compatible" in err and f"badloss.py:{LOSS_LINE}" in err, err
+
+
+@pytest.mark.slurm
+def test_a_user_data_function_that_fails_before_the_first_step_fails_the_lab_job_at_its_first_start(lab, tmp_path):
+    folder = project(tmp_path)
+    missing = tmp_path / "missing.npy"
+    proc = dtk("dtk.submit", "cluster=lab", "nodes=2", "tasks_per_node=1", *JOB[:-1], "data=user",
+               "data._target_=baddata.load", f"+data.kwargs.path={missing}", "submit.wait=true",
+               f"run.root={tmp_path / 'runs'}", cwd=folder, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run = only_run_dir(tmp_path / "runs")
+    assert len(events(run, "started")) == 1 and events(run, "relaunched") == []
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("configuration error in job ")
+    assert "data._target_=baddata.load failed before the run's first step: FileNotFoundError" in summary["error"]
+    (err,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert str(missing) in err and "resume" not in err.lower(), err
