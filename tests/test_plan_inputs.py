@@ -96,3 +96,17 @@ def test_submit_with_a_negative_byte_count_does_not_pass_the_memory_check_of_a_j
 def test_plan_doctor_that_is_no_doctor_folder_is_an_error_on_the_cpu_too(tmp_path):
     proc = run_main("dtk.plan", f"plan.doctor={tmp_path / 'missing'}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: plan.doctor={tmp_path / 'missing'}: not a doctor")
+
+
+CLUSTER_BAD = ["cluster.device_memory_gb=inf", "cluster.peak_tflops=inf", "cluster.intra_node_gbps=-1",
+               "cluster.intra_node_gbps=inf", "cluster.inter_node_gbps=0", "cluster.inter_node_gbps=-400"]
+
+
+@pytest.mark.parametrize("override", CLUSTER_BAD)
+@pytest.mark.parametrize("command", ["dtk.plan", "dtk.submit"])
+def test_the_planners_cluster_figures_out_of_range_are_one_error_line(tmp_path, override, command):
+    dry = ["submit.dry_run=true"] if command == "dtk.submit" else []
+    proc = run_main(command, override, *dry, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    line = _one_error_line(proc, override)
+    assert "expected a positive number, or leave it unset" in line
+    assert not (tmp_path / "runs").exists()

@@ -279,9 +279,9 @@ def _check_ranges(cfg: Config) -> None:
                         " number of runs, like 2")
     if cluster.mem_gb is not None:
         _positive("cluster.mem_gb", cluster.mem_gb)
-    for key in ("device_memory_gb", "peak_tflops"):
+    for key in ("device_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):  # the planner's figures
         value = getattr(cluster, key)
-        if value is not None and not value > 0:
+        if value is not None and not (math.isfinite(value) and value > 0):
             raise UserError(f"cluster.{key}={value}: expected a positive number, or leave it unset")
     if fault.straggler_factor != 0 and not fault.straggler_factor > 1:
         raise UserError(f"fault.straggler_factor={fault.straggler_factor}: expected 0 (off) or a factor above 1,"
