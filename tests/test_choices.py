@@ -10,6 +10,7 @@ from dtk.config.choices import (
     TRACKER_MODULES,
     DataKind,
     Dtype,
+    GradCompression,
     MatmulPrecision,
     OptimizerName,
     PipelineSchedule,
@@ -33,6 +34,9 @@ def test_every_choice_has_its_meaning_in_the_code():
     assert set(OPTIMIZERS) == set(OptimizerName)
     assert set(DATA_SCHEMAS) == set(DataKind)
     assert set(TRACKER_MODULES) == set(Tracker)
+    from dtk.parallel.compression import HOOKS
+
+    assert set(HOOKS) == set(GradCompression)
 
 
 def test_the_mesh_axes_are_one_list():

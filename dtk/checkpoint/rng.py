@@ -5,9 +5,22 @@ ever unpickled as arbitrary objects), written and fsynced before the manifest li
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+RankState = tuple[Callable[[], dict[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], None]]
+_KEPT: dict[str, RankState] = {}
+
+
+def keep_rank_state(name: str, save: Callable[[], dict[str, torch.Tensor]],
+                    restore: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Keep a state of this rank's own beside its random streams, under `name/` in the same
+    file: PowerSGD's error feedback (dtk.parallel.compression), which differs on every rank
+    and, like a rank's stream, means something only to the same rank of the same world size.
+    `save` returns copies as plain tensors; `restore` takes them back at a resume."""
+    _KEPT[name] = (save, restore)
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -31,6 +44,8 @@ def rng_state() -> dict[str, torch.Tensor]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
+    for name, (save, _) in _KEPT.items():
+        state.update({f"{name}/{key}": t for key, t in save().items()})
     return state
 
 
@@ -55,3 +70,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    for name, (_, restore) in _KEPT.items():
+        kept = {key.partition("/")[2]: t for key, t in state.items() if key.startswith(f"{name}/")}
+        if kept:  # a checkpoint written without it (another scheme) leaves the state as it starts
+            restore(kept)

@@ -33,7 +33,8 @@ This function only decides which apply runs, and in what order.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +64,8 @@ class Parallelized:
     loss_parallel: bool = False
     """The model's output is a DTensor sharded over the vocabulary (tensor parallel): the
     loss and its backward run under torch's loss_parallel (dtk.parallel.tp)."""
+    comm_states: list[Any] = field(default_factory=list)
+    """PowerSGD's state of each DDP part (scheme.grad_compression=powersgd, dtk.parallel.compression)."""
 
 
 def parallelize(
@@ -161,6 +164,7 @@ def parallelize(
         materialize(parts, device)
 
     # 7. DDP (needs real weights: it checks and broadcasts them when it wraps)
+    comm_states: list[Any] = []
     if use_ddp:
         from dtk.parallel.ddp import apply_ddp
 
@@ -168,6 +172,11 @@ def parallelize(
             apply_ddp(part, device=device, bucket_cap_mb=scheme.bucket_cap_mb, process_group=mesh.dp_group)
             for part in parts
         ]
+        from dtk.parallel.compression import apply_compression  # scheme.grad_compression: a comm hook
+
+        states = [apply_compression(part, compression=scheme.grad_compression,  # type: ignore[arg-type]
+                                    powersgd_rank=scheme.powersgd_rank, group=mesh.dp_group) for part in parts]
+        comm_states = [s for s in states if s is not None]
 
     # 8. autocast (FSDP casts by its policy instead)
     autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
@@ -189,4 +198,5 @@ def parallelize(
             device=device,
             group=mesh.pp_group,
         )
-    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast, loss_parallel=loss_parallel)
+    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast, loss_parallel=loss_parallel,
+                        comm_states=comm_states)

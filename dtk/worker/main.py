@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.memory_root import sweep_host
 from dtk.checkpoint.memory_tier import MemoryTier
+from dtk.checkpoint.rng import keep_rank_state
 from dtk.config.choices import Tracker, chosen_trackers
 from dtk.config.convert import to_dict
 from dtk.data.loader import StepBatches, build_splits
@@ -120,6 +121,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
     )
     sync = synchronizer(cfg.sync, model=model.parts[0], mesh=mesh)  # None: every step synchronizes
+    for i, comm in enumerate(model.comm_states):  # PowerSGD's error feedback: in each rank's own checkpoint file
+        keep_rank_state(f"powersgd{i}", save=comm.state_tensors, restore=comm.load_state_tensors)
     ckpt_parts, ckpt_identity = checkpointed(
         sync, [(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)], mesh=mesh)
     # Before the run's first step: no step completed (rank 0's progress file) and nothing to resume.
