@@ -46,3 +46,26 @@ def test_list_of_a_folder_that_is_no_run_says_what_it_takes(tmp_path):
     line = proc.stderr.strip()
     assert line.startswith(f"error: RUN_DIR {other}: not a run directory") and "\n" not in line
     assert "its checkpoints/ folder, or one step folder" in line
+
+
+def test_export_and_delete_take_the_same_folders(tmp_path):
+    import torch
+
+    run, held = save_three(tmp_path / "run", asynchronous=False)
+    out = tmp_path / "from_folder.pt"
+    proc = run_main("dtk.checkpoint", "export", str(run.checkpoints), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{out}: step 3,")
+    one = tmp_path / "step_2.pt"
+    proc = run_main("dtk.checkpoint", "export", str(run.checkpoint_dir(2)), "--out", str(one))
+    assert proc.returncode == 0 and proc.stdout.startswith(f"{one}: step 2,"), proc.stderr
+    state = torch.load(one, weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(state.values(), held[2], strict=True))
+
+    proc = run_main("dtk.checkpoint", "delete", str(run.checkpoint_dir(1)), "--step", "2")
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(
+        f"error: RUN_DIR {run.checkpoint_dir(1)} is the folder of step 1, but --step 2 names another")
+    assert run.checkpoint_dir(1).is_dir() and run.checkpoint_dir(2).is_dir()
+    proc = run_main("dtk.checkpoint", "delete", str(run.checkpoint_dir(1)), "--step", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert not run.checkpoint_dir(1).exists() and run.checkpoint_dir(2).is_dir()

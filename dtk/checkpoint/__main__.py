@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--no-checksums", action="store_true", help="check sizes only (reads no checkpoint data)")
     ls.add_argument("--json", action="store_true", help="one JSON object per checkpoint")
     ex = sub.add_parser("export", help="one consolidated model (a state dict file, or a Hugging Face folder) from a checkpoint")
-    ex.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    ex.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                    help="a run's folder, its checkpoints/ folder, or one step folder in it (that step)")
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
     ex.add_argument("--out", required=True, type=Path,
                     help="the file (or, with --format hf, the folder) to write; OUT.json gets where it came from")
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch: torch.save'd state dict (default); safetensors: the same as safetensors;"
                          " hf: a folder AutoModelForCausalLM.from_pretrained loads (runs of model=hf)")
     rm = sub.add_parser("delete", help="delete one checkpoint folder (recorded in the audit log)")
-    rm.add_argument("run_dir", metavar="RUN_DIR", type=Path)
+    rm.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                    help="a run's folder, its checkpoints/ folder, or one step folder in it (that step)")
     rm.add_argument("--step", type=int, required=True, help="the checkpoint's step")
     rm.add_argument("--force", action="store_true",
                     help="also delete the newest verified checkpoint (the one a resume would start from)")
@@ -109,6 +111,16 @@ def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
     return 0
 
 
+def _run_and_step(path: Path, step: int | None) -> tuple[Path, int | None]:
+    """export and delete take the folders list takes: a step folder names its step, which
+    --step may repeat but not contradict."""
+    run_dir, folder_step = located(path)
+    if folder_step is not None and step not in (None, folder_step):
+        raise UserError(f"RUN_DIR {path} is the folder of step {folder_step}, but --step {step} names another;"
+                        f" give the run's folder with --step {step}, or leave --step out")
+    return run_dir, step if step is not None else folder_step
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "list":
@@ -116,6 +128,7 @@ def main(argv: list[str]) -> int:
     from dtk import audit
     from dtk.access.check import check_action
 
+    args.run_dir, args.step = _run_and_step(args.run_dir, args.step)
     if args.command == "delete":
         check_action(args.run_dir, "maintainer", doing="delete checkpoints")
     else:
