@@ -324,8 +324,8 @@ def test_the_same_error_in_user_code_at_two_starts_fails_the_run_after_the_secon
     assert {k: event[k] for k in ("type", "message", "file", "line", "step", "rank")} == {**VIEW_ERROR, "step": 3,
                                                                                        "rank": 0}
     (failed,) = job.events("failed")
-    assert failed["error"].startswith("error in user code, the same at two starts in a row without progress,"
-                                      " not relaunched (job local-")
+    assert failed["error"].startswith("the same exception in user code ended two starts in a row without"
+                                      " progress; not relaunched (job local-")
     assert failed["error"].endswith("RuntimeError: view size is not compatible with input tensor's size and stride"
                                     " (at least one dimension spans across two contiguous subspaces). Use"
                                     " .reshape(...) instead. at /home/alice/proj/loss.py:12 (step 3)")

@@ -369,8 +369,8 @@ def test_the_same_error_in_user_code_at_two_starts_fails_the_job_without_a_third
     job = Job(tmp_path, base_config, scripts, max_restarts=5)
     with pytest.raises(DriverFailed) as failed:
         job.sup.drive()
-    assert str(failed.value) == ("error in user code, the same at two starts in a row without progress, not"
-                                 " relaunched (job 42): RuntimeError: view size is not compatible with input"
+    assert str(failed.value) == ("the same exception in user code ended two starts in a row without progress;"
+                                 " not relaunched (job 42): RuntimeError: view size is not compatible with input"
                                  " tensor's size and stride at /home/alice/proj/loss.py:12 (step 5)")
     assert len(job.fake.steps) == 2 and len(job.events("relaunched")) == 1 and job.requeue_calls() == []
     (event,) = job.events("user_code_error")

@@ -147,7 +147,7 @@ def test_a_bug_in_a_user_loss_fails_the_lab_job_after_its_second_start(lab, tmp_
     (event,) = events(run, "user_code_error")
     assert event["file"] == str(folder / "badloss.py") and event["line"] == LOSS_LINE and event["step"] == 0
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error"].startswith("error in user code, the same at two starts")
+    assert summary["status"] == "failed" and summary["error"].startswith("the same exception in user code ended two starts")
     (err,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert "RuntimeError: view size is not compatible" in err and f"badloss.py:{LOSS_LINE}" in err, err
 

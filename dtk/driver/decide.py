@@ -167,8 +167,8 @@ def decide(outcome: Outcome, *, job_id: str, relaunches: int, max_restarts: int,
     if kind is Kind.NODE_FAILED:
         return Decision(Action.EXCLUDE)
     if kind is Kind.CRASHED and fault is not None and fault.same_as(previous) and not progressed:
-        return Decision(Action.USER_CODE_ERROR, f"error in user code, the same at two starts in a row without"
-                        f" progress, not relaunched (job {job_id}): {fault.text()}")
+        return Decision(Action.USER_CODE_ERROR, f"the same exception in user code ended two starts in a row"
+                        f" without progress; not relaunched (job {job_id}): {fault.text()}")
     if relaunches < max_restarts:
         return Decision(Action.RELAUNCH)
     return Decision(Action.FAIL, f"{kind.value} {relaunches + 1} times in job {job_id}"
