@@ -1,7 +1,8 @@
 """`+sync` runs end to end (real `python -m dtk.submit`, gloo workers, DCP checkpoints):
 two identical runs give identical losses, and a run killed between two synchronizations
 (its newest checkpoint holds replicas that differ) resumes bit for bit; the same run on
-another number of replicas is refused with one line.
+another number of replicas is refused with one line. The same for DDP with PowerSGD
+(scheme.grad_compression=powersgd), killed after its warm-up: its error feedback resumes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk
+from dtk.parallel.compression import POWERSGD_WARMUP
 from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -23,24 +25,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 EVERY = 4
 JOB = [
     "model.dropout=0.1",  # each rank's random stream every step: a resume must restore it
-    "train.steps=16",
     "train.global_batch=32",
     "train.micro_batch=8",
     "train.log_every=1000",
-    f"sync.every={EVERY}",
     "checkpoint.every=5",  # 5, 10, 15: every save lies between two synchronizations
     "fault.max_restarts=0",  # the driver stops at a kill; the next command resumes
 ]
 
-CASES = {
-    "local_sgd": ["+sync=local_sgd", "tasks_per_node=2"],
-    "diloco": ["+sync=diloco", "tasks_per_node=2"],
-    "diloco_fsdp_inside": ["+sync=diloco", "+scheme=hsdp", "scheme.dp_replicate=2", "tasks_per_node=4"],
+SYNC = [f"sync.every={EVERY}", "train.steps=16"]
+CASES = {  # name -> overrides, the step to kill after
+    "local_sgd": (["+sync=local_sgd", *SYNC, "tasks_per_node=2"], 7),
+    "diloco": (["+sync=diloco", *SYNC, "tasks_per_node=2"], 7),
+    "diloco_fsdp_inside": (["+sync=diloco", *SYNC, "+scheme=hsdp", "scheme.dp_replicate=2", "tasks_per_node=4"], 7),
+    # PowerSGD compresses after its warm-up: killed after the save of step 15, its state is in use
+    "powersgd": (["+scheme=ddp", "scheme.grad_compression=powersgd", "train.steps=20", "tasks_per_node=2"], 16),
 }
 
 
 def job(case: str, root: Path, name: str) -> list[str]:
-    return [*CASES[case], *JOB, f"run.name={name}", f"run.root={root}"]
+    return [*CASES[case][0], *JOB, f"run.name={name}", f"run.root={root}"]
 
 
 def finish(args: list[str], root: Path) -> None:
@@ -79,11 +82,12 @@ def test_identical_runs_are_identical_and_a_kill_between_syncs_resumes_bitwise(c
     finish(job(case, tmp_path, "a"), tmp_path)
     finish(job(case, tmp_path, "b"), tmp_path)
     reference = losses(tmp_path / "a")
-    assert sorted(reference) == list(range(1, 17))
+    steps = 20 if case == "powersgd" else 16
+    assert sorted(reference) == list(range(1, steps + 1))
     assert losses(tmp_path / "b") == reference
 
     run = tmp_path / "r"
-    kill_after(job(case, tmp_path, "r"), tmp_path, run, step=7)
+    kill_after(job(case, tmp_path, "r"), tmp_path, run, step=CASES[case][1])
     if case == "diloco":  # the same run on 4 replicas: one line, nothing trained
         more = [a if a != "tasks_per_node=2" else "tasks_per_node=4" for a in job(case, tmp_path, "r")]
         proc = dtk("dtk.submit", *more, cwd=tmp_path, timeout=300)
@@ -91,5 +95,8 @@ def test_identical_runs_are_identical_and_a_kill_between_syncs_resumes_bitwise(c
         assert "written by 2 data-parallel replicas and this job has 4" in proc.stdout + proc.stderr
     finish(job(case, tmp_path, "r"), tmp_path)
     loaded = events(run, "checkpoint_loaded")
-    assert loaded and all(e["step"] % EVERY for e in loaded), loaded  # resumed between two synchronizations
+    if case == "powersgd":
+        assert loaded and all(e["step"] > POWERSGD_WARMUP for e in loaded), loaded
+    else:
+        assert loaded and all(e["step"] % EVERY for e in loaded), loaded  # resumed between two synchronizations
     assert losses(run) == reference
