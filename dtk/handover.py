@@ -263,7 +263,8 @@ def _data_lines(plan, run_dir: Path) -> list[str]:
         tokenizer = f", tokenizer `{manifest['tokenizer']}`" if "tokenizer" in manifest else ""
         split = (f"; validation split: the shards {', '.join(manifest['val_shards'])}" if manifest.get("val_shards")
                  and not data.val_shards else "")
-        where = [f"The dataset folder `{data.path}` (`data=hdf5`{tokenizer}, python -m dtk.data prepare){split};"
+        relative = "" if Path(data.path).expanduser().is_absolute() else ", relative to the folder dtk.submit ran in"
+        where = [f"The dataset folder `{data.path}`{relative} (`data=hdf5`{tokenizer}, python -m dtk.data prepare){split};"
                  " it must be at that path, on storage every node sees, or `data.path=` names its new place."]
         recorded = recorded or (f"{manifest['version']} (the folder's manifest today; the run recorded none)"
                                 if "version" in manifest else None)
