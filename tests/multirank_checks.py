@@ -142,7 +142,7 @@ def check_pp_autocast(rank: int, world: int) -> dict[str, Any]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = full(tokens)
     reference = loss_fn(logits, targets).item()
-    parts, ids = split_model(full, split_points=(), pp_rank=rank, pp=world, virtual=1)
+    parts, ids, _ = split_model(full, split_points=(), pp_rank=rank, pp=world, virtual=1)
     for part, i in zip(parts, ids, strict=True):
         autocast_stage(part, device_type="cpu", dtype=torch.bfloat16, sends=i < world - 1)
     sent, in_backward = [], []

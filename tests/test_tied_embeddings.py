@@ -10,12 +10,11 @@ import importlib.util
 
 import pytest
 import torch
-from tie_checks import TIED, train_tied
+from tie_checks import TIED, train_tied, train_tied_pp
 from torch import nn
 
 from conftest import require
 from dtk.config.compose import compose
-from dtk.errors import UserError
 from dtk.models.build import build_model, materialize
 from multirank import run_on_ranks
 
@@ -95,12 +94,41 @@ def test_a_tied_model_trains_as_one_process_under_every_scheme(name, reference, 
         assert "Shard(dim=0)" in ranks[0]["placements"], ranks[0]["placements"]
 
 
-def test_a_pipeline_that_splits_the_tie_is_refused_by_name():
+def test_a_pipeline_gives_the_last_stage_a_copy_that_starts_as_the_embedding():
+    from dtk.models.ties import ELSEWHERE
     from dtk.parallel.pipeline import split_model
+    from dtk.parallel.stage_ties import StageTie
 
-    model = build_model(compose(TIE).model, device="meta", seed=0)
-    with pytest.raises(UserError, match=r"ties tok_embeddings.weight and output.weight.*use a scheme without pp"):
-        split_model(model, split_points=(), pp_rank=0, pp=2, virtual=1)
+    cfg = compose(TIE)
+    stages = []
+    for pp_rank in (0, 1):
+        (stage,), _, ties = split_model(build_model(cfg.model, device="meta", seed=0), split_points=(),
+                                        pp_rank=pp_rank, pp=2, virtual=1)
+        materialize([stage], model_cfg=cfg.model, device=torch.device("cpu"), seed=0)
+        stages.append(stage)
+    assert ties == [StageTie(names=TIED, pp_ranks=(0, 1))]
+    first, last = stages
+    assert getattr(first, ELSEWHERE) == {} and getattr(last, ELSEWHERE) == {TIED[1]: TIED[0]}
+    assert first.output is None and last.tok_embeddings is None
+    torch.testing.assert_close(last.output.weight, first.tok_embeddings.weight, rtol=0, atol=0)
+
+
+@pytest.mark.dist
+def test_a_tied_pipeline_sums_its_copies_gradients_and_counts_the_norm_once(reference, tmp_path):
+    """2 stages on gloo ranks against one process: the same losses, gradient norms (the
+    tie counted once; step 1's norm is above optim.grad_clip, so clipping acts) and weights;
+    both copies of the tie step alike."""
+    first, last = run_on_ranks(train_tied_pp, 2, tmp_path, TIE, STEPS)
+    assert last["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for got in (first, last):
+        assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    assert reference["norms"][0] > compose([]).optim.grad_clip  # clipped in step 1
+    torch.testing.assert_close(last["params"][TIED[1]], first["params"][TIED[0]], rtol=0, atol=0)
+    assert not last["params"][TIED[1]].equal(last["initial"][TIED[1]])  # it trained
+    for got in (first, last):
+        for key, value in got["params"].items():
+            want = reference["params"][TIED[0] if key == TIED[1] else key]
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_the_planner_counts_a_tied_weight_once_as_the_workers_build_it():
@@ -151,17 +179,6 @@ def test_a_tied_hugging_face_model_trains_as_one_process(name, hf_tied, tmp_path
         assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         for key, want in reference["params"].items():
             torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
-
-
-def test_the_planner_refuses_a_pipeline_that_splits_the_tie_before_the_queue(tmp_path):
-    from conftest import run_main
-
-    ran = run_main("dtk.plan", *TIE, "+scheme=pp", "scheme.pp=2", "tasks_per_node=2", cwd=tmp_path)
-    assert ran.returncode == 2
-    assert ran.stderr.strip().splitlines()[-1].startswith(
-        "error: the model ties tok_embeddings.weight and output.weight, which pipeline parallelism puts in different"
-    )
-    assert run_main("dtk.plan", *TIE[1:], "+scheme=pp", "scheme.pp=2", "tasks_per_node=2", cwd=tmp_path).returncode == 0
 
 
 USER_YAML = """\

@@ -60,13 +60,13 @@ def train_tied(rank: int, world: int, overrides: list[str], steps: int, tied: tu
     local = GLOBAL_BATCH // mesh.dp_size
     mine = tokens[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
     inputs, targets = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         logits = part(inputs)
         loss = loss_fn(logits, targets)
         with sharded_context(loss):
             loss.backward()
-        clip_grad_norm_(list(part.parameters()), cfg.optim.grad_clip)
+        norms.append(clip_grad_norm_(list(part.parameters()), cfg.optim.grad_clip).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = local_value(loss).detach()
@@ -76,9 +76,59 @@ def train_tied(rank: int, world: int, overrides: list[str], steps: int, tied: tu
     names_of_state = sorted(get_model_state_dict(part))
     return {
         "losses": losses,
+        "norms": norms,
         "params": {name: _full(p) for name, p in inner.named_parameters()},
         "one_object": inner.get_parameter(tied[0]) is inner.get_parameter(tied[1]),
         "num_parameters": len(list(part.parameters())),
         "state_keys": names_of_state,
         "placements": str(getattr(inner.get_parameter(tied[0]), "placements", "plain")),
+    }
+
+
+def train_tied_pp(rank: int, world: int, overrides: list[str], steps: int) -> dict[str, Any]:
+    """As `train_tied`, under a pipeline of `world` stages (one rank each, 1F1B, 2
+    micro-batches) as dtk.train.trainer runs it: what each stage holds, the losses (last
+    stage), the gradient norms and each stage's parameters after the steps."""
+    from dtk.config.compose import compose
+    from dtk.dist.mesh import build_mesh
+    from dtk.models.build import ParallelSpec, build_model, materialize
+    from dtk.parallel.grad_norm import clip_grad_norm_
+    from dtk.parallel.parallelize import parallelize
+    from dtk.plan.degrees import resolve_degrees
+    from dtk.train.loss import TokenCrossEntropy
+    from dtk.train.optim import build_optimizer
+
+    cfg = compose(["optim.warmup_steps=0", "+scheme=pp", f"scheme.pp={world}", *overrides])
+    assert cfg.scheme is not None
+    mesh = build_mesh(resolve_degrees(cfg.scheme, world), "cpu")
+    meta = build_model(cfg.model, device="meta", seed=0)
+    model = parallelize(
+        meta, mesh=mesh, scheme=cfg.scheme, spec=ParallelSpec.from_config(cfg.model), device=torch.device("cpu"),
+        loss_fn=TokenCrossEntropy(), num_microbatches=2, sharded_logits=False,
+        materialize=lambda parts, on: materialize(parts, model_cfg=cfg.model, device=on, seed=0),
+    )
+    pipe = model.pipeline
+    assert pipe is not None
+    (part,) = model.parts
+    optimizer = build_optimizer(part.parameters(), optim=cfg.optim)
+    initial = {name: p.detach().clone() for name, p in part.named_parameters()}
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.model.vocab_size, (GLOBAL_BATCH, cfg.model.seq_len + 1), generator=g)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    losses, norms = [], []
+    for _ in range(steps):
+        step_losses: list[torch.Tensor] = []
+        args = (inputs,) if pipe.has_first_stage else ()
+        kwargs = {"target": targets, "losses": step_losses} if pipe.has_last_stage else {}
+        pipe.schedule.step(*args, **kwargs)
+        norms.append(clip_grad_norm_(list(part.parameters()), cfg.optim.grad_clip, pp_group=mesh.pp_group).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step_losses:
+            losses.append(torch.stack([loss.detach() for loss in step_losses]).mean().item())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "initial": initial,
+        "params": {name: _full(p) for name, p in part.named_parameters()},
     }

@@ -33,7 +33,7 @@ from dtk.checkpoint.rng import set_rng_state
 from dtk.checkpoint.safe import SafeLoadPlanner
 from dtk.checkpoint.sharded import _OPTIONS, TRAINER_STATE, Comm, Parts, _state_dicts, cause, rng_file
 from dtk.checkpoint.trust import check_metadata, read_checked
-from dtk.models.ties import tied_aliases
+from dtk.models.ties import module_keys
 
 
 class CheckpointLoadError(RuntimeError):
@@ -134,13 +134,13 @@ def set_parts(parts: Parts, keys: list[tuple[set, set]], state: dict[str, Any]) 
     """Hand each part (a module and its optimizer) its keys of the loaded flat state."""
     for (module, optimizer), (mkeys, okeys) in zip(parts, keys, strict=True):
         model_state = {k: state["model"][k] for k in mkeys}
-        # A tied weight was saved once, under its first name: its other names load it too.
-        model_state |= {alias: model_state[first] for alias, first in tied_aliases(module).items()}
+        optim_state = {k: state["optim"][k] for k in okeys}
+        module_keys(module, model_state, optim_state)  # a tied weight's names, from its first one
         set_state_dict(
             module,
             optimizer,
             model_state_dict=model_state,
-            optim_state_dict={k: state["optim"][k] for k in okeys},
+            optim_state_dict=optim_state,
             options=_OPTIONS,
         )
 

@@ -66,7 +66,7 @@ from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng
 from dtk.checkpoint.staging import stager
 from dtk.dist.groups import new_group
-from dtk.models.ties import tied_aliases
+from dtk.models.ties import checkpoint_keys
 from dtk.rundir import TRAINER_STATE, write_json_atomic
 
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
@@ -90,8 +90,7 @@ def _state_dicts(parts: Parts) -> tuple[dict[str, Any], dict[str, Any], list[tup
     keys = []
     for module, optimizer in parts:
         m, o = get_state_dict(module, optimizer, options=_OPTIONS)
-        for alias in tied_aliases(module):  # a tied weight is saved once, under its first name
-            m.pop(alias, None)
+        checkpoint_keys(module, m, o)  # a tied weight once, under its first name
         assert not (m.keys() & model_sd.keys()), "model parts share parameter names"
         model_sd.update(m)
         optim_sd.update(o)

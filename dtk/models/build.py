@@ -19,7 +19,7 @@ from torch import nn
 
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
-from dtk.models.ties import retie, tied_groups
+from dtk.models.ties import ELSEWHERE, retie, tied_groups
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,8 @@ def _init_by_name(parts: list[nn.Module], seed: int) -> None:
     and the device type only: every scheme and world size starts from the same weights on
     the same GPUs (a GPU's stream differs from the CPU's, so a CPU run starts elsewhere)."""
     for part, name, t in _tensors(parts):
+        # A pipeline stage's copy of a weight tied to another stage's: the first name's values.
+        name = getattr(part, ELSEWHERE, {}).get(name, name)
         full = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         generator = torch.Generator(device=t.device).manual_seed(name_seed(seed, name))
         assert isinstance(part, NamedInit), "every part of one model initialises alike"

@@ -11,9 +11,16 @@ parameter, one gradient, one optimizer state.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from dtk.errors import UserError
+
+ELSEWHERE = "dtk_tied_elsewhere"
+"""Attribute of a pipeline stage module: {a name it holds: the first name of that tie, held
+by another stage} (dtk.parallel.stage_ties). Its copy is initialised, saved and loaded under
+the first name."""
 
 
 def tied_groups(module: nn.Module) -> list[tuple[str, ...]]:
@@ -23,6 +30,37 @@ def tied_groups(module: nn.Module) -> list[tuple[str, ...]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     return [tuple(names) for names in by_id.values() if len(names) > 1]
+
+
+def checkpoint_keys(module: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """The state dicts of `module` (get_state_dict's, flattened) as the checkpoint holds them,
+    in place: a tie once, under its first name; a pipeline stage's copy of a weight whose
+    first name is another stage's, under that first name (both stages write the same values,
+    which DCP writes once)."""
+    for alias in tied_aliases(module):
+        model_sd.pop(alias, None)
+    for name, first in elsewhere(module).items():
+        model_sd[first] = model_sd.pop(name)
+        _rename_optim(optim_sd, name, first)
+
+
+def module_keys(module: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """The inverse of `checkpoint_keys`, in place: what set_state_dict of `module` expects."""
+    for name, first in elsewhere(module).items():
+        model_sd[name] = model_sd.pop(first)
+        _rename_optim(optim_sd, first, name)
+    model_sd |= {alias: model_sd[first] for alias, first in tied_aliases(module).items()}
+
+
+def elsewhere(module: nn.Module) -> dict[str, str]:
+    return dict(getattr(getattr(module, "module", module), ELSEWHERE, {}))  # DDP wraps a stage
+
+
+def _rename_optim(optim_sd: dict[str, Any], old: str, new: str) -> None:
+    for key in list(optim_sd):
+        for kind in ("state.", "param_groups."):
+            if key.startswith(f"{kind}{old}."):
+                optim_sd[f"{kind}{new}.{key[len(kind) + len(old) + 1:]}"] = optim_sd.pop(key)
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -49,7 +87,7 @@ def retie(module: nn.Module, groups: list[tuple[str, ...]]) -> None:
     copies that are not laid out alike (a DTensor sharded one way and one another way) cannot
     be one tensor: UserError."""
     for names in groups:
-        held = [n for n in names if _holds(module, n)]
+        held = [n for n in names if holds(module, n)]
         if len(held) < 2:
             continue
         keep = module.get_parameter(held[0])
@@ -68,7 +106,7 @@ def retie(module: nn.Module, groups: list[tuple[str, ...]]) -> None:
             owner._parameters[leaf] = keep
 
 
-def _holds(module: nn.Module, name: str) -> bool:
+def holds(module: nn.Module, name: str) -> bool:
     try:
         owner, leaf = _owner(module, name)
     except AttributeError:  # a module on the path is None or gone

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtk.parallel.stage_ties import COPY_MARK
+
 
 def _group_key(t: torch.Tensor):
     if isinstance(t, DTensor):
@@ -26,9 +28,10 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, *, pp_gro
     """Clip in place to `max_norm` (0: measure only); return the global norm before clipping,
     a 0-dim tensor on the gradients' device (no host sync)."""
     groups: dict = defaultdict(list)
+    copies: list[torch.Tensor] = []  # a pipeline stage's copy of a weight tied to another stage's: scaled, counted once
     for p in params:
         if p.grad is not None:
-            groups[_group_key(p.grad)].append(p.grad)
+            (copies if getattr(p, COPY_MARK, False) else groups[_group_key(p.grad)]).append(p.grad)
     device = next((g[0].device for g in groups.values()), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for grads in groups.values():
@@ -44,8 +47,9 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, *, pp_gro
         # The coefficient stays a tensor on the device: reading it as a Python float would
         # make the host wait for the whole backward every step.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in groups.values():
+        for grads in [*groups.values(), copies]:
             # A DTensor's local shard is a view of its storage: scaling it scales the DTensor.
             local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-            torch._foreach_mul_(local, coef.to(local[0].device))
+            if local:
+                torch._foreach_mul_(local, coef.to(local[0].device))
     return total

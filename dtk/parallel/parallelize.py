@@ -25,7 +25,9 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
     7. DDP                  or wrap each part for replicated data parallelism (dp > 1)
     8. autocast             without FSDP, a low-precision param_dtype runs forward under
                             autocast; a pipeline's stages enter it themselves and send in it
-    9. pipeline schedule    stages of this rank -> the schedule that runs the micro-batches
+    9. pipeline schedule    stages of this rank -> the schedule that runs the micro-batches;
+                            a weight tied across stages has its copies' gradients summed
+                            after each step (dtk.parallel.stage_ties)
 
 This function only decides which apply runs, and in what order.
 """
@@ -46,6 +48,7 @@ from dtk.models.build import ParallelSpec
 from dtk.models.ties import retie, tied_groups
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
+from dtk.parallel.stage_ties import StageTie
 from dtk.plan.degrees import Axis
 from dtk.plan.layout import reshards_after_forward, uses_ddp, uses_fsdp
 
@@ -107,10 +110,10 @@ def parallelize(
     loss_parallel = degrees.tp > 1 and degrees.pp == 1 and sharded_logits
 
     # 1. pipeline split
-    parts, stage_ids = [model], [0]
+    parts, stage_ids, ties = [model], [0], list[StageTie]()
     num_stages = degrees.pp * scheme.pp_virtual_stages
     if degrees.pp > 1:
-        parts, stage_ids = split_model(
+        parts, stage_ids, ties = split_model(
             model,
             split_points=spec.split_points,
             pp_rank=mesh.rank(Axis.pp),
@@ -123,10 +126,10 @@ def parallelize(
         if degrees.tp > 1:
             from dtk.parallel.tp import apply_tp
 
-            ties = tied_groups(part)  # each module's weight becomes its own DTensor: tie them again
+            tp_ties = tied_groups(part)  # each module's weight becomes its own DTensor: tie them again
             apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel,
                      loss_parallel=loss_parallel)
-            retie(part, ties)
+            retie(part, tp_ties)
         # 3. activation checkpointing
         if scheme.activation_checkpoint != ActivationCheckpoint.none:
             from dtk.parallel.ac import apply_ac
@@ -198,5 +201,10 @@ def parallelize(
             device=device,
             group=mesh.pp_group,
         )
+        if ties:  # a weight tied across stages (embedding and head): its copies' gradients summed
+            from dtk.parallel.stage_ties import embedding_groups, grad_sync, mark_copies
+
+            mark_copies(parts)
+            pipeline.after_step(grad_sync(parts, ties, embedding_groups(mesh.world, ties)))
     return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast, loss_parallel=loss_parallel,
                         comm_states=comm_states)

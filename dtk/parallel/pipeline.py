@@ -25,11 +25,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from dtk.config.choices import PipelineSchedule
 from dtk.errors import UserError
-from dtk.models.ties import tied_groups
+from dtk.parallel.stage_ties import StageTie, mark_stage, stage_ties
 from dtk.parallel.units import pipeline_units
 from dtk.plan.layout import local_stage_ids
 from dtk.plan.layout import stage_units as cut_stages
-from dtk.plan.parts import check_ties_in_stages
 
 SCHEDULES = {
     PipelineSchedule("gpipe"): ScheduleGPipe,
@@ -82,12 +81,16 @@ def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
 
 def split_model(
     model: nn.Module, *, split_points: tuple[str, ...], pp_rank: int, pp: int, virtual: int
-) -> tuple[list[nn.Module], list[int]]:
-    """This pipeline rank's stage modules and their stage indices."""
+) -> tuple[list[nn.Module], list[int], list[StageTie]]:
+    """This pipeline rank's stage modules, their stage indices, and the model's ties that
+    span stages (dtk.parallel.stage_ties: each stage records its copies)."""
     units = stage_units(model, split_points=split_points, num_stages=pp * virtual)
-    check_ties_in_stages(tuple(tied_groups(model)), units)  # the planner checked it too
+    ties = stage_ties(model, units, pp)
     ids = local_stage_ids(pp_rank, pp, virtual)
-    return [stage_module(model, units[i]) for i in ids], ids
+    stages = [stage_module(model, units[i]) for i in ids]
+    for stage in stages:
+        mark_stage(stage, ties)
+    return stages, ids, ties
 
 
 def autocast_stage(stage: nn.Module, *, device_type: str, dtype: torch.dtype, sends: bool) -> None:
@@ -122,6 +125,17 @@ class Pipeline:
     has_last_stage: bool
     stages: list = field(default_factory=list)
     """This rank's PipelineStage objects, in the schedule's order."""
+
+    def after_step(self, hook: Callable[[], None]) -> None:
+        """Run `hook` after each schedule step (every micro-batch's backward done)."""
+        step = self.schedule.step
+
+        def stepped(*args, **kwargs):
+            out = step(*args, **kwargs)
+            hook()
+            return out
+
+        self.schedule.step = stepped  # type: ignore[method-assign]
 
 
 def build_pipeline(

@@ -13,7 +13,6 @@ from fnmatch import fnmatchcase
 from dtk.config.schema import ModelConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees
-from dtk.plan.layout import stage_units
 from dtk.plan.shape import ModelShape
 
 # The built-in factories' keyword arguments, for the login node, which imports neither
@@ -47,23 +46,6 @@ def check_builtin_arguments(model: ModelConfig) -> None:
 def _listed(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
-def check_ties_in_stages(tied: tuple[tuple[str, ...], ...], stages: list[list[str]]) -> None:
-    """A tied parameter whose names fall in different pipeline stages (`stages`: the unit
-    paths of each) would need its copies' gradients summed across the pipeline each step,
-    which dtk does not do: refused by name, before the queue and again on the workers
-    (dtk.parallel.pipeline), rather than trained as two weights."""
-    def stage_of(name: str) -> int | None:
-        return next((s for s, paths in enumerate(stages) if any(name.startswith(f"{p}.") for p in paths)), None)
-
-    for names in tied:
-        if len({stage_of(n) for n in names}) > 1:
-            raise UserError(
-                f"the model ties {' and '.join(names)}, which pipeline parallelism puts in different stages;"
-                " a weight tied across stages is not supported: use a scheme without pp (ddp, fsdp, tp, hsdp),"
-                " or untie it (model.tie_embeddings=false for the built-in transformer)"
-            )
 
 
 def check_parts(shape: ModelShape, *, wrap_classes: tuple[str, ...], tp_plan: dict[str, str],
@@ -111,5 +93,3 @@ def check_parts(shape: ModelShape, *, wrap_classes: tuple[str, ...], tp_plan: di
             " blocks (items of a ModuleList, ModuleDict or Sequential); each stage needs one: use fewer stages,"
             " or give model.split_points"
         )
-    if stages > 1:
-        check_ties_in_stages(shape.tied, stage_units(shape.units, split_points, stages))

@@ -75,9 +75,6 @@ class ModelShape:
     tp_plan: dict[str, str] | None = None
     """The tensor-parallel plan the workers use, when counted (the yaml's, else the model's
     own dtk_tp_plan); None: the yaml's."""
-    tied: tuple[tuple[str, ...], ...] = ()
-    """The names of each parameter reached under several names (an output head tied to the
-    token embedding); `tensors` holds it once, under the first."""
 
     @property
     def params(self) -> int:
@@ -201,7 +198,6 @@ def builtin_shape(model: TransformerConfig) -> ModelShape:
         tensors=tuple(tensors), units=units, source="model (built-in transformer)", exact=True,
         layers=layers, hidden=dim, heads=heads, seq_len=seq, vocab=vocab, ffn_hidden=hidden,
         modules=builtin_modules(model),
-        tied=(("tok_embeddings.weight", "output.weight"),) if model.tie_embeddings else (),
     )
 
 
@@ -264,5 +260,4 @@ def shape_from_counted(record: dict[str, Any]) -> ModelShape:
         modules=tuple(tuple(m) for m in record.get("modules", ())),
         wrap_classes=tuple(record["wrap_classes"]) if record.get("wrap_classes") else None,
         tp_plan=dict(record["tp_plan"]) if record.get("tp_plan") else None,
-        tied=tuple(tuple(names) for names in record.get("tied", ())),
     )
