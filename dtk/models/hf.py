@@ -21,6 +21,10 @@ exports to a folder `from_pretrained` loads. Three things make it a dtk model:
   config's `base_model_tp_plan`), in dtk's style names. The yaml's `wrap_classes` and
   `tp_plan`, when given, replace them.
 
+`tie_word_embeddings` needs nothing here: transformers ties `lm_head.weight` to the input
+embedding when it builds the model, and dtk keeps ties found by identity through the meta
+build (dtk.models.ties).
+
 Pipeline parallelism is not offered: transformers' forward does not skip the modules a
 stage does not hold.
 """
@@ -189,6 +193,5 @@ def build(
     weights = SafetensorsWeights(init_from) if init_from else None
     model.reset_parameter = functools.partial(_reset_parameter, model, weights)
     model.dtk_wrap_classes, model.dtk_tp_plan = parallel_defaults(model)
-    model.dtk_tied_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
     model.register_forward_hook(_logits)
     return model
