@@ -25,9 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtk.plan.accelerators import ACCELERATORS  # noqa: E402
+from dtk.plan.accelerators import ACCELERATORS, accelerator_of  # noqa: E402
 from dtk.rundir import EVENTS, HEARTBEAT, METRICS, SUMMARY
-from dtk.train.flops import accelerator_of  # noqa: E402
 
 GIB = 2**30
 WARMUP_STEPS = 10  # compile and the allocator's first steps: left out of the medians

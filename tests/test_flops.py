@@ -63,10 +63,11 @@ def test_logged_mfu_of_the_builtin_transformer_is_the_analytic_formula(tmp_path)
     ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
     ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"), ("NVIDIA L40", None),
     ("NVIDIA B200", "b200"), ("AMD Instinct MI300X", "mi300x"), ("Tesla V100-SXM2-32GB", None),
+    ("NVIDIA A800-SXM4-80GB", "a800"), ("NVIDIA H800", "h800"), ("NVIDIA GH200 480GB", "gh200"),
+    ("AMD Instinct MI250X/MI250", "mi250x"),
 ])
 def test_device_names_find_their_row_of_the_accelerator_table(device_name, table_name):
-    from dtk.plan.accelerators import ACCELERATORS
-    from dtk.train.flops import accelerator_of
+    from dtk.plan.accelerators import ACCELERATORS, accelerator_of
 
     assert accelerator_of(device_name) == table_name
     assert table_name is None or table_name in ACCELERATORS

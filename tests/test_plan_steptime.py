@@ -12,10 +12,12 @@ from dtk.config.compose import compose
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import ClusterConfig, SchemeConfig
 from dtk.errors import UserError
+from dtk.plan.accelerators import ACCELERATORS
+from dtk.plan.comm import traffic
 from dtk.plan.degrees import Degrees
 from dtk.plan.memory import Job, precision_for, scheme_config
 from dtk.plan.shape import builtin_shape, whatif_shape
-from dtk.plan.steptime import SPEEDS, doctor_links, flops_per_token, hardware_of, step_time
+from dtk.plan.steptime import Speeds, doctor_links, flops_per_token, hardware_of, step_time
 
 BASE = dataclasses.asdict(SchemeConfig())
 H100 = ClusterConfig(accelerator="h100-80gb")
@@ -47,7 +49,7 @@ def test_compute_scales_with_devices_and_the_bubble_with_stages_over_micro_batch
     hw = hardware_of(H100, device="cuda", param_dtype="auto")
     one = step_time(SHAPE, job(Degrees(1, 1, 8, 1), data_parallel="fsdp"), global_batch=64, tasks_per_node=8, hw=hw)
     assert one.compute_s == pytest.approx(64 * 4096 * flops_per_token(SHAPE, "none")[1] / 8
-                                          / (989.5e12 * SPEEDS["h100-80gb"].efficiency))
+                                          / (989.5e12 * ACCELERATORS["h100-80gb"].efficiency))
     pp = step_time(SHAPE, job(Degrees(1, 4, 2, 1), num_micro=16, data_parallel="fsdp"), global_batch=64,
                    tasks_per_node=8, hw=hw)
     assert pp.compute_s == pytest.approx(one.compute_s)
@@ -82,13 +84,94 @@ def test_links_from_the_doctor_then_the_cluster_then_the_table(tmp_path):
     (tmp_path / "doctor.json").write_text(json.dumps({"groups": groups}))
     assert doctor_links(str(tmp_path)) == (340.0, 41.0)
     hw = hardware_of(H100, device="cuda", param_dtype="auto", doctor=str(tmp_path))
-    assert (hw.speeds.intra_gbps, hw.speeds.inter_gbps) == (340.0, 41.0) and "dtk.doctor" in hw.source
+    assert (hw.speeds.intra_gbps, hw.speeds.nic_gbps) == (340.0, 41.0) and "dtk.doctor" in hw.source
     site = dataclasses.replace(H100, intra_node_gbps=100.0, inter_node_gbps=10.0)
     hw = hardware_of(site, device="cuda", param_dtype="auto")
-    assert (hw.speeds.intra_gbps, hw.speeds.inter_gbps) == (100.0, 10.0)
+    assert (hw.speeds.intra_gbps, hw.speeds.nic_gbps) == (100.0, 10.0)
     hw = hardware_of(H100, device="cuda", param_dtype="auto")
-    assert hw.speeds == SPEEDS["h100-80gb"]
+    row = ACCELERATORS["h100-80gb"]
+    assert hw.speeds == Speeds(row.efficiency, row.nvlink_gbps, row.nic_gbps, 1, row.host_gbps)
     assert hardware_of(H100, device="cpu", param_dtype="auto") is None
     assert hardware_of(ClusterConfig(), device="cuda", param_dtype="auto") is None  # peak unknown
     with pytest.raises(UserError, match="plan.doctor="):
         doctor_links(str(tmp_path / "missing"))
+
+
+SHORT = whatif_shape({"layers": 32, "hidden": 4096, "heads": 32, "seq_len": 64, "vocab_size": 32000})
+"""Short sequences: little compute to hide the gradients behind."""
+
+
+def _exposed(degrees: Degrees, cluster: ClusterConfig, **scheme) -> tuple[float, float, int]:
+    """(seconds, bytes) of the data-parallel axis of a 16-GPU job on 2 nodes of 8, and its ranks per node."""
+    hw = hardware_of(cluster, device="cuda", param_dtype="auto")
+    j = job(degrees, **scheme)
+    t = step_time(SHORT, j, global_batch=degrees.dp, tasks_per_node=8, hw=hw)
+    axis = next(a for a in traffic(SHORT, j, 8) if a.axis == "dp_replicate")
+    assert t.axes["dp_replicate"] > 0  # more than the last backward hides
+    return t.axes["dp_replicate"] + t.compute_s * 2 / 3, axis.bytes_per_step, axis.ranks_per_node
+
+
+def test_a_group_spanning_whole_nodes_uses_every_card_and_one_rank_per_node_uses_one():
+    row = ACCELERATORS["a100-80gb"]
+    a100 = ClusterConfig(accelerator="a100-80gb")
+    rails = dataclasses.replace(a100, nics_per_node=8)
+    # DDP over all 16 ranks: 8 of each group on a node, the node's 8 cards (capped by NVLink)
+    whole_1, nbytes, k = _exposed(Degrees(16, 1, 1, 1), a100, data_parallel="ddp")
+    whole_8, _, _ = _exposed(Degrees(16, 1, 1, 1), rails, data_parallel="ddp")
+    assert k == 8
+    assert whole_1 == pytest.approx(nbytes / (row.nic_gbps * 1e9))
+    assert whole_8 == pytest.approx(nbytes / (min(8 * row.nic_gbps, row.nvlink_gbps) * 1e9))
+    # tp=8 inside the node, DDP across: one rank per node in each group, one card each with
+    # 8 cards; the node's 8 groups share a single card
+    rail_1, nbytes, k = _exposed(Degrees(2, 1, 1, 8), a100, data_parallel="ddp")
+    rail_8, _, _ = _exposed(Degrees(2, 1, 1, 8), rails, data_parallel="ddp")
+    assert k == 1
+    assert rail_8 == pytest.approx(nbytes / (row.nic_gbps * 1e9))
+    assert rail_1 == pytest.approx(nbytes / (row.nic_gbps / 8 * 1e9))
+
+
+def test_the_measured_card_and_the_cards_per_node_feed_the_rails(tmp_path):
+    rows = [{"size_mb": 1024.0, "busbw_gbs": 20.0}]
+    (tmp_path / "doctor.json").write_text(json.dumps({"groups": [
+        {"group": "across nodes (first rank of each)", "ranks": 2, "rows": rows}]}))
+    cluster = ClusterConfig(accelerator="h100-80gb", nics_per_node=4)
+    hw = hardware_of(cluster, device="cuda", param_dtype="auto", doctor=str(tmp_path))
+    assert (hw.speeds.nic_gbps, hw.speeds.nics_per_node) == (20.0, 4) and "4 network card(s)" in hw.source
+    assert hw.speeds.across_nodes(8, 8) == 80.0  # whole nodes: the 4 cards
+    assert hw.speeds.across_nodes(2, 8) == 20.0  # 4 groups of 2 on a node: a card each
+    assert hw.speeds.across_nodes(1, 8) == 10.0  # 8 groups of 1 share 4 cards
+
+
+def test_cards_per_node_must_be_positive():
+    from dtk.plan.plan import make_plan
+
+    with pytest.raises(UserError, match="cluster.nics_per_node=0"):
+        make_plan(compose(["cluster.nics_per_node=0"]), cwd="/tmp")
+
+
+def test_an_accelerators_name_is_written_in_the_accelerator_table_only():
+    """dtk/plan/accelerators.py is the one table: no other module of dtk spells a row's name
+    (`h100-80gb`, anywhere in its text), nor holds a device name torch gives a part as a
+    string of its own (`"H100 PCIe"`: a second table of names)."""
+    import ast
+    import re
+
+    from conftest import REPO
+
+    keys = sorted(ACCELERATORS, key=len, reverse=True)
+    row_name = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?![\w-])" for k in keys), re.IGNORECASE)
+    device_names = {n.upper() for row in ACCELERATORS.values() for n in (row.name, *row.device_names)}
+    found = {}
+    for path in sorted((REPO / "dtk").rglob("*.py")):
+        where = path.relative_to(REPO).as_posix()
+        if where == "dtk/plan/accelerators.py":
+            continue
+        text = path.read_text()
+        literals = {node.value for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        hits = set(row_name.findall(text)) | {v for v in literals if v.strip().upper() in device_names}
+        if hits:
+            found[where] = sorted(hits)
+    assert found == {}
+    assert {"a100-40gb", "a100-80gb", "a800", "h100-80gb", "h100-pcie", "h100-nvl", "h800", "h200", "gh200",
+            "b200", "mi250x", "mi300x"} <= set(ACCELERATORS)

@@ -71,15 +71,17 @@ class ClusterConfig:
     suspect_after: int = 2
     """A node that this many runs under the same run.root exclude (each after a failure on it) is suspect: left out of every new submission there (sbatch --exclude) until `python -m dtk.nodes RUN_ROOT --readmit NODE`; `python -m dtk.watch` alerts on it (docs/recovery.md). 0: never."""
     accelerator: str | None = None
-    """The GPU model, for the memory budget and MFU: h100-80gb, h100-pcie, h100-nvl, h200, a100-40gb, a100-80gb, b200, l40s (`python -m dtk.plan` lists them on a wrong name). None: unknown."""
+    """The GPU model, for the memory budget, the step time and MFU: a row of dtk/plan/accelerators.py (`python -m dtk.plan` lists them on a wrong name). None: unknown."""
     device_memory_gb: float | None = None
     """Memory per device in decimal GB; overrides the accelerator's figure (a MIG slice, a new part). None: from cluster.accelerator, or on the CPU the node's memory over its workers."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device in the dtype the matmuls run in, the denominator of MFU. None: the accelerator table's (dtk/plan/accelerators.py) for cluster.accelerator, else for the GPU's name; no MFU on the CPU."""
     intra_node_gbps: float | None = None
-    """Bus bandwidth between the GPUs of a node in GB/s per device (NVLink / NVSwitch; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (dtk/plan/steptime.py)."""
+    """Bus bandwidth between the GPUs of a node in GB/s per device (NVLink / NVSwitch; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (dtk/plan/accelerators.py)."""
     inter_node_gbps: float | None = None
-    """Bus bandwidth across nodes in GB/s per device (InfiniBand / Ethernet; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (one 400 Gb/s NIC per H100)."""
+    """Bus bandwidth across nodes in GB/s through one network card, what one rank per node reaches (InfiniBand / Ethernet; what `python -m dtk.doctor` measured across nodes), for the planner's step time. None: the accelerator's figure (dtk/plan/accelerators.py: a 400 Gb/s card for H100 and later, 200 Gb/s for A100)."""
+    nics_per_node: int = 1
+    """Network cards of a node used for training traffic (rails), for the planner's step time: a collective whose group spans whole nodes uses all of them, a group with one rank per node one, and the node's groups share them. A DGX H100 or A100 has 8."""
 
 
 @dataclass

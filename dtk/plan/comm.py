@@ -40,6 +40,16 @@ def crosses_nodes(d: Degrees, axis: str, tasks_per_node: int) -> bool:
     )
 
 
+def ranks_per_node(d: Degrees, axis: str, tasks_per_node: int) -> int:
+    """Ranks of rank 0's group of the axis on one node (the fewest over the group's nodes):
+    how many network cards (rails) the group can use when it crosses nodes."""
+    group = next(g for g in axis_groups(d, axis) if 0 in g)
+    counts: dict[int, int] = {}
+    for r in group:
+        counts[node_of(r, tasks_per_node)] = counts.get(node_of(r, tasks_per_node), 0) + 1
+    return min(counts.values())
+
+
 @dataclass(frozen=True)
 class AxisTraffic:
     axis: str
@@ -47,6 +57,8 @@ class AxisTraffic:
     bytes_per_step: int
     what: str
     crosses_nodes: bool
+    ranks_per_node: int = 1
+    """Ranks of one group on a node (comm.ranks_per_node)."""
 
     @property
     def seconds_estimate(self) -> float:
@@ -87,7 +99,8 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
 
     def add(axis: str, size: int, nbytes: float, what: str) -> None:
         if size > 1:
-            out.append(AxisTraffic(axis, size, round(nbytes), what, crosses_nodes(d, axis, tasks_per_node)))
+            out.append(AxisTraffic(axis, size, round(nbytes), what, crosses_nodes(d, axis, tasks_per_node),
+                                   ranks_per_node(d, axis, tasks_per_node)))
 
     if uses_fsdp(scheme, d):
         gathers, reduces, what = fsdp_collectives(scheme, d, job.num_micro)

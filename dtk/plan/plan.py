@@ -279,6 +279,7 @@ def _check_ranges(cfg: Config) -> None:
                         " number of runs, like 2")
     if cluster.mem_gb is not None:
         _positive("cluster.mem_gb", cluster.mem_gb)
+    _positive("cluster.nics_per_node", cluster.nics_per_node)
     for key in ("device_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):  # the planner's figures
         value = getattr(cluster, key)
         if value is not None and not (math.isfinite(value) and value > 0):

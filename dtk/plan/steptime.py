@@ -22,7 +22,10 @@ not hide, the pipeline bubble, and the host traffic of CPU offload. Pure arithme
 Bandwidths are the bus bandwidths nccl-tests reaches (GB/s per device, one direction),
 first that applies: what `python -m dtk.doctor` measured on the cluster (`plan.doctor`,
 its doctor.json), `cluster.intra_node_gbps` / `cluster.inter_node_gbps` (a site's cluster
-file), else the accelerator's row in SPEEDS.
+file), else the accelerator's row in dtk.plan.accelerators. Across nodes the figure is one
+network card's (one rank per node: the doctor's group across nodes); an axis whose groups
+have several ranks on a node uses as many of the node's `cluster.nics_per_node` cards
+(rails), shared by the node's groups (Speeds.across_nodes).
 """
 
 from __future__ import annotations
@@ -42,33 +45,26 @@ class Speeds:
     """Share of the dense peak that a large transformer's matmuls sustain in dtk's bf16 step."""
     intra_gbps: float
     """NVLink / NVSwitch bus bandwidth per device inside a node (GB/s)."""
-    inter_gbps: float
-    """Network bus bandwidth per device across nodes (GB/s): one NIC per GPU."""
+    nic_gbps: float
+    """Bus bandwidth through one network card (GB/s): what one rank per node reaches."""
+    nics_per_node: int = 1
+    """Network cards of a node (cluster.nics_per_node); the node's ranks share them."""
     host_gbps: float = 25.0
     """Host <-> device copies per device (PCIe)."""
 
+    def across_nodes(self, ranks_per_node: int, tasks_per_node: int) -> float:
+        """Bus bandwidth per rank of a collective whose groups cross nodes with
+        `ranks_per_node` ranks of each group on a node. A group uses a card per rank it has
+        on the node (its rail), up to the node's cards: a group spanning whole nodes uses
+        every card, one with a rank per node one card. The node's groups of the axis run at
+        the same time and share its cards (tasks_per_node / ranks_per_node of them), and no
+        group goes faster than the links inside the node."""
+        k = max(1, min(ranks_per_node, tasks_per_node))
+        own = min(k, self.nics_per_node) * self.nic_gbps
+        shared = self.nics_per_node * self.nic_gbps * k / max(tasks_per_node, 1)
+        return min(own, shared, self.intra_gbps)
 
-# Bus bandwidths as nccl-tests reaches them, about 80% of the links' rate: H100/H200 SXM
-# NVLink 4 (450 GB/s each way) and one 400 Gb/s NIC per GPU; A100 SXM NVLink 3 (300 GB/s)
-# and one 200 Gb/s HDR NIC per GPU (NVIDIA Selene, DGX A100); B200 NVLink 5 (900 GB/s);
-# PCIe cards (L40S, L4) peer over PCIe. Efficiencies: what the published runs in
-# docs/planning.md reach (A100 0.5-0.55 of 312 TFLOP/s counting recompute, in Megatron-LM;
-# H100 0.40 of 989 in torchtitan's bf16 runs); the other parts take their generation's.
-SPEEDS: dict[str, Speeds] = {
-    "h100-80gb": Speeds(0.40, 360.0, 45.0, 50.0),
-    "h100-pcie": Speeds(0.40, 240.0, 22.0, 50.0),
-    "h100-nvl": Speeds(0.40, 240.0, 45.0, 50.0),
-    "h200": Speeds(0.40, 360.0, 45.0, 50.0),
-    "h200-nvl": Speeds(0.40, 360.0, 45.0, 50.0),
-    "a100-40gb": Speeds(0.55, 230.0, 22.0, 25.0),
-    "a100-80gb": Speeds(0.55, 230.0, 22.0, 25.0),
-    "b200": Speeds(0.40, 720.0, 45.0, 50.0),
-    "l40s": Speeds(0.45, 20.0, 10.0, 25.0),
-    "l4": Speeds(0.45, 20.0, 10.0, 25.0),
-    "mi300x": Speeds(0.35, 300.0, 45.0, 50.0),
-}
-GENERIC = Speeds(0.40, 200.0, 20.0, 25.0)
-"""A GPU dtk does not know by name (cluster.peak_tflops given): a middling part."""
+
 OVERLAP = 0.9
 """Share of the compute FSDP's prefetched collectives can hide behind."""
 HOST_OPTIMIZER_GBPS = 10.0
@@ -154,7 +150,8 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
     axes: dict[str, float] = {}
     replicate_window = compute * 2 / 3 / job.num_micro  # the last micro-batch's backward
     for a in traffic(shape, job, tasks_per_node):
-        seconds = a.bytes_per_step / ((sp.inter_gbps if a.crosses_nodes else sp.intra_gbps) * 1e9)
+        gbps = sp.across_nodes(a.ranks_per_node, tasks_per_node) if a.crosses_nodes else sp.intra_gbps
+        seconds = a.bytes_per_step / (gbps * 1e9)
         if a.axis == "dp_shard":
             seconds = max(0.0, seconds - OVERLAP * compute)
         elif a.axis == "dp_replicate":
@@ -210,8 +207,9 @@ def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = 
     """The device's peak and links from the cluster section (`cfg.cluster`); None on the CPU
     or for a GPU whose peak is unknown (no accelerator named, no cluster.peak_tflops).
     Links, first that applies: the doctor's measured figures (`plan.doctor`), the cluster's
-    `intra_node_gbps` / `inter_node_gbps`, the accelerator's row in SPEEDS."""
-    from dtk.plan.accelerators import lookup
+    `intra_node_gbps` / `inter_node_gbps`, the accelerator's row of the table; across nodes
+    per network card, `cluster.nics_per_node` of them."""
+    from dtk.plan.accelerators import GENERIC, lookup
 
     if device != "cuda" or not (cluster.peak_tflops or cluster.accelerator):
         return None
@@ -222,11 +220,13 @@ def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = 
     else:
         assert acc is not None  # an accelerator is named when no peak is (checked above)
         peak = acc.peak_tflops(dtype)
-    base = SPEEDS.get(acc.name, GENERIC) if acc else GENERIC
+    base = acc or GENERIC
     intra, inter = doctor_links(doctor) if doctor else (None, None)
     source = f"{acc.name if acc else 'cluster.peak_tflops'} ({peak:g} TFLOP/s dense {dtype} x {base.efficiency:g})"
     if intra or inter:
         source += f", links measured by dtk.doctor ({doctor})"
-    speeds = Speeds(base.efficiency, intra or cluster.intra_node_gbps or base.intra_gbps,
-                    inter or cluster.inter_node_gbps or base.inter_gbps, base.host_gbps)
+    nics = cluster.nics_per_node
+    source += f", {nics} network card(s) per node"
+    speeds = Speeds(base.efficiency, intra or cluster.intra_node_gbps or base.nvlink_gbps,
+                    inter or cluster.inter_node_gbps or base.nic_gbps, nics, base.host_gbps)
     return Hardware(peak, speeds, source)

@@ -76,26 +76,6 @@ def achieved(*, tokens_per_s: float, flops_per_token: float, num_devices: int, p
     return out
 
 
-# Device names as the driver reports them (torch.cuda.get_device_name) -> the accelerator
-# table's names; first match wins, so the more specific names come first.
-_DEVICE_NAMES = (
-    ("H200 NVL", "h200-nvl"), ("H200", "h200"),
-    ("H100 NVL", "h100-nvl"), ("H100 PCIE", "h100-pcie"), ("H100", "h100-80gb"),
-    ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
-    ("B200", "b200"), ("L40S", "l40s"), ("L4", "l4"), ("MI300X", "mi300x"),
-)
-
-
-def accelerator_of(device_name: str) -> str | None:
-    """The accelerator table's name for a device name (`NVIDIA H100 80GB HBM3` -> h100-80gb)."""
-    words = device_name.upper().replace("-", " ").split()
-    joined = " ".join(words)
-    for pattern, name in _DEVICE_NAMES:
-        if " ".join(pattern.replace("-", " ").split()) in joined and (pattern != "L4" or "L4" in words):
-            return name
-    return None
-
-
 def matmul_dtype_name(dtype: torch.dtype) -> str:
     """The peak's dtype column for matmuls in `dtype` (float32 on tensor cores when TF32 is allowed)."""
     if dtype == torch.bfloat16:
@@ -112,7 +92,7 @@ def peak_tflops(
     cluster.peak_tflops, else the accelerator table's row of cluster.accelerator, else of
     the GPU's name. None on the CPU or for a GPU the table does not know (the run then logs
     TFLOP/s without MFU)."""
-    from dtk.plan.accelerators import ACCELERATORS, lookup
+    from dtk.plan.accelerators import ACCELERATORS, accelerator_of, lookup
 
     if override:
         return float(override), "cluster.peak_tflops"
