@@ -91,6 +91,8 @@ class Hdf5Tokens:
         self.seq_len: int = self.manifest["seq_len"]
         self.vocab_size: int = self.manifest["vocab_size"]
         self.shard_names = [s["file"] for s in self.manifest["shards"]]
+        # The validation shards `prepare --val-fraction` wrote: the split when the config names none.
+        self.prepared_validation: list[str] = list(self.manifest["val_shards"]) if "val_shards" in self.manifest else []
         counts = np.array([s["num_samples"] for s in self.manifest["shards"]], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self._arrays: list[Any] = [None] * len(counts)
@@ -170,7 +172,7 @@ def split(dataset: Hdf5Tokens, *, val_fraction: float, seed: int, val_shards: li
     validation shards `prepare --val-fraction` wrote (the manifest's `val_shards`), else a
     seeded `val_fraction` of all samples. The same on every rank and every restart."""
     n = len(dataset)
-    val_shards = list(val_shards) or list(dataset.manifest.get("val_shards", []))
+    val_shards = list(val_shards) or dataset.prepared_validation
     if val_shards:
         unknown = [s for s in val_shards if s not in dataset.shard_names]
         if unknown:
