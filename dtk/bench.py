@@ -1,4 +1,5 @@
 """python -m dtk.bench scaling [overrides] nodes=1,2,4   (or tasks_per_node=1,2,4 on one machine)
+python -m dtk.bench matmul [--out DIR]                  (this machine's matmul rate, dtk/bench_matmul.py)
 
 The same recipe at several sizes with the same global batch: how much a step speeds up as
 the job grows, and which part of the step stops it. Each size is a real run, submitted as
@@ -29,6 +30,7 @@ EPILOG = """examples:
   python -m dtk.bench scaling tasks_per_node=1,2 train.steps=40        # this machine, 1 and 2 workers
   python -m dtk.bench scaling cluster=lab nodes=1,2 tasks_per_node=1   # the lab cluster
   python -m dtk.bench scaling cluster=mysite +scheme=fsdp nodes=1,2,4,8 train.steps=200
+  srun -N4 --ntasks-per-node=1 python -m dtk.bench matmul --out /shared/matmul   # each node's matmul rate
 
 Prints, per size: median step time, speedup and efficiency against the smallest size,
 idle share and its parts (data, comm, checkpoint, straggler), and names the phase whose
@@ -185,11 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("scaling", help="the same recipe at several sizes: speedup, efficiency, idle share")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="as for dtk.submit; one of nodes= or tasks_per_node= lists sizes")
     s.add_argument("--out", type=Path, help="where scaling.png and scaling.json go")
+    m = sub.add_parser("matmul", help="this machine's matmul rate at each GEMM width, for the planner (cluster.matmul_rates)")
+    m.add_argument("--out", type=Path, default=Path("matmul"),
+                   help="the folder matmul-HOST.json goes into (default: ./matmul); run it on each node")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "matmul":
+        from dtk import bench_matmul
+
+        measured = bench_matmul.measure()
+        print(bench_matmul.render(measured))
+        print(f"wrote {bench_matmul.write(measured, args.out)}; plan with cluster.matmul_rates={args.out}")
+        return 0
     result = scaling(args.overrides, args.out)
     print(render(result))
     print(f"plot: {result['plot']}")

@@ -25,6 +25,7 @@ FROZEN: dict[str, list[str]] = {
     "dtk.access audit": ["RUN_ROOT"],
     "dtk.access prepare": ["--policy", "team"],
     "dtk.access show": ["policy"],
+    "dtk.bench matmul": ["--out"],
     "dtk.bench scaling": ["--out", "KEY=VALUE ..."],
     "dtk.checkpoint delete": ["--force", "--step", "RUN_DIR"],
     "dtk.checkpoint export": ["--format {torch,safetensors,hf}", "--out", "--step", "RUN_DIR"],

@@ -80,6 +80,8 @@ class ClusterConfig:
     """Bus bandwidth between the GPUs of a node in GB/s per device (NVLink / NVSwitch; what `python -m dtk.doctor` measured), for the planner's step time. None: the accelerator's figure (dtk/plan/accelerators.py)."""
     inter_node_gbps: float | None = None
     """Bus bandwidth across nodes in GB/s through one network card, what one rank per node reaches (InfiniBand / Ethernet; what `python -m dtk.doctor` measured across nodes), for the planner's step time. None: the accelerator's figure (dtk/plan/accelerators.py: a 400 Gb/s card for H100 and later, 200 Gb/s for A100)."""
+    matmul_rates: str | None = None
+    """What `python -m dtk.bench matmul --out DIR` measured on the nodes (the folder, or one matmul-HOST.json), for the planner's step time: the efficiency of a job's matmuls follows the slowest node's rate at their width (hidden / tp). None: the accelerator's one figure at every width."""
     nics_per_node: int = 1
     """Network cards of a node used for training traffic (rails), for the planner's step time: a collective whose group spans whole nodes uses all of them, a group with one rank per node one, and the node's groups share them. A DGX H100 or A100 has 8."""
 

@@ -30,6 +30,7 @@ have several ranks on a node uses as many of the node's `cluster.nics_per_node` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,24 @@ class Speeds:
     """Network cards of a node (cluster.nics_per_node); the node's ranks share them."""
     host_gbps: float = 25.0
     """Host <-> device copies per device (PCIe)."""
+    shares: tuple[tuple[int, float], ...] = ()
+    """Measured (GEMM width, matmul rate at it / the widest's) of `python -m dtk.bench
+    matmul` (cluster.matmul_rates); empty: the efficiency is the same at every width."""
+
+    def efficiency_at(self, width: int | None) -> float:
+        """The efficiency of matmuls whose split dimension is `width` (hidden / tp): the
+        table's figure x the measured rate at that width over the widest's, interpolated on
+        log width (the ends held beyond the widths measured)."""
+        if not self.shares or not width:
+            return self.efficiency
+        points = sorted(self.shares)
+        if width <= points[0][0]:
+            return self.efficiency * points[0][1]
+        for (w0, s0), (w1, s1) in zip(points, points[1:], strict=False):
+            if width <= w1:
+                f = math.log(width / w0) / math.log(w1 / w0)
+                return self.efficiency * (s0 + f * (s1 - s0))
+        return self.efficiency * points[-1][1]
 
     def across_nodes(self, ranks_per_node: int, tasks_per_node: int) -> float:
         """Bus bandwidth per rank of a collective whose groups cross nodes with
@@ -146,7 +165,8 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
     d, sp = job.degrees, hw.speeds
     assert shape.seq_len is not None  # flops_per_token counted by it
     tokens = global_batch * shape.seq_len
-    compute = tokens * hw_fpt / d.world / (hw.peak_tflops * 1e12 * sp.efficiency)
+    width = shape.hidden // d.tp if shape.hidden else None  # the split dimension of each rank's matmuls
+    compute = tokens * hw_fpt / d.world / (hw.peak_tflops * 1e12 * sp.efficiency_at(width))
     axes: dict[str, float] = {}
     replicate_window = compute * 2 / 3 / job.num_micro  # the last micro-batch's backward
     for a in traffic(shape, job, tasks_per_node):
@@ -203,6 +223,32 @@ def doctor_links(path: str) -> tuple[float | None, float | None]:
     return (statistics.median(inside) if inside else None), (statistics.median(across) if across else None)
 
 
+def matmul_shares(path: str) -> tuple[tuple[int, float], ...]:
+    """(width, share) from `python -m dtk.bench matmul`'s files (one, or a folder of
+    matmul-*.json, one per node): at each width the slowest node's rate over the fastest
+    node's rate at its widest width, so a slow node lowers every width. UserError when
+    unreadable."""
+    import json
+    from pathlib import Path
+
+    from dtk.errors import UserError
+
+    where = Path(path).expanduser()
+    files = sorted(where.glob("matmul-*.json")) if where.is_dir() else [where]
+    try:
+        runs = [{int(r["width"]): float(r["tflops"]) for r in json.loads(f.read_text())["rows"]} for f in files]
+        if not runs or not all(runs) or any(v <= 0 for run in runs for v in run.values()):
+            raise ValueError("no rates")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cluster.matmul_rates={path}: not the output of python -m dtk.bench matmul"
+                        f" ({type(exc).__name__}); give its --out folder or one of its matmul-HOST.json") from None
+    widths = sorted(set.intersection(*(set(run) for run in runs)))
+    if not widths:
+        raise UserError(f"cluster.matmul_rates={path}: its files measured no width in common; measure them again")
+    best = max(run[widths[-1]] for run in runs)
+    return tuple((w, min(run[w] for run in runs) / best) for w in widths)
+
+
 def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = None) -> Hardware | None:
     """The device's peak and links from the cluster section (`cfg.cluster`); None on the CPU
     or for a GPU whose peak is unknown (no accelerator named, no cluster.peak_tflops).
@@ -227,6 +273,9 @@ def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = 
         source += f", links measured by dtk.doctor ({doctor})"
     nics = cluster.nics_per_node
     source += f", {nics} network card(s) per node"
+    shares = matmul_shares(cluster.matmul_rates) if cluster.matmul_rates else ()
+    if shares:
+        source += f", matmul rate by width measured by dtk.bench ({cluster.matmul_rates})"
     speeds = Speeds(base.efficiency, intra or cluster.intra_node_gbps or base.nvlink_gbps,
-                    inter or cluster.inter_node_gbps or base.nic_gbps, nics, base.host_gbps)
+                    inter or cluster.inter_node_gbps or base.nic_gbps, nics, base.host_gbps, shares)
     return Hardware(peak, speeds, source)
