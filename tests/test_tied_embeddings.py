@@ -223,3 +223,13 @@ def test_a_tied_user_model_trains_as_one_process(name, user_tied, tmp_path):
         assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         for key, want in reference["params"].items():
             torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_the_export_learns_the_ties_from_the_model_and_says_when_it_cannot():
+    from dtk.checkpoint.export import tied_names
+    from dtk.config.convert import model_to_dict
+
+    assert tied_names(model_to_dict(compose(TIE).model)) == {TIED[1]: TIED[0]}
+    assert tied_names(model_to_dict(compose(TIE[1:]).model)) == {}
+    assert tied_names({"_target_": "no_such_package.build"}) is None  # not importable here: unknown
+    assert tied_names(None) is None
