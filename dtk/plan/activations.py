@@ -99,6 +99,39 @@ def embed_bytes(d: Dims) -> int:
     return 8 * d.s
 
 
+PIPELINE_LOSS_PER_MICRO_BATCH = False
+"""Whether a pipeline's last stage computes the loss of each micro-batch as it comes and
+frees its logits, with the loss vocabulary-parallel over tp. dtk.parallel.pipeline does not
+yet: its schedule returns every micro-batch's logits and the loss runs on them at the
+step's end, so the budget keeps counting them all (faithful to the runtime). The runtime
+change that computes the loss per micro-batch sets this, and the budget follows
+(last_stage_head_bytes, last_stage_working_bytes)."""
+
+
+def last_stage_head_bytes(d: Dims, *, ends: int, num_micro: int, pp: int, per_micro_batch: bool) -> int:
+    """What the model's last stage keeps outside its blocks: the final norm and loss of the
+    `ends` micro-batches in flight there, and logits. Without a pipeline one micro-batch's
+    logits. With one, as the runtime runs today (per_micro_batch false), every micro-batch's
+    logits until the step ends; per micro-batch, the norms of the micro-batches in flight
+    (at most pp under 1F1B) and ONE micro-batch's logits and fp32 log-softmax, split over
+    tp (a vocabulary-parallel loss)."""
+    log_softmax = LOSS_BYTES * d.b * d.s * d.vocab
+    if pp > 1 and per_micro_batch:
+        norms = head_bytes(d) - log_softmax
+        return min(ends, pp) * norms + (logits_bytes(d) + log_softmax) // d.tp
+    return ends * head_bytes(d) + (num_micro if pp > 1 else 1) * logits_bytes(d)
+
+
+def last_stage_working_bytes(d: Dims, ac: str, *, pp: int, per_micro_batch: bool) -> int:
+    """Backward's largest transient on the last stage (backward_working_bytes); a
+    vocabulary-parallel loss per micro-batch splits its loss gradient over tp."""
+    if pp > 1 and per_micro_batch:
+        loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab // d.tp
+        recompute = block_bytes(d, "none") - block_bytes(d, ac) if ac != "none" else 0
+        return max(loss, recompute)
+    return backward_working_bytes(d, ac)
+
+
 def backward_working_bytes(d: Dims, ac: str) -> int:
     """The largest transient of backward: the loss gradient, or one block recomputed."""
     loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab
@@ -156,6 +189,7 @@ def rank_activations(
     if first:
         saved += ends * embed_bytes(d)
     if last:
-        # A pipeline keeps every micro-batch's logits until the step ends; one micro-batch otherwise.
-        saved += ends * head_bytes(d) + (num_micro if pp > 1 else 1) * logits_bytes(d)
-    return Activations(saved=saved, working=backward_working_bytes(d, ac) if last else 0)
+        saved += last_stage_head_bytes(d, ends=ends, num_micro=num_micro, pp=pp,
+                                       per_micro_batch=PIPELINE_LOSS_PER_MICRO_BATCH)
+    working = last_stage_working_bytes(d, ac, pp=pp, per_micro_batch=PIPELINE_LOSS_PER_MICRO_BATCH)
+    return Activations(saved=saved, working=working if last else 0)
