@@ -7,6 +7,7 @@ another number of replicas is refused with one line. The same for DDP with Power
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,8 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, dtk
+from dtk.checkpoint.export import load_model_state, synchronized
+from dtk.models.transformer import build
 from dtk.parallel.compression import POWERSGD_WARMUP
 from dtk.rundir import RunDir
 
@@ -32,7 +36,7 @@ JOB = [
     "fault.max_restarts=0",  # the driver stops at a kill; the next command resumes
 ]
 
-SYNC = [f"sync.every={EVERY}", "train.steps=16"]
+SYNC = [f"sync.every={EVERY}", "train.steps=18"]  # the last step is no multiple of 4: it synchronizes too
 CASES = {  # name -> overrides, the step to kill after
     "local_sgd": (["+sync=local_sgd", *SYNC, "tasks_per_node=2"], 7),
     "diloco": (["+sync=diloco", *SYNC, "tasks_per_node=2"], 7),
@@ -77,14 +81,32 @@ def kill_after(args: list[str], root: Path, run: Path, step: int) -> None:
     assert driver.wait(timeout=60) == 1
 
 
+def check_the_finished_run_is_one_model(run: Path, steps: int) -> None:
+    """The last step synchronized: every replica's parameters are the synchronized ones, and
+    the export is the plain model's state."""
+    path = run / "checkpoints" / f"step_{steps:08d}"
+    saved = load_model_state(path, json.loads((path / "manifest.json").read_text()))
+    synced = synchronized(saved)
+    model = build(dropout=0.1).state_dict()
+    assert set(synced) == set(model)
+    for name, tensor in synced.items():
+        assert torch.equal(saved[f"replica0.{name}"], tensor) and torch.equal(saved[f"replica1.{name}"], tensor)
+    out = run.parent / f"{run.name}.pt"
+    proc = dtk("dtk.checkpoint", "export", str(run), "--out", str(out), cwd=run.parent)
+    assert proc.returncode == 0, proc.stderr
+    build(dropout=0.1).load_state_dict(torch.load(out))  # strict: every name, no other
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_identical_runs_are_identical_and_a_kill_between_syncs_resumes_bitwise(case, tmp_path):
     finish(job(case, tmp_path, "a"), tmp_path)
     finish(job(case, tmp_path, "b"), tmp_path)
     reference = losses(tmp_path / "a")
-    steps = 20 if case == "powersgd" else 16
+    steps = 20 if case == "powersgd" else 18
     assert sorted(reference) == list(range(1, steps + 1))
     assert losses(tmp_path / "b") == reference
+    if case != "powersgd":
+        check_the_finished_run_is_one_model(tmp_path / "a", steps)
 
     run = tmp_path / "r"
     kill_after(job(case, tmp_path, "r"), tmp_path, run, step=CASES[case][1])

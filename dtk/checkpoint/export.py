@@ -80,6 +80,18 @@ def load_model_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Te
     return state["model"]
 
 
+SYNCED = "synced."
+"""A `+sync` run's checkpoint (dtk.train.sync.Anchor): the parameters as of the last
+synchronization, under this prefix with `/` for `.`, beside each replica's own (`replicaN.`)."""
+
+
+def synchronized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint: a `+sync` run's last synchronized parameters, else all."""
+    if not any(key.startswith(SYNCED) for key in tensors):
+        return tensors
+    return {key[len(SYNCED):].replace("/", "."): t for key, t in tensors.items() if key.startswith(SYNCED)}
+
+
 def tied_names(model_cfg: dict[str, Any] | None) -> dict[str, str] | None:
     """Each later name of the run's model's tied weights -> the first, under which the
     checkpoint holds the tensor (dtk.checkpoint.sharded): from the model built on the meta
@@ -113,6 +125,7 @@ def export(run_dir: str | Path, *, out: str | Path, step: int | None = None, fmt
         tensors = load_model_state(path, manifest)
     except Rejected as exc:  # changed since it verified a moment ago
         raise UserError(f"checkpoint {path}: {exc}") from None
+    tensors = synchronized(tensors)
     counted = sum(t.numel() for t in tensors.values())  # a tied weight once, as the checkpoint holds it
     tied = tied_names(model_cfg)
     out = Path(out).expanduser()

@@ -14,7 +14,7 @@ has it, shards over dp_shard inside the replica only (dtk.parallel.parallelize's
                 of the last synchronization; the new anchor replaces each replica's own
 
 Either way one all-reduce of the whole model per `sync.every` steps, instead of one per
-step. Every rank computes the same result from the same reduced bytes, so after a
+step; the run's last step synchronizes too, so a finished run holds one model. Every rank computes the same result from the same reduced bytes, so after a
 synchronization the replicas hold identical parameters.
 
 A checkpoint between two synchronizations must hold what differs between replicas: each
@@ -74,9 +74,11 @@ class Anchor(nn.Module):
 class Synchronizer:
     """Every rank holds one; `after_step` is collective over the dp_replicate group."""
 
-    def __init__(self, *, sync: SyncConfig, model: nn.Module, group: dist.ProcessGroup, replicas: int) -> None:
+    def __init__(self, *, sync: SyncConfig, model: nn.Module, group: dist.ProcessGroup, replicas: int,
+                 total_steps: int | None = None) -> None:
         self.mode = sync.mode
         self.every = sync.every
+        self.total_steps = total_steps  # the last step synchronizes too: the run ends with one model
         self.group = group
         self.replicas = replicas
         named = trainable(model)
@@ -117,8 +119,8 @@ class Synchronizer:
 
     @torch.no_grad()
     def after_step(self, step: int, _result: Any = None) -> None:
-        """After `step` optimizer steps: synchronize when it is a multiple of sync.every."""
-        if step % self.every:
+        """After `step` optimizer steps: synchronize when it is a multiple of sync.every, or the last."""
+        if step % self.every and step != self.total_steps:
             return
         own = [_local(p) for p in self.params]
         anchor = [_local(a) for a in self.synced]
@@ -144,13 +146,15 @@ class Synchronizer:
 
 
 
-def synchronizer(sync: SyncConfig | None, *, model: nn.Module, mesh: ParallelMesh) -> Synchronizer | None:
+def synchronizer(sync: SyncConfig | None, *, model: nn.Module, mesh: ParallelMesh,
+                 total_steps: int) -> Synchronizer | None:
     """This rank's Synchronizer for a `+sync` run (collective: every rank builds one), else None."""
     if sync is None:
         return None
     group = mesh.group(Axis.dp_replicate)
     assert group is not None, "the plan refuses +sync with one replica"
-    return Synchronizer(sync=sync, model=model, group=group, replicas=mesh.size(Axis.dp_replicate))
+    return Synchronizer(sync=sync, model=model, group=group, replicas=mesh.size(Axis.dp_replicate),
+                        total_steps=total_steps)
 
 
 def checkpointed(sync: Synchronizer | None, parts: list[tuple[nn.Module, Any]], *,

@@ -120,7 +120,7 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     scheduler = SchedulerGroup(
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
     )
-    sync = synchronizer(cfg.sync, model=model.parts[0], mesh=mesh)  # None: every step synchronizes
+    sync = synchronizer(cfg.sync, model=model.parts[0], mesh=mesh, total_steps=plan.steps)  # None: every step
     for i, comm in enumerate(model.comm_states):  # PowerSGD's error feedback: in each rank's own checkpoint file
         keep_rank_state(f"powersgd{i}", save=comm.state_tensors, restore=comm.load_state_tensors)
     ckpt_parts, ckpt_identity = checkpointed(
