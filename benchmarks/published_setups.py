@@ -30,6 +30,9 @@ TOLERANCE = 0.25
 
 TORCHTITAN = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (github.com/pytorch/torchtitan), Table {}")
 MEGATRON = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters (arXiv 2104.04473), Table {}"
+MT_NLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B (arXiv 2201.11990),"
+          " section 2.4")
+LLAMA3 = "Llama Team, Meta 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,57 @@ def titan_step(*, batch: int, seq: int, gpus: int, tps_per_gpu: float) -> float:
     return batch * seq / (gpus * tps_per_gpu)
 
 
+def model_flops_step(shape: dict[str, float], *, batch: int, gpus: int, tflops: float) -> float:
+    """Step time from achieved model TFLOP/s per GPU (an MFU figure) where the source gives
+    no FLOP formula: dtk's own model FLOPs per token (6 per matmul weight, 12 x layers x
+    hidden x seq_len for attention, no recompute) of the same what-if shape."""
+    from dtk.plan.shape import whatif_shape
+    from dtk.plan.steptime import flops_per_token
+
+    flops = flops_per_token(whatif_shape(dict(shape)), "none")
+    assert flops is not None  # the shapes here have a sequence length
+    return batch * shape["seq_len"] * flops[0] / (gpus * tflops * 1e12)
+
+
 def _llama(params: float, layers: int, hidden: int, heads: int) -> dict[str, float]:
     return {"params": params, "layers": layers, "hidden": hidden, "heads": heads, "seq_len": 8192, "vocab_size": 128256}
 
 
-def _gpt(layers: int, hidden: int, heads: int) -> dict[str, float]:
-    return {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": 2048, "vocab_size": 51200}
+def _gpt(layers: int, hidden: int, heads: int, vocab: int = 51200) -> dict[str, float]:
+    return {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": 2048, "vocab_size": vocab}
+
+
+def _megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+              tflops: float, note: str = "") -> Setup:
+    """A row of Megatron-LM SC'21 Table 1 (GPT, seq 2048, vocab 51200, full recompute, A100 80GB on Selene)."""
+    name = f"GPT {params}, TP {tp}" + (f" x PP {pp}" if pp > 1 else "") + f" x DP {gpus // (tp * pp)}"
+    return Setup(name, MEGATRON.format(1), _gpt(layers, hidden, heads), "a100-80gb", gpus,
+                 ["+scheme=hybrid", f"scheme.dp_replicate={gpus // (tp * pp)}", "scheme.dp_shard=1", f"scheme.tp={tp}",
+                  f"scheme.pp={pp}", "scheme.activation_checkpoint=full", "train.micro_batch=1"], batch,
+                 megatron_step(batch=batch, seq=2048, layers=layers, hidden=hidden, vocab=51200, gpus=gpus,
+                               tflops=tflops), f"{tflops:g} TFLOP/s per GPU", note)
+
+
+def _mt_nlg(nodes: int, step_s: float, tflops: float) -> Setup:
+    """MT-NLG 530B (105 layers, hidden 20480, 128 heads, seq 2048, vocab 50272), 8-way tensor and
+    35-way pipeline parallelism, batch 1920, on nodes of 8 A100 80GB (Selene)."""
+    gpus = nodes * 8
+    return Setup(f"MT-NLG 530B, TP 8 x PP 35 x DP {gpus // 280}", MT_NLG, _gpt(105, 20480, 128, 50272), "a100-80gb",
+                 gpus, ["+scheme=hybrid", f"scheme.dp_replicate={gpus // 280}", "scheme.dp_shard=1", "scheme.tp=8",
+                        "scheme.pp=35", "scheme.activation_checkpoint=full", "train.micro_batch=1"], 1920, step_s,
+                 f"{step_s} s per iteration ({tflops:g} TFLOP/s per GPU)", LOGITS_AND_RECV)
+
+
+def _llama3(gpus: int, dp: int, tflops: float) -> Setup:
+    """Llama 3 405B pre-training at seq 8192, 16M tokens per batch (2048 sequences), TP 8 x PP 16
+    with FSDP over dp, on H100 SXM 80GB with one 400 Gb/s card per GPU."""
+    shape = _llama(405.9e9, 126, 16384, 128)
+    return Setup(f"Llama 3 405B, TP 8 x PP 16 x DP {dp}", LLAMA3, shape, "h100-80gb", gpus,
+                 ["+scheme=hybrid", "scheme.dp_replicate=1", f"scheme.dp_shard={dp}", "scheme.tp=8", "scheme.pp=16",
+                  "scheme.sequence_parallel=true", "scheme.activation_checkpoint=full",
+                  "scheme.pp_schedule=interleaved_1f1b", "scheme.pp_virtual_stages=2", "train.micro_batch=1"], 2048,
+                 model_flops_step(shape, batch=2048, gpus=gpus, tflops=tflops),
+                 f"{tflops:g} TFLOP/s per GPU (BF16 MFU; step from dtk's model FLOP count)", LLAMA3_NOTE)
 
 
 FP8 = ("torchtitan ran it with Float8 matmuls and torch.compile (up to 2x the bf16 peak on H100); dtk has"
@@ -85,6 +133,13 @@ SELECTIVE = (TITAN_H100 + ". Does not fit in dtk: its selective checkpointing ke
 NO_LOSS_PARALLEL = (". Does not fit in dtk's plan: its budget counts the whole logits and their fp32 gradient"
                     " on every tp rank, 16 x 8192 x 128256 of them here (the workers' loss parallel keeps 1/tp of"
                     " them, as torchtitan's does; the budget does not model it yet)")
+LOGITS_AND_RECV = ("Does not fit in dtk: the pipeline runtime keeps every micro-batch's logits on the last stage"
+                   " and a receive buffer per micro-batch until the step ends (the budget is faithful to it), where"
+                   " Megatron-LM computes the loss per micro-batch; the per-micro-batch budget"
+                   " (dtk.plan.activations.PIPELINE_LOSS_PER_MICRO_BATCH) waits for that runtime change")
+LLAMA3_NOTE = ("Planned with interleaved 1F1B of 2 virtual stages and full recompute (Table 4 gives neither); the"
+               " H100 efficiency (0.40) is torchtitan's 500 W bf16 runs, where Llama 3's 700 W H100s reached 43% MFU,"
+               " so dtk predicts about 2x their step. " + LOGITS_AND_RECV)
 SETUPS = (
     Setup("Llama 3.1 8B, FSDP", TORCHTITAN.format(1), _llama(8.03e9, 32, 4096, 32), "h100-80gb", 8,
           ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], 16,
@@ -134,6 +189,18 @@ SETUPS = (
           " group spanning whole nodes use all 8 of a node's cards (as NCCL's rings do for FSDP's per-block"
           " collectives), so it predicts a step 4x shorter than DeepSpeed's and not its fall from 144 to 44"
           " TFLOP/s per GPU"),
+    _megatron("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    _megatron("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    _megatron("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    _megatron("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, LOGITS_AND_RECV),
+    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, LOGITS_AND_RECV),
+    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163, LOGITS_AND_RECV),
+    _mt_nlg(280, 60.1, 126),
+    _mt_nlg(350, 50.2, 121),
+    _mt_nlg(420, 44.4, 113),
+    _llama3(8192, 64, 430),
+    _llama3(16384, 128, 400),
 )
 
 
@@ -173,6 +240,7 @@ def plan_setup(s: Setup) -> dict:
         "within": abs(ratio - 1) <= TOLERANCE,
         "recommended": None if rec is None else " ".join(o for o in rec.overrides),
         "recommended_step_s": None if rec is None or rec.time is None else round(rec.time.total_s, 3),
+        "recommended_ratio": None if rec is None or rec.time is None else round(rec.time.total_s / s.published_step_s, 3),
         "note": s.note,
     }
 
@@ -185,7 +253,8 @@ def table(rows: list[dict]) -> str:
         fits = {True: "yes", False: "NO", None: "-"}[r["fits"]]
         memory = f", {s.published_memory_gib * 2**30 / 1e9:.1f} GB" if s.published_memory_gib else ""
         step = "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s']:.2f} s ({r['ratio']:.2f})"
-        rec = "-" if r["recommended"] is None else f"`{r['recommended']}` ({r['recommended_step_s']:.2f} s)"
+        rec = ("-" if r["recommended"] is None else
+               f"`{r['recommended']}` ({r['recommended_step_s']:.2f} s, {r['recommended_ratio']:.2f} x published)")
         why = s.note if (s.note and not (r["within"] and r["fits"])) else ("fits, within 25%" if r["within"] and r["fits"] else "")
         lines.append(f"| {s.name} [{SETUPS.index(s) + 1}] | {s.num_gpus} x {s.accelerator} | {r['degrees']} |"
                      f" {s.global_batch} x {s.shape['seq_len']:g} | {s.published_step_s:.2f} s ({s.measured}){memory} |"
@@ -205,8 +274,12 @@ def main(argv: list[str]) -> int:
         doc = REPO / "docs" / "planning.md"
         lines = doc.read_text().split("\n")
         start = lines.index(table(rows).split("\n")[0])
-        end = next(i for i in range(start, len(lines)) if lines[i].startswith(f"[{len(SETUPS)}] "))
-        doc.write_text("\n".join([*lines[:start], table(rows), *lines[end + 1:]]))
+        end = start  # the table, a blank line and its numbered sources
+        while end < len(lines) and (lines[end].startswith(("|", "[")) or not lines[end].strip()):
+            end += 1
+        while not lines[end - 1].strip():  # the blank lines after it stay
+            end -= 1
+        doc.write_text("\n".join([*lines[:start], table(rows), *lines[end:]]))
         return 0
     print(json.dumps(rows, indent=2) if args.json else table(rows))
     return 0
