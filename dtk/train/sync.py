@@ -132,7 +132,7 @@ class Synchronizer:
             delta = self._mean([a - p for a, p in zip(anchor, own, strict=True)])
             for a in self.synced:
                 a.grad = torch.zeros_like(a)
-            self._unflatten(delta, [_local(a.grad) for a in self.synced])  # type: ignore[arg-type]
+            self._unflatten(delta, [_local(a.grad) for a in self.synced])
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
             for a, p in zip(anchor, own, strict=True):
