@@ -233,3 +233,11 @@ def test_the_export_learns_the_ties_from_the_model_and_says_when_it_cannot():
     assert tied_names(model_to_dict(compose(TIE[1:]).model)) == {}
     assert tied_names({"_target_": "no_such_package.build"}) is None  # not importable here: unknown
     assert tied_names(None) is None
+
+
+@pytest.mark.dist
+def test_a_tp_plan_that_shards_the_head_and_not_the_embedding_is_refused_by_name(tmp_path):
+    """The tie cannot be one tensor sharded for the head and whole for the embedding."""
+    with pytest.raises(Exception, match=r"lays out the tied weights tok_embeddings.weight and output.weight differently"):
+        run_on_ranks(train_tied, 2, tmp_path, [*TIE, "+scheme=tp", "scheme.dp_shard=1", "~model.tp_plan.tok_embeddings"],
+                     1)
