@@ -49,7 +49,8 @@ def main(argv: list[str]) -> int:
     search = search_path(args.config_dirs)
     search.activate()
     cfg = compose(args.overrides, search=search)
-    plan = make_plan(cfg, import_path=search.modules, local_gpus=visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES")))
+    plan = make_plan(cfg, import_path=search.modules, local_gpus=visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES")),
+                     planning=True)
 
     from dtk.plan.inputs import context
     from dtk.plan.report import memory_plan

@@ -128,15 +128,24 @@ def micro_batch_size(scheme: SchemeConfig, *, micro_batch: int | None, global_ba
 
 
 def check_scheme(
-    scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, *, num_microbatches: int, eval_every: int
+    scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, *, num_microbatches: int, eval_every: int,
+    planning: bool = False,
 ) -> None:
     """The scheme's options together, and the degrees against the model's shape (the built-in
     transformer's numbers; a user model is checked when it is built). Each option's own
-    allowed values were checked while composing (dtk/config/choices.py)."""
-    if scheme.data_parallel == DataParallel.ddp and (degrees.dp_shard > 1 or degrees.tp > 1):
+    allowed values were checked while composing (dtk/config/choices.py). `planning`: the
+    layouts the planner can budget but the runtime cannot run yet pass (python -m dtk.plan)."""
+    zero1_tp = scheme.shard_optimizer and degrees.dp_shard == 1 and degrees.tp > 1
+    if scheme.data_parallel == DataParallel.ddp and (degrees.dp_shard > 1 or degrees.tp > 1) and not zero1_tp:
         raise UserError(
             f"scheme.data_parallel=ddp with dp_shard={degrees.dp_shard}, tp={degrees.tp}: DDP replicates whole"
             " (non-DTensor) models; use scheme.data_parallel=fsdp, or dp_shard=1 and tp=1"
+        )
+    if scheme.data_parallel == DataParallel.ddp and zero1_tp and not planning:
+        raise UserError(
+            f"scheme.shard_optimizer=true with scheme.tp={degrees.tp}: ZeRO-1 (optimizer state sharded over the"
+            " data-parallel ranks) with tensor parallelism is planned (python -m dtk.plan budgets it) but not yet"
+            " runnable; run tp with scheme.data_parallel=fsdp"
         )
     if scheme.shard_optimizer and scheme.data_parallel != DataParallel.ddp:
         raise UserError(
