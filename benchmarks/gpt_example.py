@@ -77,16 +77,16 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpt-example-") as tmp:
         folder = Path(tmp) / "gpt"
-        shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("data", "runs", "*.jsonl", "__pycache__"))
+        # Not a data/ or runs/ folder a user made in the example itself (conf/data/ is needed).
+        shutil.copytree(EXAMPLE, folder, ignore=lambda d, names: [n for n in names if n == "__pycache__" or (
+            Path(d) == EXAMPLE and (n in ("data", "runs") or n.endswith(".jsonl")))])
         run(["python", "gpt.py", "corpus"], folder)
         run(["python", "-m", "dtk.data", "prepare", "--input", "data/stdlib.txt", "--out", "data/stdlib",
              "--tokenizer", "chars", "--val-fraction", "0.1"], folder)
-        results = {
-            "plain, seed 0": plain_run(folder, 0, args.steps),
-            "plain, seed 1": plain_run(folder, 1, args.steps),
-            "dtk ddp, 2 ranks": dtk_run(folder, "ddp", args.steps),
-            "dtk fsdp, 2 ranks": dtk_run(folder, "fsdp", args.steps, "+scheme=fsdp"),
-        }
+        results = {"dtk ddp, 2 ranks": dtk_run(folder, "ddp", args.steps),
+                   "dtk fsdp, 2 ranks": dtk_run(folder, "fsdp", args.steps, "+scheme=fsdp"),
+                   "plain, seed 0": plain_run(folder, 0, args.steps),
+                   "plain, seed 1": plain_run(folder, 1, args.steps)}
     points = [1, args.steps // 4, args.steps // 2, args.steps]
     print(f"| run | {' | '.join(f'loss @{s}' for s in points)} | val_loss @{args.steps} | tokens/s | command |")
     print(f"| --- | {' | '.join('---' for _ in points)} | --- | --- | --- |")
