@@ -140,3 +140,32 @@ def test_submit_refuses_whatif_keys_it_would_not_train(tmp_path):
                     f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: plan.params=7e+10 plan.heads=64: what-if keys")
     assert "\n" not in proc.stderr.strip() and not list(tmp_path.iterdir())
+
+
+def test_the_search_names_the_axes_from_the_axis_table():
+    """search.py and variants.py spell no list of axis names of their own (a tuple of degree
+    keys, a dict keyed by them, `keys["pp"]`): the axes come from dtk.plan.degrees.Axis."""
+    import ast
+
+    from conftest import REPO
+    from dtk.plan.degrees import Axis
+
+    only_axes = {Axis.dp_replicate.value, Axis.dp_shard.value}  # names no scheme file has
+    axes = set(Axis.values())
+    found = []
+    for where in ("dtk/plan/search.py", "dtk/plan/variants.py"):
+        for node in ast.walk(ast.parse((REPO / where).read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                named = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+            elif isinstance(node, ast.Dict):
+                named = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                named = {node.slice.value} & axes
+                if named:
+                    found.append((where, node.lineno, sorted(named)))
+                continue
+            else:
+                continue
+            if named & only_axes:
+                found.append((where, node.lineno, sorted(named & axes)))
+    assert found == []

@@ -24,27 +24,29 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dtk.config.choices import ActivationCheckpoint, DataParallel, PipelineSchedule
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES, Context, Estimate, estimate
-from dtk.plan.degrees import Degrees, micro_batch_size, resolve_degrees
+from dtk.plan.degrees import Axis, Degrees, micro_batch_size, resolve_degrees
 from dtk.plan.shape import is_builtin
 from dtk.plan.steptime import Hardware, StepTime, step_time
-from dtk.plan.variants import Variant, checked_scheme, standard_scheme
+from dtk.plan.variants import FAST_KEYS, Variant, checked_scheme, standard_scheme
 
 SIMPLE = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
 """Scheme files from the simplest to the most involved (the tie-break)."""
 TIE = 0.03
-VARIED = ("dp_replicate", "dp_shard", "tp", "pp", "data_parallel", "shard_optimizer", "reshard_after_forward",
-          "sequence_parallel", "cpu_offload", "activation_checkpoint", "pp_schedule", "pp_virtual_stages", "pp_microbatches")
-"""Scheme keys the search sets; the overrides name those that differ from the scheme file."""
+OPTIONS = FAST_KEYS
+"""Scheme keys besides the degrees (one per Axis) that the search sets; the overrides name
+those that differ from the scheme file."""
 MAX_PP = 16
 """Deepest pipeline searched (the published runs of docs/planning.md go to 8; each stage is
 a rank whose memory the budget computes)."""
 HOST_NODE_BYTES = 2 * 10**12
 """Host memory of a node when cluster.mem_gb does not say (a DGX H100 or A100 has 2 TB): what
 CPU offload and the staged checkpoint copy may take, shared by the node's workers."""
-KNOBS = ({"activation_checkpoint": "none"}, {"activation_checkpoint": "selective"},
-         {"activation_checkpoint": "full"}, {"activation_checkpoint": "full", "cpu_offload": True})
+KNOBS = ({"activation_checkpoint": ActivationCheckpoint.none}, {"activation_checkpoint": ActivationCheckpoint.selective},
+         {"activation_checkpoint": ActivationCheckpoint.full},
+         {"activation_checkpoint": ActivationCheckpoint.full, "cpu_offload": True})
 """From the cheapest in time to the cheapest in memory: a layout takes the first that fits."""
 
 
@@ -98,41 +100,56 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
 
 
+def _keys(d: Degrees, **options: Any) -> dict[str, Any]:
+    """The scheme keys of a layout: its degree on each Axis, and its options (typed values)."""
+    return {**{axis.value: d.of(axis) for axis in Axis}, **options}
+
+
 def _layouts(nodes: int, tpn: int, world: int, blocks: int, *, max_tp: int,
              sequence_parallel: bool) -> list[tuple[str, dict[str, Any]]]:
     """(scheme file, degree and layout keys) of every structure at a size."""
     out: list[tuple[str, dict[str, Any]]] = []
+    ddp, fsdp = DataParallel.ddp, DataParallel.fsdp
     for tp in (t for t in _divisors(tpn, max_tp) if t & (t - 1) == 0):
         for pp in _divisors(world // tp, min(blocks, MAX_PP)):
             dp = world // (tp * pp)
+
+            def grid(replicate: int, shard: int, pp: int = pp, tp: int = tp) -> Degrees:
+                return Degrees(dp_replicate=replicate, pp=pp, dp_shard=shard, tp=tp)
+
             # Sequence parallelism costs no more traffic than tp's all-reduces and keeps norms
             # and residuals split: always with tp.
-            deg = {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel and tp > 1}
+            sp = sequence_parallel and tp > 1
             if tp == 1 and pp == 1:
-                out.append(("ddp", dict(deg, dp_replicate=dp, dp_shard=1, data_parallel="ddp")))
+                out.append(("ddp", _keys(grid(dp, 1), sequence_parallel=sp, data_parallel=ddp)))
                 if dp > 1:
-                    out.append(("zero", dict(deg, dp_replicate=dp, dp_shard=1, data_parallel="ddp",
-                                             shard_optimizer=True)))
-                    out.append(("zero2", dict(deg, dp_replicate=1, dp_shard=dp, data_parallel="fsdp",
-                                              reshard_after_forward=False)))
-            fsdp = dict(deg, dp_replicate=1, dp_shard=dp, data_parallel="fsdp")
-            out.append(("fsdp" if tp == pp == 1 else "hybrid", fsdp))
+                    out.append(("zero", _keys(grid(dp, 1), sequence_parallel=sp, data_parallel=ddp,
+                                              shard_optimizer=True)))
+                    out.append(("zero2", _keys(grid(1, dp), sequence_parallel=sp, data_parallel=fsdp,
+                                               reshard_after_forward=False)))
+            out.append(("fsdp" if tp == pp == 1 else "hybrid", _keys(grid(1, dp), sequence_parallel=sp,
+                                                                     data_parallel=fsdp)))
             inside = max(1, tpn // (tp * pp)) if tpn % (tp * pp) == 0 else 1  # data-parallel ranks on one node
             for shard in sorted({inside, 1}):
                 if 1 < dp // shard and dp % shard == 0 and shard < dp:
-                    out.append(("hybrid", dict(deg, dp_replicate=dp // shard, dp_shard=shard, data_parallel="fsdp")))
+                    out.append(("hybrid", _keys(grid(dp // shard, shard), sequence_parallel=sp, data_parallel=fsdp)))
     return out
+
+
+def _degrees(keys: dict[str, Any]) -> Degrees:
+    """The degrees a scheme's keys set, one per Axis."""
+    return Degrees(**{axis.value: keys[axis.value] for axis in Axis})
 
 
 def _file_key(key: str, keys: dict[str, Any], nodes: int, tpn: int, world: int) -> str:
     """The named scheme file whose defaults are this structure, else hybrid."""
-    d = (keys["dp_replicate"], keys["dp_shard"], keys["tp"], keys["pp"])
+    d = _degrees(keys)
     if key == "hybrid":
-        if d == (nodes, world // nodes, 1, 1) and nodes > 1:
+        if d == Degrees(dp_replicate=nodes, pp=1, dp_shard=world // nodes, tp=1) and nodes > 1:
             return "hsdp"
-        if d == (1, nodes, tpn, 1) and tpn > 1:
+        if d == Degrees(dp_replicate=1, pp=1, dp_shard=nodes, tp=tpn) and tpn > 1:
             return "tp"
-        if d == (1, 1, 1, world):
+        if d == Degrees(dp_replicate=1, pp=world, dp_shard=1, tp=1):
             return "pp"
     return key
 
@@ -173,9 +190,9 @@ class Search:
         scheme = dict(base, **keys)
         overrides = [f"+scheme={key}"]
         base_degrees = resolve_degrees(checked_scheme(base), nodes * tpn)
-        if (base_degrees.dp_replicate, base_degrees.pp, base_degrees.dp_shard, base_degrees.tp) != tuple(scheme[k] for k in ("dp_replicate", "pp", "dp_shard", "tp")):
-            overrides += [f"scheme.{k}={scheme[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
-        for k in VARIED[4:]:
+        if base_degrees != _degrees(scheme):
+            overrides += [f"scheme.{axis}={scheme[axis.value]}" for axis in Axis]
+        for k in OPTIONS:
             if scheme[k] != base[k] or scheme[k] != self.bare(key, nodes)[k]:
                 overrides.append(f"scheme.{k}={str(scheme[k]).lower()}")
         try:
@@ -214,13 +231,13 @@ class Search:
         (the most micro-batches, the least bubble), so it takes the smallest micro-batch that
         its schedule accepts; any other layout the largest that fits (fewest gathers per step),
         found by bisection: memory grows with the micro-batch."""
-        dp = keys["dp_replicate"] * keys["dp_shard"]
-        micros = self._micros(dp)
+        degrees = _degrees(keys)
+        micros = self._micros(degrees.dp)
         for knob in KNOBS:
-            if knob.get("cpu_offload") and (keys["data_parallel"] != "fsdp" or self.ctx.device != "cuda"):
+            if knob.get("cpu_offload") and (keys["data_parallel"] != DataParallel.fsdp or self.ctx.device != "cuda"):
                 continue
             layout = dict(keys, **knob)
-            if keys["pp"] > 1:
+            if degrees.pp > 1:
                 c = next((c for c in (self.candidate(key, layout, nodes, m) for m in micros) if c is not None), None)
                 if c is not None and c.fits:
                     return self.timed(c)
@@ -242,11 +259,13 @@ class Search:
         found = []
         for key, keys in _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
                                   sequence_parallel=self.sequence_parallel):
-            for virtual in (1, 2) if keys["pp"] > 1 else (1,):
-                if virtual == 2 and 2 * keys["pp"] > self.blocks:
+            pp = _degrees(keys).pp
+            for virtual in (1, 2) if pp > 1 else (1,):
+                if virtual == 2 and 2 * pp > self.blocks:
                     continue
-                layout = dict(keys, pp_virtual_stages=virtual, pp_schedule="interleaved_1f1b" if virtual > 1 else "1f1b")
-                if keys["pp"] == 1:
+                layout = dict(keys, pp_virtual_stages=virtual,
+                              pp_schedule=PipelineSchedule("interleaved_1f1b" if virtual > 1 else "1f1b"))
+                if pp == 1:
                     layout.pop("pp_schedule")
                 name = _file_key(key, keys, nodes, tpn, nodes * tpn)
                 c = self.best_of(name, layout, nodes)
@@ -259,11 +278,11 @@ class Search:
         full checkpointing, offload, one sample per micro-batch) fit at a size: the cheap
         test of the search for the fewest nodes."""
         tpn, world = self.ctx.tasks_per_node, nodes * self.ctx.tasks_per_node
-        frugal = {"activation_checkpoint": "full", "cpu_offload": self.ctx.device == "cuda"}
         for tp in sorted({1, min(tpn, self.max_tp)}):
             for pp in sorted({1, max(_divisors(world // tp, min(self.blocks, MAX_PP)))}):
-                keys = dict(frugal, tp=tp, pp=pp, sequence_parallel=self.sequence_parallel and tp > 1, dp_replicate=1,
-                            dp_shard=world // (tp * pp), data_parallel="fsdp")
+                keys = _keys(Degrees(dp_replicate=1, pp=pp, dp_shard=world // (tp * pp), tp=tp),
+                             activation_checkpoint=ActivationCheckpoint.full, cpu_offload=self.ctx.device == "cuda",
+                             sequence_parallel=self.sequence_parallel and tp > 1, data_parallel=DataParallel.fsdp)
                 c = self.candidate("hybrid", keys, nodes, 1)
                 if c is not None and c.fits:
                     return True
