@@ -53,3 +53,49 @@ def test_a_sync_run_is_a_run_of_its_own():
     assert identity_hash(compose(["+sync=diloco", "sync.every=4"])) != diloco
     assert identity_hash(compose(["scheme.grad_compression=bf16", "+scheme=ddp"])) != identity_hash(
         compose(["+scheme=ddp"]))
+
+
+def _job(degrees, *, sync_every: int = 0, **scheme):
+    import dataclasses
+
+    from dtk.config.schema import SchemeConfig
+    from dtk.plan.memory import Job, precision_for, scheme_config
+
+    s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), **scheme))
+    return Job(s, degrees, micro_batch=1, num_micro=1, device="cuda", precision=precision_for(s, "cuda"),
+               sync_every=sync_every)
+
+
+def test_the_planner_counts_the_replicas_exchange_of_each_mode():
+    from dtk.config.schema import ClusterConfig
+    from dtk.plan.comm import traffic
+    from dtk.plan.degrees import Degrees
+    from dtk.config.convert import builtin_transformer
+    from dtk.plan.shape import builtin_shape
+    from dtk.plan.steptime import hardware_of, step_time
+
+    model = compose(["model.dim=1024", "model.num_layers=4", "model.num_heads=8", "model.vocab_size=8192"]).model
+    shape = builtin_shape(builtin_transformer(model))
+    hw = hardware_of(ClusterConfig(accelerator="h100-80gb", inter_node_gbps=0.05), device="cuda", param_dtype="auto")
+
+    def replicas(job) -> tuple[int, float]:
+        axis = next(a for a in traffic(shape, job, 1) if a.axis == "dp_replicate")  # one rank per node
+        t = step_time(shape, job, global_batch=8, tasks_per_node=1, hw=hw)
+        assert t is not None
+        return axis.bytes_per_step, t.axes["dp_replicate"]
+
+    two = Degrees(2, 1, 1, 1)
+    ddp_bytes, ddp_s = replicas(_job(two))
+    sync_bytes, sync_s = replicas(_job(two, sync_every=8))
+    numel = sum(t.numel for t in shape.tensors)
+    assert sync_bytes == round(2 * 0.5 * numel * 4 / 8)  # float32 parameters, once per 8 steps
+    assert sync_s == pytest.approx(sync_bytes / (0.05e9))  # nothing to hide behind
+    assert 0 < sync_s < ddp_s
+    bf16_bytes, _ = replicas(_job(two, grad_compression="bf16"))
+    assert bf16_bytes * 2 == pytest.approx(ddp_bytes, rel=1e-6)
+    powersgd_bytes, _ = replicas(_job(two, grad_compression="powersgd", powersgd_rank=4))
+    assert powersgd_bytes < ddp_bytes / 50  # 1024 x 1024 matrices sent as 2 x 1024 x 4 numbers
+    hsdp = Degrees(2, 1, 4, 1)
+    hsdp_bytes, _ = replicas(_job(hsdp, data_parallel="fsdp"))
+    hsdp_sync_bytes, _ = replicas(_job(hsdp, data_parallel="fsdp", sync_every=4))
+    assert hsdp_sync_bytes < hsdp_bytes

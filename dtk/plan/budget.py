@@ -54,13 +54,15 @@ class Context:
     """The model check_scheme reads (the built-in transformer's numbers; a model without them otherwise)."""
     split_points: tuple[str, ...] = ()
     memory_snapshots: bool = False
+    sync_every: int = 0
+    """+sync's sync.every (0: every step): the replicas' traffic in the step time."""
 
     def job(self, v: Variant, **changes: Any) -> Job:
         scheme = scheme_config(dict(v.scheme, **changes))
         return Job(
             scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
-            split_points=self.split_points, memory_snapshots=self.memory_snapshots,
+            split_points=self.split_points, memory_snapshots=self.memory_snapshots, sync_every=self.sync_every,
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,

@@ -7,7 +7,12 @@ rank's node is `rank // tasks_per_node` (Slurm's block distribution, and the loc
 Bytes per step are what one rank sends on the axis, with ring algorithms (nccl-tests'
 convention): an all-reduce of B bytes over n ranks sends 2 (n-1)/n B, an all-gather or a
 reduce-scatter of a B-byte whole (n-1)/n B; a pipeline stage sends each micro-batch's
-activation forward and its gradient back.
+activation forward and its gradient back. The replicas' exchange follows the run's way of
+exchanging less (dtk.plan.sync): `+sync` all-reduces the float32 parameters once per
+sync.every steps (counted per step: 1/H of it); scheme.grad_compression sends DDP's
+gradients in bfloat16 (2 bytes each), or PowerSGD's P and Q of each matrix that shrinks
+2x at its rank ((n + m) x r elements instead of n x m; its 10 warm-up steps not counted;
+a what-if model, which has no matrix shapes, is counted uncompressed).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dtk.config.choices import ActivationCheckpoint
+from dtk.config.choices import ActivationCheckpoint, GradCompression
 from dtk.config.schema import SchemeConfig
 from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.layout import axis_groups, coords, rank_layout, reshards_after_forward, uses_fsdp, uses_zero1
@@ -107,11 +112,17 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         nbytes = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + reduces * p.reduce_bytes)
         add("dp_shard", d.dp_shard, nbytes, what)
         shard = unsharded / d.dp_shard
-        add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
-            "HSDP gradient all-reduce of the shards, once per step")
+        if job.sync_every:
+            add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * 4 / job.sync_every,
+                f"+sync: parameter all-reduce of the shards every {job.sync_every} steps")
+        else:
+            add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
+                "HSDP gradient all-reduce of the shards, once per step")
+    elif d.dp > 1 and job.sync_every:
+        add("dp_replicate", d.dp, 2 * _ring(d.dp) * unsharded * 4 / job.sync_every,
+            f"+sync: parameter all-reduce every {job.sync_every} steps")
     elif d.dp > 1:
-        grads = unsharded * p.grad_bytes
-        what = "DDP gradient all-reduce, once per step"
+        grads, what = compressed_gradients(layout.held, scheme, p.grad_bytes)
         nbytes = 2 * _ring(d.dp) * grads
         if uses_zero1(scheme, d):
             nbytes += _ring(d.dp) * unsharded * p.param_bytes
@@ -129,6 +140,23 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         add("pp", d.pp, job.num_micro * chunks * 2 * dims.bsh * dims.a / (d.tp if dims.sp else 1),
             "activations forward and gradients back, per micro-batch")
     return out
+
+
+def compressed_gradients(held: list, scheme: SchemeConfig, grad_bytes: float) -> tuple[float, str]:
+    """Bytes DDP's all-reduce sends of one replica's gradients under scheme.grad_compression, and in words."""
+    elements = sum(h.unsharded_numel for h in held)
+    if scheme.grad_compression == GradCompression.bf16:
+        return elements * 2, "DDP gradient all-reduce in bfloat16, once per step"
+    if scheme.grad_compression == GradCompression.powersgd:
+        sent = 0
+        for h in held:
+            shape = h.tensor.shape
+            n = shape[0] if shape else 1
+            m = h.unsharded_numel // max(n, 1)
+            r = min(n, m, scheme.powersgd_rank)
+            sent += (n + m) * r if len(shape) > 1 and 2 * (n + m) * r < n * m else h.unsharded_numel
+        return sent * grad_bytes, f"DDP PowerSGD all-reduce (rank {scheme.powersgd_rank}), once per step"
+    return elements * grad_bytes, "DDP gradient all-reduce, once per step"
 
 
 def bottleneck(axes: list[AxisTraffic]) -> AxisTraffic | None:

@@ -135,6 +135,8 @@ class Job:
     memory_snapshots: bool = False
     """checkpoint.memory_every > 0: own shard and a partner's replica of params + optimizer, two steps kept, in host memory."""
     split_points: tuple[str, ...] = ()
+    sync_every: int = 0
+    """+sync: the replicas all-reduce their parameters every this many steps instead of their gradients every step (dtk.plan.comm); 0: every step."""
 
 
 @dataclass

@@ -13,7 +13,8 @@ not hide, the pipeline bubble, and the host traffic of CPU offload. Pure arithme
   it crosses nodes. Tensor-parallel and pipeline traffic is on the critical path; FSDP's
   all-gathers and reduce-scatters run ahead of / behind the blocks' compute and are exposed
   only where they exceed OVERLAP of it; a once-per-step gradient all-reduce (DDP, HSDP's
-  replicas) overlaps only the last micro-batch's backward.
+  replicas) overlaps only the last micro-batch's backward; `+sync`'s parameter all-reduce
+  every sync.every steps overlaps nothing (1/H of it per step).
 - bubble: a pipeline of pp stages idles (pp - 1) / (virtual stages x micro-batches) of its
   compute (1F1B, GPipe; interleaved 1F1B divides by its virtual stages).
 - offload: FSDP CPU offload copies the shards to the device for every gather and the
@@ -174,7 +175,7 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
         seconds = a.bytes_per_step / (gbps * 1e9)
         if a.axis == "dp_shard":
             seconds = max(0.0, seconds - OVERLAP * compute)
-        elif a.axis == "dp_replicate":
+        elif a.axis == "dp_replicate" and not job.sync_every:  # +sync's exchange waits on nothing to hide behind
             seconds = max(0.0, seconds - replicate_window)
         axes[a.axis] = seconds
     comm = sum(axes.values())
