@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from dtk.config.choices import ActivationCheckpoint, GradCompression
 from dtk.config.schema import SchemeConfig
 from dtk.plan.degrees import Axis, Degrees
-from dtk.plan.layout import axis_groups, coords, rank_layout, reshards_after_forward, uses_fsdp, uses_zero1
+from dtk.plan.layout import Held, axis_groups, coords, rank_layout, reshards_after_forward, uses_fsdp, uses_zero1
 from dtk.plan.memory import Job, job_dims
 from dtk.plan.shape import ModelShape
 
@@ -142,7 +142,7 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
     return out
 
 
-def compressed_gradients(held: list, scheme: SchemeConfig, grad_bytes: float) -> tuple[float, str]:
+def compressed_gradients(held: tuple[Held, ...], scheme: SchemeConfig, grad_bytes: float) -> tuple[float, str]:
     """Bytes DDP's all-reduce sends of one replica's gradients under scheme.grad_compression, and in words."""
     elements = sum(h.unsharded_numel for h in held)
     if scheme.grad_compression == GradCompression.bf16:
