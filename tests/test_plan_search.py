@@ -169,3 +169,26 @@ def test_the_search_names_the_axes_from_the_axis_table():
             if named & only_axes:
                 found.append((where, node.lineno, sorted(named & axes)))
     assert found == []
+
+
+GPT_76B = ["cluster=slurm", "tasks_per_node=8", "nodes=128", "cluster.accelerator=a100-80gb", "cluster.nics_per_node=8",
+           "train.global_batch=1792", "plan.layers=60", "plan.hidden=10240", "plan.heads=80", "plan.seq_len=2048",
+           "plan.vocab_size=51200"]
+"""Megatron-LM SC'21 Table 1's 76.1B model on its 1024 GPUs: its batch does not split over 1024."""
+
+
+def test_a_batch_the_default_layout_cannot_split_is_no_reason_to_refuse_the_search(tmp_path):
+    r = run_main("dtk.plan", *GPT_76B, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("as given    train.global_batch=1792 does not split over the data-parallel size 1024")
+    rec = next(line for line in lines if line.startswith("recommended "))
+    overrides, reason = rec.removeprefix("recommended ").split(": ", 1)
+    assert "fits on the 128 node(s) asked" in reason and "by the batch split" in reason
+    plan, est = typed_fits(GPT_76B, overrides.split())
+    assert est.fits is True and 1792 % plan.degrees.dp == 0
+    as_json = json.loads(run_main("dtk.plan", *GPT_76B, "--json", cwd=tmp_path).stdout)
+    assert as_json["recommended"]["overrides"] == overrides.split() and "1792" in as_json["as_given"]
+    # a job that names its layout is refused as before
+    named = run_main("dtk.plan", *GPT_76B, "+scheme=fsdp", cwd=tmp_path)
+    assert named.returncode == 2 and named.stderr.startswith("error: train.global_batch=1792")

@@ -8,7 +8,7 @@ import json
 import os
 
 from dtk.config.compose import add_config_dir, compose, search_path
-from dtk.errors import ArgumentParser, run_cli
+from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.plan.inputs import visible_gpus
 from dtk.plan.plan import make_plan
 
@@ -49,8 +49,15 @@ def main(argv: list[str]) -> int:
     search = search_path(args.config_dirs)
     search.activate()
     cfg = compose(args.overrides, search=search)
-    plan = make_plan(cfg, import_path=search.modules, local_gpus=visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES")),
-                     planning=True)
+    gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    try:
+        plan = make_plan(cfg, import_path=search.modules, local_gpus=gpus, planning=True)
+    except UserError as refused:
+        from dtk.plan.search import names_a_layout
+
+        if names_a_layout(args.overrides) or not str(refused).startswith("train.global_batch="):
+            raise
+        return _search_without_layout(args, search, gpus, cfg, refused)
 
     from dtk.plan.inputs import context
     from dtk.plan.report import memory_plan
@@ -61,6 +68,34 @@ def main(argv: list[str]) -> int:
     else:
         print(plan.describe() + "\n\n" + budget.describe())
     return 0
+
+
+def _search_without_layout(args, search, gpus: int, cfg, refused: UserError) -> int:
+    """The job names no layout, and the default's data-parallel size does not split its
+    batch: no reason to refuse. The search plans the job from a layout that splits it (the
+    job as given is not planned) and prints its recommendation."""
+    from dtk.plan.inputs import context
+    from dtk.plan.report import memory_plan
+    from dtk.plan.search import stand_ins
+
+    world = cfg.nodes * cfg.tasks_per_node
+    for layout in stand_ins(world, cfg.tasks_per_node, cfg.train.global_batch):
+        standing = compose([*args.overrides, *layout], search=search)
+        try:
+            plan = make_plan(standing, import_path=search.modules, local_gpus=gpus, planning=True)
+        except UserError:
+            continue
+        budget = memory_plan(context(standing, plan, config_dirs=search.config), plan)
+        if args.json:
+            found = budget.to_json()
+            print(json.dumps({"as_given": str(refused), "recommended": found["recommended"],
+                              "alternatives": found["alternatives"]}, indent=2, default=str))
+        else:
+            lines = budget.describe().split("\n\n")[0].splitlines()
+            searched = lines[next(i for i, line in enumerate(lines) if line.startswith("recommended")):]
+            print("\n".join([f"as given    {refused} (no layout named: the search plans one)", *searched]))
+        return 0
+    raise refused
 
 
 if __name__ == "__main__":

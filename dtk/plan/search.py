@@ -21,6 +21,7 @@ is fits -> nodes -> simplest.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +167,9 @@ class Search:
         self.max_tp = ctx.tasks_per_node if any(t.tp_dim is not None for t in ctx.shape.tensors) else 1
         self.sequence_parallel = not ctx.shape.exact or is_builtin(ctx.model_checks)
         self.base_cache: dict[tuple[str, int], dict[str, Any]] = {}
+        self.bound: Counter[str] = Counter()
+        """Structures that no candidate of fits, by the constraint that excluded them."""
+        self.refused: str | None = None
 
     def base(self, key: str, nodes: int) -> dict[str, Any]:
         if (key, nodes) not in self.base_cache:
@@ -197,7 +201,8 @@ class Search:
                 overrides.append(f"scheme.{k}={str(scheme[k]).lower()}")
         try:
             v = ctx.variant(key, scheme, nodes, tpn, micro_batch=micro)
-        except UserError:
+        except UserError as exc:
+            self.refused = _constraint(str(exc))
             return None
         # train.micro_batch is printed unless both the job's and a bare command's give this one
         if any(self._derived(scheme, v.degrees, given) != micro for given in {ctx.micro_batch, None}):
@@ -233,12 +238,14 @@ class Search:
         found by bisection: memory grows with the micro-batch."""
         degrees = _degrees(keys)
         micros = self._micros(degrees.dp)
+        self.refused, tried = BATCH if not micros else None, False
         for knob in KNOBS:
             if knob.get("cpu_offload") and (keys["data_parallel"] != DataParallel.fsdp or self.ctx.device != "cuda"):
                 continue
             layout = dict(keys, **knob)
             if degrees.pp > 1:
                 c = next((c for c in (self.candidate(key, layout, nodes, m) for m in micros) if c is not None), None)
+                tried = tried or c is not None
                 if c is not None and c.fits:
                     return self.timed(c)
                 continue
@@ -246,17 +253,20 @@ class Search:
             while lo <= hi:
                 mid = (lo + hi) // 2
                 c = self.candidate(key, layout, nodes, micros[mid])
+                tried = tried or c is not None
                 if c is not None and c.fits:
                     best, lo = c, mid + 1
                 else:
                     hi = mid - 1
             if best is not None:
                 return self.timed(best)
+        self.bound[MEMORY if tried else (self.refused or CHECKS)] += 1
         return None
 
     def at(self, nodes: int) -> list[Candidate]:
         tpn = self.ctx.tasks_per_node
         found = []
+        self.bound.clear()
         for key, keys in _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
                                   sequence_parallel=self.sequence_parallel):
             pp = _degrees(keys).pp
@@ -289,6 +299,29 @@ class Search:
         return False
 
 
+BATCH = "the batch split (train.global_batch over the data-parallel size and micro-batch)"
+SHAPE = "the model's shape (what tp and pp split)"
+CHECKS = "the scheme's checks"
+MEMORY = "device memory"
+
+
+def _constraint(message: str) -> str:
+    """Which constraint a refusal of check_scheme / make_variant names."""
+    if message.startswith("train.global_batch=") or "pp_microbatches" in message:
+        return BATCH
+    if "does not divide" in message or "block(s) to split" in message or message.startswith("scheme.pp="):
+        return SHAPE
+    return CHECKS
+
+
+def bound_by(bound: Counter[str]) -> str:
+    """`; excluded: 12 by device memory, 3 by the batch split ...`: the constraints that bound
+    the search at its size, most layouts first."""
+    if not bound:
+        return ""
+    return "; excluded: " + ", ".join(f"{n} by {what}" for what, n in bound.most_common())
+
+
 def _speed(c: Candidate) -> tuple[float, tuple[int, int]]:
     return (c.step_s if c.step_s is not None else 0.0), c.complexity
 
@@ -310,17 +343,39 @@ def searched(ctx: Context, hw: Hardware | None, *, max_nodes: int | None,
     `host_node_bytes`: a node's host memory (cluster.mem_gb), else HOST_NODE_BYTES."""
     s = Search(ctx, hw, host_node_bytes=host_node_bytes)
     found = s.at(ctx.nodes)
+    asked = bound_by(s.bound)
     if found:
-        return rank(found), f"fits on the {ctx.nodes} node(s) asked"
+        return rank(found), f"fits on the {ctx.nodes} node(s) asked" + asked
     if ctx.local:
-        return [], "nothing fits on this machine (the local cluster is one node)"
+        return [], "nothing fits on this machine (the local cluster is one node)" + asked
     limit = max_nodes or NODE_CANDIDATES[-1]
     for n in (c for c in NODE_CANDIDATES if ctx.nodes < c <= limit):
         if s.frugal_fits(n):
             found = s.at(n)
             if found:
-                return rank(found), f"nothing fits on the {ctx.nodes} node(s) asked; {n} is the fewest that fit"
-    return [], f"nothing fits on any node count up to {limit}"
+                return rank(found), (f"nothing fits on the {ctx.nodes} node(s) asked{asked.replace('; ', ' (', 1)}"
+                                     f"{')' if asked else ''}; {n} is the fewest that fit")
+    return [], f"nothing fits on any node count up to {limit}" + (asked.replace("excluded", "on the nodes asked, excluded"))
+
+
+def stand_ins(world: int, tasks_per_node: int, global_batch: int) -> list[list[str]]:
+    """Layouts whose data-parallel size divides the batch, the widest first: overrides that
+    let the planner build a job to search from when the job names no layout and the
+    default's data-parallel size (the world) does not split its batch. The rest of the world
+    goes to tp (a power of two inside a node), then pp."""
+    out = []
+    for dp in (d for d in range(world, 0, -1) if world % d == 0 and global_batch % d == 0):
+        rest = world // dp
+        tp = max(t for t in _divisors(tasks_per_node, tasks_per_node) if rest % t == 0 and t & (t - 1) == 0)
+        degrees = Degrees(dp_replicate=1, pp=rest // tp, dp_shard=dp, tp=tp)
+        out.append(["+scheme=hybrid", *(f"scheme.{axis}={degrees.of(axis)}" for axis in Axis)])
+    return out
+
+
+def names_a_layout(overrides: list[str]) -> bool:
+    """Whether a command chose its layout: a scheme file or a degree."""
+    degree_keys = {f"scheme.{axis}" for axis in Axis}
+    return any(o.lstrip("+").startswith("scheme=") or o.split("=", 1)[0] in degree_keys for o in overrides)
 
 
 def why_loses(c: Candidate, best: Candidate) -> str:
