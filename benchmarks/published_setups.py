@@ -33,6 +33,11 @@ MEGATRON = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training
 MT_NLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B (arXiv 2201.11990),"
           " section 2.4")
 LLAMA3 = "Llama Team, Meta 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
+BLOOM = ("BigScience, the BigScience 176B model page (bigscience.notion.site/BigScience-176B-Model): 384 A100 80GB,"
+         " one model copy per 48 GPUs, 'training throughput: about 150 TFLOPs'; layout TP 4 x PP 12 x DP 8 with ZeRO-1"
+         " (Megatron-DeepSpeed)")
+TRAINY_H200 = ("Trainy, torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (github.com/pytorch/torchtitan),"
+               " Results table")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class Setup:
     device_memory_gb: float | None = None
     published_memory_gib: float | None = None
     """Peak memory per device the source reports (torchtitan: GiB), where it does."""
+    cluster: tuple[str, ...] = ()
+    """Other cluster keys of the source's machine (its network)."""
     nics_per_node: int = 8
     """Network cards per node: 8 on every cluster here (Selene's DGX A100 nodes have eight
     200 Gb/s HDR cards, Megatron-LM SC'21 section 5; torchtitan's H100 nodes one 400 Gb/s
@@ -201,6 +208,20 @@ SETUPS = (
     _mt_nlg(420, 44.4, 113),
     _llama3(8192, 64, 430),
     _llama3(16384, 128, 400),
+    Setup("BLOOM 176B, ZeRO-1 x TP 4 x PP 12 x DP 8", BLOOM, _gpt(70, 14336, 112, 250880), "a100-80gb", 384,
+          ["+scheme=hybrid", "scheme.dp_replicate=8", "scheme.dp_shard=1", "scheme.tp=4", "scheme.pp=12",
+           "scheme.data_parallel=ddp", "scheme.shard_optimizer=true", "scheme.activation_checkpoint=full",
+           "train.micro_batch=1"], 2048,
+          megatron_step(batch=2048, seq=2048, layers=70, hidden=14336, vocab=250880, gpus=384, tflops=150),
+          "about 150 TFLOP/s per GPU (Megatron-DeepSpeed's count, the Megatron-LM formula)",
+          "ZeRO-1 with tp is planned, not yet runnable in dtk. " + LOGITS_AND_RECV + " (256 micro-batches of a"
+          " 250,880-token vocabulary here)", cluster=("cluster.inter_node_gbps=10",), nics_per_node=4),
+    *(Setup(f"Llama 3.1 8B, FSDP {n * 8}", TRAINY_H200, _llama(8.03e9, 32, 4096, 32), "h200", n * 8,
+            ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], n * 16,
+            titan_step(batch=n * 16, seq=8192, gpus=n * 8, tps_per_gpu=tps), f"{tps:,} tokens/s per GPU (Float8, compile)",
+            "Float8 matmuls with Float8 all-gathers and torch.compile, which dtk has not (its bf16 prediction is"
+            " slower); the activation checkpointing is llama3_8b.toml's (selective, per op), not restated there",
+            published_memory_gib=mem) for n, tps, mem in ((4, 10938, 47.96), (8, 10753, 46.97))),
 )
 
 
@@ -210,7 +231,7 @@ def base_keys(s: Setup) -> list[str]:
             *(f"plan.{k}={v:g}" for k, v in s.shape.items())]
     if s.device_memory_gb:
         keys.append(f"cluster.device_memory_gb={s.device_memory_gb:g}")
-    return keys
+    return [*keys, *s.cluster]
 
 
 def plan_setup(s: Setup) -> dict:
@@ -222,7 +243,7 @@ def plan_setup(s: Setup) -> dict:
     from dtk.plan.steptime import step_time
 
     cfg = compose([*base_keys(s), *s.layout])
-    plan = make_plan(cfg, cwd="/tmp")
+    plan = make_plan(cfg, cwd="/tmp", planning=True)  # as python -m dtk.plan plans it
     ctx = context(cfg, plan)
     mp = memory_plan(ctx, plan)
     # The step time of the setup whether or not dtk's accounting fits it (the note says why not).
