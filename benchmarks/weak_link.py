@@ -8,11 +8,13 @@ last 10 steps (less noisy than one batch), and both as a ratio to every-step DDP
   ddp        +scheme=ddp: gradients all-reduced every step (the reference)
   local_sgd  +sync=local_sgd sync.every=H: parameters averaged every H steps
   diloco     +sync=diloco sync.every=H: outer Nesterov SGD (lr 0.7, momentum 0.9) every H steps
+  diloco_bf16  the same, the deltas all-reduced in bfloat16 (sync.dtype=bfloat16)
   bf16       scheme.grad_compression=bf16: the every-step all-reduce in bfloat16
   powersgd   scheme.grad_compression=powersgd: rank-`--rank` PowerSGD after 10 plain steps
 
     python benchmarks/weak_link.py --steps 160 --every 8
     python benchmarks/weak_link.py --steps 160 --modes powersgd --rank 8
+    python benchmarks/weak_link.py --steps 160 --modes diloco_bf16
 
 Speed is not measured here: on one machine the workers talk over loopback, where the
 exchange costs next to nothing. What a slow link costs is the lab's figure (docs/benchmarks.md).
@@ -41,6 +43,7 @@ def modes(every: int, rank: int) -> dict[str, list[str]]:
         "ddp": ["+scheme=ddp"],
         "local_sgd": ["+sync=local_sgd", f"sync.every={every}"],
         "diloco": ["+sync=diloco", f"sync.every={every}"],
+        "diloco_bf16": ["+sync=diloco", f"sync.every={every}", "sync.dtype=bfloat16"],
         "bf16": ["+scheme=ddp", "scheme.grad_compression=bf16"],
         "powersgd": ["+scheme=ddp", "scheme.grad_compression=powersgd", f"scheme.powersgd_rank={rank}"],
     }
@@ -79,11 +82,11 @@ def main() -> None:
         results[name] = {"final": losses[args.steps], "last10": statistics.mean(last), "seconds": round(seconds, 1)}
     ref = results["ddp"]
     print(f"{args.steps} steps, 2 CPU workers, H={args.every}, powersgd rank {args.rank}")
-    print(f"{'mode':<10} {'final loss':>10} {'/ ddp':>7} {'last 10':>9} {'/ ddp':>7} {'wall s':>7}")
+    print(f"{'mode':<11} {'final loss':>10} {'/ ddp':>7} {'last 10':>9} {'/ ddp':>7} {'wall s':>7}")
     for name, r in results.items():
         r["final_ratio"] = r["final"] / ref["final"]
         r["last10_ratio"] = r["last10"] / ref["last10"]
-        print(f"{name:<10} {r['final']:>10.4f} {r['final_ratio']:>7.3f} {r['last10']:>9.4f} {r['last10_ratio']:>7.3f}"
+        print(f"{name:<11} {r['final']:>10.4f} {r['final_ratio']:>7.3f} {r['last10']:>9.4f} {r['last10_ratio']:>7.3f}"
               f" {r['seconds']:>7.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -14,6 +14,7 @@ from dtk.config.choices import (
     MatmulPrecision,
     OptimizerName,
     PipelineSchedule,
+    SyncDtype,
     TpStyle,
     Tracker,
 )
@@ -37,6 +38,9 @@ def test_every_choice_has_its_meaning_in_the_code():
     from dtk.parallel.compression import HOOKS
 
     assert set(HOOKS) == set(GradCompression)
+    from dtk.train.sync import DTYPES as SYNC_DTYPES
+
+    assert set(SYNC_DTYPES) == set(SyncDtype)
 
 
 def test_the_mesh_axes_are_one_list():

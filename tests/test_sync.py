@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtk.config.choices import SyncMode
+from dtk.config.choices import SyncDtype, SyncMode
 from dtk.config.schema import SyncConfig
 from dtk.train.sync import Synchronizer
 from multirank import run_on_ranks
@@ -105,13 +105,14 @@ def _diloco_plain_and_local_sgd(rank: int, world: int) -> tuple:
     diloco = _inner_steps(rank, world, SyncConfig(mode=SyncMode.diloco, every=3, outer_lr=1.0, outer_momentum=0.0,
                                                   outer_nesterov=False))
     nesterov = _inner_steps(rank, world, SyncConfig(mode=SyncMode.diloco, every=3))
-    return local, diloco, nesterov
+    bf16 = _inner_steps(rank, world, SyncConfig(mode=SyncMode.diloco, every=3, dtype=SyncDtype.bfloat16))
+    return local, diloco, nesterov, bf16
 
 
 def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_replicas_differ_only_between_syncs(tmp_path):
     ranks = run_on_ranks(_diloco_plain_and_local_sgd, 2, tmp_path)
-    (local0, syncs), (diloco0, _), (nesterov0, _) = ranks[0]
-    (local1, _), (diloco1, _), (nesterov1, _) = ranks[1]
+    (local0, syncs), (diloco0, _), (nesterov0, _), (bf16_0, _) = ranks[0]
+    (local1, _), (diloco1, _), (nesterov1, _), (bf16_1, _) = ranks[1]
     assert syncs == STEPS // 3
     for a, b in zip(local0, diloco0, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -123,4 +124,7 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_replicas_differ
     assert torch.equal(nesterov0[-1], nesterov1[-1]) and torch.equal(diloco0[-1], diloco1[-1])
     # the outer momentum moves the anchor further than the plain mean after the second sync
     assert not torch.allclose(nesterov0[-1], local0[-1], atol=1e-4)
+    # deltas sent in bfloat16: the same replicas' model, the deltas rounded to 8 bits of mantissa
+    assert torch.equal(bf16_0[-1], bf16_1[-1]) and not torch.equal(bf16_0[-1], nesterov0[-1])
+    torch.testing.assert_close(bf16_0[-1], nesterov0[-1], rtol=0, atol=1e-3)
 

@@ -22,6 +22,7 @@ from tests.conftest import run_main
     (["+sync=diloco", "sync.outer_lr=0"], "sync.outer_lr=0.0"),
     (["+sync=diloco", "+scheme=ddp", "scheme.grad_compression=bf16"], "exchange no gradients every step"),
     (["+sync=diloco", "checkpoint.memory_every=5"], "checkpoint.memory_every=5"),
+    (["+sync=local_sgd", "sync.dtype=bfloat16"], "sync.dtype=bfloat16 with +sync=local_sgd"),
     (["+scheme=fsdp", "scheme.grad_compression=bf16"], "scheme.grad_compression=bf16 compresses DDP"),
     (["+scheme=ddp", "tasks_per_node=1", "scheme.grad_compression=powersgd"], "one data-parallel rank"),
     (["+scheme=ddp", "scheme.grad_compression=powersgd", "scheme.powersgd_rank=0"], "scheme.powersgd_rank=0"),
@@ -38,6 +39,8 @@ def test_the_plan_names_the_sync_mode(tmp_path):
     proc = run_main("dtk.plan", "tasks_per_node=2", "+sync=diloco", "sync.every=4", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "sync        diloco: replicas average their deltas every 4 steps, outer SGD lr 0.7" in proc.stdout
+    bf16 = run_main("dtk.plan", "tasks_per_node=2", "+sync=diloco", "sync.dtype=bfloat16", cwd=tmp_path)
+    assert "nesterov, deltas sent in bfloat16" in bf16.stdout, bf16.stderr
     hsdp = run_main("dtk.plan", "tasks_per_node=4", "+scheme=hsdp", "scheme.dp_replicate=2", "+sync=local_sgd",
                     cwd=tmp_path)
     assert "sync        local_sgd: replicas average their parameters every 8 steps" in hsdp.stdout, hsdp.stderr
@@ -55,7 +58,7 @@ def test_a_sync_run_is_a_run_of_its_own():
         compose(["+scheme=ddp"]))
 
 
-def _job(degrees, *, sync_every: int = 0, **scheme):
+def _job(degrees, *, sync_every: int = 0, sync_bytes: int = 4, **scheme):
     import dataclasses
 
     from dtk.config.schema import SchemeConfig
@@ -63,14 +66,14 @@ def _job(degrees, *, sync_every: int = 0, **scheme):
 
     s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), **scheme))
     return Job(s, degrees, micro_batch=1, num_micro=1, device="cuda", precision=precision_for(s, "cuda"),
-               sync_every=sync_every)
+               sync_every=sync_every, sync_bytes=sync_bytes)
 
 
 def test_the_planner_counts_the_replicas_exchange_of_each_mode():
+    from dtk.config.convert import builtin_transformer
     from dtk.config.schema import ClusterConfig
     from dtk.plan.comm import traffic
     from dtk.plan.degrees import Degrees
-    from dtk.config.convert import builtin_transformer
     from dtk.plan.shape import builtin_shape
     from dtk.plan.steptime import hardware_of, step_time
 
@@ -95,6 +98,8 @@ def test_the_planner_counts_the_replicas_exchange_of_each_mode():
     assert bf16_bytes * 2 == pytest.approx(ddp_bytes, rel=1e-6)
     powersgd_bytes, _ = replicas(_job(two, grad_compression="powersgd", powersgd_rank=4))
     assert powersgd_bytes < ddp_bytes / 50  # 1024 x 1024 matrices sent as 2 x 1024 x 4 numbers
+    bf16_sync_bytes, _ = replicas(_job(two, sync_every=8, sync_bytes=2))
+    assert bf16_sync_bytes * 2 == pytest.approx(sync_bytes, rel=1e-6)
     hsdp = Degrees(2, 1, 4, 1)
     hsdp_bytes, _ = replicas(_job(hsdp, data_parallel="fsdp"))
     hsdp_sync_bytes, _ = replicas(_job(hsdp, data_parallel="fsdp", sync_every=4))

@@ -61,6 +61,13 @@ class SyncMode(Choice):
     diloco = "diloco"
 
 
+class SyncDtype(Choice):
+    """What diloco's replicas send of their deltas (sync.dtype, dtk/train/sync.py maps each)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 class GradCompression(Choice):
     """What DDP's every-step gradient all-reduce sends (scheme.grad_compression, dtk/parallel/compression.py)."""
 

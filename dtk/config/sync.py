@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtk.config.choices import SyncMode
+from dtk.config.choices import SyncDtype, SyncMode
 from dtk.config.fields import IDENTITY
 
 
@@ -24,3 +24,5 @@ class SyncConfig:
     """diloco: momentum of the outer SGD, in [0, 1) (the DiLoCo paper's 0.9). Ignored by local_sgd."""
     outer_nesterov: bool = field(default=True, metadata=IDENTITY)
     """diloco: Nesterov momentum in the outer SGD (the DiLoCo paper's). Needs outer_momentum > 0."""
+    dtype: SyncDtype = field(default=SyncDtype.float32, metadata=IDENTITY)
+    """diloco: what the replicas all-reduce of their deltas: `float32`, or `bfloat16` (half the bytes; the sum is taken in bfloat16). local_sgd averages the parameters themselves and takes float32 only."""

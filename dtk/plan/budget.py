@@ -56,6 +56,8 @@ class Context:
     memory_snapshots: bool = False
     sync_every: int = 0
     """+sync's sync.every (0: every step): the replicas' traffic in the step time."""
+    sync_bytes: int = 4
+    """+sync: bytes per element the replicas all-reduce (sync.dtype)."""
 
     def job(self, v: Variant, **changes: Any) -> Job:
         scheme = scheme_config(dict(v.scheme, **changes))
@@ -63,6 +65,7 @@ class Context:
             scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
             split_points=self.split_points, memory_snapshots=self.memory_snapshots, sync_every=self.sync_every,
+            sync_bytes=self.sync_bytes,
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,

@@ -8,8 +8,8 @@ Bytes per step are what one rank sends on the axis, with ring algorithms (nccl-t
 convention): an all-reduce of B bytes over n ranks sends 2 (n-1)/n B, an all-gather or a
 reduce-scatter of a B-byte whole (n-1)/n B; a pipeline stage sends each micro-batch's
 activation forward and its gradient back. The replicas' exchange follows the run's way of
-exchanging less (dtk.plan.sync): `+sync` all-reduces the float32 parameters once per
-sync.every steps (counted per step: 1/H of it); scheme.grad_compression sends DDP's
+exchanging less (dtk.plan.sync): `+sync` all-reduces the parameters (diloco: their deltas,
+in bfloat16 with sync.dtype=bfloat16) once per sync.every steps (counted per step: 1/H of it); scheme.grad_compression sends DDP's
 gradients in bfloat16 (2 bytes each), or PowerSGD's P and Q of each matrix that shrinks
 2x at its rank ((n + m) x r elements instead of n x m; its 10 warm-up steps not counted;
 a what-if model, which has no matrix shapes, is counted uncompressed).
@@ -113,13 +113,13 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         add("dp_shard", d.dp_shard, nbytes, what)
         shard = unsharded / d.dp_shard
         if job.sync_every:
-            add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * 4 / job.sync_every,
+            add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * job.sync_bytes / job.sync_every,
                 f"+sync: parameter all-reduce of the shards every {job.sync_every} steps")
         else:
             add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
                 "HSDP gradient all-reduce of the shards, once per step")
     elif d.dp > 1 and job.sync_every:
-        add("dp_replicate", d.dp, 2 * _ring(d.dp) * unsharded * 4 / job.sync_every,
+        add("dp_replicate", d.dp, 2 * _ring(d.dp) * unsharded * job.sync_bytes / job.sync_every,
             f"+sync: parameter all-reduce every {job.sync_every} steps")
     elif d.dp > 1:
         grads, what = compressed_gradients(layout.held, scheme, p.grad_bytes)

@@ -184,6 +184,7 @@ def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
         async_checkpoint=cfg.checkpoint.async_save,
         memory_snapshots=cfg.checkpoint.memory_every > 0,
         sync_every=cfg.sync.every if cfg.sync is not None else 0,
+        sync_bytes=2 if cfg.sync is not None and cfg.sync.dtype == "bfloat16" else 4,
         # check_scheme reads the built-in transformer's numbers; any other model: none.
         model_checks=model if (is_builtin(model) and not whatif) else ModelConfig(_target_="(not checked)"),
         split_points=tuple(model.split_points) if not whatif else (),

@@ -137,6 +137,8 @@ class Job:
     split_points: tuple[str, ...] = ()
     sync_every: int = 0
     """+sync: the replicas all-reduce their parameters every this many steps instead of their gradients every step (dtk.plan.comm); 0: every step."""
+    sync_bytes: int = 4
+    """+sync: bytes per element of that all-reduce (2 with sync.dtype=bfloat16)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ mistake stops on the login node with one line."""
 
 from __future__ import annotations
 
-from dtk.config.choices import DataParallel, GradCompression
+from dtk.config.choices import DataParallel, GradCompression, SyncDtype, SyncMode
 from dtk.config.schema import SchemeConfig, SyncConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees
@@ -43,6 +43,9 @@ def check_sync(sync: SyncConfig | None, scheme: SchemeConfig, degrees: Degrees, 
         raise UserError(f"sync.outer_lr={sync.outer_lr}: expected a positive learning rate, like 0.7")
     if not 0 <= sync.outer_momentum < 1:
         raise UserError(f"sync.outer_momentum={sync.outer_momentum}: expected a value in [0, 1), like 0.9")
+    if sync.dtype != SyncDtype.float32 and sync.mode == SyncMode.local_sgd:
+        raise UserError(f"sync.dtype={sync.dtype} with +sync=local_sgd: the average would round the parameters"
+                        " themselves; use sync.dtype=float32, or +sync=diloco (which sends deltas)")
     if sync.outer_nesterov and sync.outer_momentum == 0:
         raise UserError("sync.outer_nesterov=true needs sync.outer_momentum > 0; set sync.outer_nesterov=false")
 
@@ -72,5 +75,6 @@ def describe_sync(sync: SyncConfig | None, scheme: SchemeConfig) -> str:
     if sync.mode == "local_sgd":
         return f"local_sgd: replicas average their parameters every {sync.every} steps"
     nesterov = ", nesterov" if sync.outer_nesterov else ""
+    sent = ", deltas sent in bfloat16" if sync.dtype == SyncDtype.bfloat16 else ""
     return (f"diloco: replicas average their deltas every {sync.every} steps, outer SGD lr {sync.outer_lr}"
-            f" momentum {sync.outer_momentum}{nesterov}")
+            f" momentum {sync.outer_momentum}{nesterov}{sent}")

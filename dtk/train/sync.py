@@ -35,10 +35,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtk.config.choices import SyncMode
+from dtk.config.choices import SyncDtype, SyncMode
 from dtk.config.schema import SyncConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.plan.degrees import Axis
+
+DTYPES = {SyncDtype.float32: torch.float32, SyncDtype.bfloat16: torch.bfloat16}
+"""What diloco's all-reduce sends of each sync.dtype (tests/test_choices.py holds it to the Enum)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -79,6 +82,7 @@ class Synchronizer:
         self.mode = sync.mode
         self.every = sync.every
         self.total_steps = total_steps  # the last step synchronizes too: the run ends with one model
+        self.sent = DTYPES[sync.dtype]  # diloco's deltas on the wire (the plan keeps local_sgd at float32)
         self.group = group
         self.replicas = replicas
         named = trainable(model)
@@ -111,11 +115,11 @@ class Synchronizer:
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
 
-    def _mean(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The mean over the replicas of these local tensors, flat: one all-reduce."""
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    def _mean(self, tensors: list[torch.Tensor], sent: torch.dtype = torch.float32) -> torch.Tensor:
+        """The mean over the replicas of these local tensors, flat, in float32: one all-reduce in `sent`."""
+        flat = torch.cat([t.reshape(-1).to(sent) for t in tensors])
         dist.all_reduce(flat, group=self.group)
-        return flat.div_(self.replicas)
+        return flat.float().div_(self.replicas)
 
     @torch.no_grad()
     def after_step(self, step: int, _result: Any = None) -> None:
@@ -129,7 +133,7 @@ class Synchronizer:
             for a, p in zip(anchor, own, strict=True):
                 a.copy_(p)
         else:
-            delta = self._mean([a - p for a, p in zip(anchor, own, strict=True)])
+            delta = self._mean([a - p for a, p in zip(anchor, own, strict=True)], self.sent)
             for a in self.synced:
                 a.grad = torch.zeros_like(a)
             self._unflatten(delta, [_local(a.grad) for a in self.synced])
