@@ -88,7 +88,7 @@ def parallelize(
     `model` is on the meta device; `materialize(parts, on)` gives parts storage on device `on`
     and initial values (step 6); `loss_fn` is the run's loss, which a pipeline schedule calls on its last
     stage; `sharded_logits`: the run's task takes logits sharded over the vocabulary (tensor
-    parallel without a pipeline then keeps them sharded: `Parallelized.loss_parallel`).
+    parallel then keeps them sharded: `Parallelized.loss_parallel`, on a pipeline's last stage too).
     Raises UserError for param_dtype=bfloat16 on a GPU without it and for a model's tp_plan
     style dtk has no equivalent of; ValueError for a tp_plan that is missing or names no
     module, and for split points that do not fit the model. `local_replicas`: the
@@ -106,8 +106,8 @@ def parallelize(
 
         check_tp_plan(model, spec.tp_plan)
     # Sharded logits need a task whose loss computes on shards (`sharded_logits`); a
-    # pipeline's last stage hands its output to the schedule, which expects plain tensors.
-    loss_parallel = degrees.tp > 1 and degrees.pp == 1 and sharded_logits
+    # pipeline's last stage computes it on them too, inside the schedule.
+    loss_parallel = degrees.tp > 1 and sharded_logits
 
     # 1. pipeline split
     parts, stage_ids, ties = [model], [0], list[StageTie]()
@@ -200,6 +200,7 @@ def parallelize(
             loss_fn=loss_fn,
             device=device,
             group=mesh.pp_group,
+            sharded_loss=loss_parallel,
         )
         if ties:  # a weight tied across stages (embedding and head): its copies' gradients summed
             from dtk.parallel.stage_ties import embedding_groups, grad_sync, mark_copies

@@ -10,10 +10,23 @@ stay), a top-level module becomes None (the model's forward must skip None modul
 Pipeline rank r holds stages r, r + pp, r + 2*pp, ... (looped, as interleaved 1F1B
 expects). The accumulation micro-batches of one optimizer step are the pipeline's
 micro-batches: the schedule runs them all in one `step`.
+
+What a step holds does not grow with its micro-batches (only with those in flight, at most
+pp under 1F1B):
+
+- the last stage computes each micro-batch's loss right after its forward, inside the
+  schedule, and keeps no logits once that micro-batch's backward is done: the schedule's
+  step never returns the outputs (torch would keep every micro-batch's logits to merge
+  them). Under tensor parallelism the logits stay sharded over the vocabulary and the loss
+  and its backward run on the shards (torch's loss_parallel), as without a pipeline;
+- a stage's receive buffers (the activation from the previous stage, the gradient from the
+  next) exist only from the receive of their micro-batch to the end of its backward
+  (`FreeingStage`); torch allocates one of each per micro-batch and keeps them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dtk.config.choices import PipelineSchedule
 from dtk.errors import UserError
@@ -118,6 +133,58 @@ def autocast_stage(stage: nn.Module, *, device_type: str, dtype: torch.dtype, se
     stage.register_forward_hook(after, always_call=True)
 
 
+def _release(infos) -> None:
+    """Drop the receive buffers of one micro-batch (and the gradient an activation buffer
+    collected as a leaf of the stage's backward)."""
+    for info in infos:
+        if not info.is_root_arg and info.buffer is not None:
+            info.buffer.grad = None
+            info.buffer = None
+
+
+def _allocate(infos, device: torch.device) -> None:
+    for info in infos:
+        if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+            info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+
+class FreeingStage(PipelineStage):
+    """A PipelineStage whose receive buffers live from the receive of their micro-batch to
+    the end of its backward. A buffer is allocated when the schedule posts its receive and
+    dropped when the micro-batch's backward is done (its gradient, if any, is then held by
+    the pending send alone), so a step holds the buffers of the micro-batches in flight,
+    not one per micro-batch of the step."""
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(1, has_backward)  # one micro-batch's receive infos, as torch makes them
+        first = self.args_recv_info[0]
+        _release(first)
+        for chunk in range(1, num_microbatches):
+            self.args_recv_info[chunk] = tuple(copy.copy(info) for info in first)
+
+    def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+        infos = super()._create_grad_recv_info(act_send_info)
+        _release(infos)
+        return infos
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        if self.has_backward and not self.is_last:
+            _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                   last_backward=last_backward)
+        if full_backward and self.has_backward:  # the inputs' gradients are in bwd_cache, for the send
+            _release(self.args_recv_info[bwd_chunk_id])
+            _release(self.grad_recv_info.get(bwd_chunk_id, ()))
+
+
 @dataclass
 class Pipeline:
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
@@ -148,9 +215,14 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     group,
+    sharded_loss: bool = False,
 ) -> Pipeline:
+    """The schedule over this rank's stages. Its `step` computes each micro-batch's loss on
+    the last stage as the micro-batch comes and returns no outputs; `sharded_loss`: the
+    last stage's logits are sharded over the vocabulary (tensor parallel), so the loss and
+    its backward run under loss_parallel."""
     stages = [
-        PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
+        FreeingStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
         for part, i in zip(parts, stage_ids, strict=True)
     ]
     cls = SCHEDULES[schedule]
@@ -161,9 +233,18 @@ def build_pipeline(
     else:
         assert len(stages) == 1, "single-stage schedules take one stage per rank"
         sched = cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    has_last = num_stages - 1 in stage_ids
+    step = sched.step
+
+    def per_micro_batch_step(*args, **kwargs):
+        kwargs["return_outputs"] = False  # the schedule would keep every micro-batch's logits to merge them
+        with loss_parallel() if sharded_loss and has_last else contextlib.nullcontext():
+            return step(*args, **kwargs)
+
+    sched.step = per_micro_batch_step  # type: ignore[method-assign]
     return Pipeline(
         schedule=sched,
         has_first_stage=0 in stage_ids,
-        has_last_stage=num_stages - 1 in stage_ids,
+        has_last_stage=has_last,
         stages=stages,
     )

@@ -25,10 +25,20 @@ class Loss(Protocol):
     def total(self, output: torch.Tensor, targets: torch.Tensor, /) -> tuple[torch.Tensor, int]: ...
 
 
+def _in_loss_parallel() -> bool:
+    """Whether torch's loss_parallel is on already: a pipeline's step runs under it, around
+    the loss of each micro-batch and its backward. Its exit is not reentrant (it drops the
+    sharded-loss ops), so an inner one would leave the backward without them."""
+    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
 def sharded_context(output: torch.Tensor):
     """torch's loss_parallel around a loss (and its backward) of logits sharded over the
-    vocabulary (a DTensor from a tensor-parallel head); nothing for plain logits."""
-    return loss_parallel() if isinstance(output, DTensor) else contextlib.nullcontext()
+    vocabulary (a DTensor from a tensor-parallel head); nothing for plain logits, or when
+    it is on already."""
+    if isinstance(output, DTensor) and not _in_loss_parallel():
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:

@@ -199,7 +199,7 @@ class Trainer:
         self.timer.lap("backward")  # the schedule interleaves forward and backward: one lap
         if not pipe.has_last_stage:
             return torch.zeros((), device=inputs.device)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
 
     def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
         # Pipeline: only the last stage has the loss; summing over stages gives it to all
