@@ -28,11 +28,11 @@ def test_every_issue_scheme_has_a_file():
 def test_every_scheme_plans_on_four_workers_with_its_degree_keys(name):
     cfg = compose([f"+scheme={name}", "tasks_per_node=4", "train.global_batch=16", "train.micro_batch=2",
                    "model.num_layers=4"])
-    for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+    for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
         assert isinstance(getattr(cfg.scheme, key), int), key
     p = make_plan(cfg, cwd="/tmp")
     d = p.degrees
-    assert d.dp_replicate * d.dp_shard * d.tp * d.pp == 4
+    assert d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == 4
     assert p.scheme == name
 
 

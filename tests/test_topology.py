@@ -162,8 +162,8 @@ def test_axis_groups_match_the_device_mesh_grid():
     from dtk.plan.degrees import Axis
 
     assert MESH_ORDER == tuple(a.value for a in Axis)  # the grid dtk.dist.mesh builds
-    degrees = {"dp_replicate": 2, "pp": 3, "dp_shard": 2, "tp": 2}
-    grid = torch.arange(24).view(*(degrees[a] for a in MESH_ORDER))
+    degrees = {"dp_replicate": 2, "pp": 3, "dp_shard": 2, "cp": 2, "tp": 2}
+    grid = torch.arange(48).view(*(degrees[a] for a in MESH_ORDER))
     for k, axis in enumerate(MESH_ORDER):
         expected = sorted(tuple(g.tolist()) for g in grid.movedim(k, -1).reshape(-1, degrees[axis]))
         assert sorted(axis_groups(degrees, axis)) == expected

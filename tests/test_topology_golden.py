@@ -66,7 +66,7 @@ def test_golden_files_say_what_the_issue_asks():
     assert dgx["choice"]["interface"] == "ibp24s0"
     assert all("mlx5_8" not in s["value"] for ss in dgx["choice"]["node_settings"].values() for s in ss)
     spans = {a["axis"]: a["span"] for a in dgx["layouts"]["tp_pp"]["axes"]}
-    assert spans == {"tp": "NVLink", "dp_shard": "one rank", "pp": "one switch", "dp_replicate": "one rank"}
+    assert spans == {"tp": "NVLink", "cp": "one rank", "dp_shard": "one rank", "pp": "one switch", "dp_replicate": "one rank"}
     spans = {a["axis"]: a["span"] for a in eth["layouts"]["tp_pp"]["axes"]}
     assert spans["tp"] == "inside a node" and eth["layouts"]["tp_pp"]["warnings"]  # L40S: no NVLink
     vm = json.loads((GOLDEN / "vm.json").read_text())

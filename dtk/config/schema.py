@@ -204,6 +204,8 @@ class SchemeConfig:
     """Tensor-parallel degree (innermost mesh axis, inside a node); -1: inferred."""
     pp: int = 1
     """Pipeline-parallel degree; -1: inferred."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks (2 x cp chunks, rank i holds chunks i and 2 x cp - 1 - i), attention gathers the keys and values of the whole sequence; needs data_parallel=fsdp (parameters sharded over dp_shard x cp) and model.seq_len divisible by 2 x cp. -1: inferred."""
     data_parallel: DataParallel = DataParallel.ddp
     """How data-parallel ranks hold the model: `ddp` (DistributedDataParallel, replicated; needs dp_shard=1, tp=1) or `fsdp` (FSDP2 over dp_replicate x dp_shard)."""
     bucket_cap_mb: int = 25

@@ -1,13 +1,14 @@
 """The one named DeviceMesh every scheme runs on.
 
-Ranks are laid out on a 4-D grid, outermost axis first:
+Ranks are laid out on a 5-D grid, outermost axis first:
 
-    world = arange(dp_replicate x pp x dp_shard x tp).view(dp_replicate, pp, dp_shard, tp)
+    world = arange(dp_replicate x pp x dp_shard x cp x tp).view(dp_replicate, pp, dp_shard, cp, tp)
 
     axis           neighbours are ...          traffic per step
     dp_replicate   across nodes (outermost)    one gradient all-reduce (HSDP / DDP)
     pp             across nodes or inside one  activations, point to point, per micro-batch
     dp_shard       inside a node if it fits    FSDP all-gather + reduce-scatter per block
+    cp             inside a node if it fits    keys and values all-gathered in every block
     tp             inside a node (innermost)   all-reduce / all-gather inside every block
 
 Example, 2 nodes x 4 workers, dp_replicate=2 x pp=1 x dp_shard=2 x tp=2:
@@ -19,7 +20,9 @@ Example, 2 nodes x 4 workers, dp_replicate=2 x pp=1 x dp_shard=2 x tp=2:
 The innermost axis changes fastest with the rank, and consecutive ranks share a node, so
 the chattiest axis (tp) stays on one node's fast links and the least chatty (the replica
 all-reduce, once per step) crosses the slowest links. `dp` is the flattened
-(dp_replicate, dp_shard) pair: ranks that see different samples.
+(dp_replicate, dp_shard) pair: ranks that see different samples. `dp_shard_cp` is the
+flattened (dp_shard, cp) pair FSDP shards over: context-parallel ranks see different tokens
+of the same samples, so their gradients are partial sums, reduced with the shards'.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtk.dist.groups import give_world_timeout
 from dtk.plan.degrees import DATA_AXES, DP, Axis, Degrees
+
+SHARD_CP = "dp_shard_cp"
+"""The flattened (dp_shard, cp) mesh: FSDP's shard dimension."""
 
 
 @dataclass(frozen=True)
@@ -100,10 +106,23 @@ class ParallelMesh:
         return self.group(Axis.pp)
 
     @property
-    def data_parallel_2d(self) -> DeviceMesh:
-        """(dp_replicate, dp_shard): FSDP2 replicates over the first and shards over the second."""
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """Context-parallel ranks: parts of the same sequences (keys and values, the loss)."""
+        return self.group(Axis.cp)
+
+    @property
+    def fsdp_shard(self) -> DeviceMesh:
+        """What FSDP shards over: dp_shard, times cp when the sequence is split (dp_shard_cp)."""
         assert self.world is not None
-        return self.world[tuple(a.value for a in DATA_AXES)]
+        return self.world[SHARD_CP] if self.degrees.cp > 1 else self.world[Axis.dp_shard.value]
+
+    @property
+    def data_parallel_2d(self) -> DeviceMesh:
+        """(dp_replicate, dp_shard) - dp_shard x cp under context parallelism: FSDP2 replicates
+        over the first and shards over the second."""
+        assert self.world is not None
+        shard = SHARD_CP if self.degrees.cp > 1 else Axis.dp_shard.value
+        return self.world[(Axis.dp_replicate.value, shard)]
 
 
 def build_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
@@ -113,6 +132,9 @@ def build_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     names = tuple(axis.value for axis in Axis)
     world = init_device_mesh(device_type, shape, mesh_dim_names=names)
     dp = world[tuple(a.value for a in DATA_AXES)]._flatten(DP)
+    groups = [world.get_group(name) for name in names] + [dp.get_group()]
+    if degrees.cp > 1:
+        groups.append(world[(Axis.dp_shard.value, Axis.cp.value)]._flatten(SHARD_CP).get_group())
     # The axes' groups come from new_group/split_group: without this, torch's default timeouts.
-    give_world_timeout([world.get_group(name) for name in names] + [dp.get_group()])
+    give_world_timeout(groups)
     return ParallelMesh(degrees=degrees, world=world, dp=dp)

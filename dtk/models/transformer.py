@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, dim, bias=False)
         self.wv = nn.Linear(dim, dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
+        # Context parallelism (dtk.parallel.cp): its layout, whose attention sees the keys of
+        # the other cp ranks' slices of the sequence; None: causal attention over the input.
+        self.cp: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -47,7 +51,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.cp is not None:
+            out = self.cp.attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -104,6 +111,9 @@ class Transformer(nn.Module):
         self.output: nn.Module | None = nn.Linear(dim, vocab_size, bias=False)
         if tie_embeddings:  # one (vocab, dim) tensor, named tok_embeddings.weight (the first name)
             self.output.weight = self.tok_embeddings.weight
+        # Context parallelism (dtk.parallel.cp): the input is this rank's slice of each
+        # sequence, embedded at the full sequence's positions the layout names.
+        self.cp: Any = None
 
     def reset_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter `name` in place.
@@ -125,7 +135,10 @@ class Transformer(nn.Module):
             assert self.pos_embeddings is not None, "the first stage holds both embeddings"
             h = self.tok_embeddings(tokens)
             # (1, seq): the sequence is dim 1 as in h, so tensor parallelism can shard both alike.
-            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            if self.cp is not None:
+                positions = self.cp.positions(tokens.shape[1], tokens.device)
+            else:
+                positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
             h = h + self.pos_embeddings(positions)
         else:
             h = tokens  # a later pipeline stage receives activations

@@ -1,4 +1,4 @@
-"""The mesh axes and their degrees: `dp_replicate x pp x dp_shard x tp = world size`, one may be -1.
+"""The mesh axes and their degrees: `dp_replicate x pp x dp_shard x cp x tp = world size`, one may be -1.
 
 `Axis` is the one list of axis names: the scheme's degree keys, the named DeviceMesh's
 dimensions (dtk/dist/mesh.py builds it in this order) and what the plan prints all come
@@ -24,6 +24,7 @@ class Axis(Choice):
     dp_replicate = "dp_replicate"
     pp = "pp"
     dp_shard = "dp_shard"
+    cp = "cp"
     tp = "tp"
 
 
@@ -34,6 +35,9 @@ TRAFFIC: dict[Axis, tuple[str, str]] = {
     Axis.pp: ("pipeline activations", "activations: point-to-point per micro-batch between neighbouring stages"),
     Axis.dp_shard: ("sharded parameters and gradients",
                     "parameters and gradients: FSDP all-gather and reduce-scatter per block"),
+    Axis.cp: ("context-parallel keys and values",
+              "activations: all-gather of each block's keys and values per micro-batch, reduce-scatter of their"
+              " gradients"),
     Axis.tp: ("tensor-parallel activations", "activations: all-reduce / all-gather inside every block, forward and backward"),
 }
 
@@ -44,12 +48,15 @@ DATA_AXES = (Axis.dp_replicate, Axis.dp_shard)
 
 @dataclass(frozen=True)
 class Degrees:
-    """The size of each mesh axis, one field per Axis."""
+    """The size of each mesh axis, one field per Axis. `cp` is last and defaults to 1 (the
+    grid's order is Axis's, not the fields'): a layout without context parallelism is written
+    as before it existed."""
 
     dp_replicate: int
     pp: int
     dp_shard: int
     tp: int
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -64,7 +71,7 @@ class Degrees:
         return getattr(self, axis.value)
 
     def describe(self) -> str:
-        """`dp_replicate=2 pp=1 dp_shard=2 tp=2`, in grid order."""
+        """`dp_replicate=2 pp=1 dp_shard=2 cp=1 tp=2`, in grid order."""
         return " ".join(f"{axis}={self.of(axis)}" for axis in Axis)
 
 
@@ -172,6 +179,7 @@ def check_scheme(
     if transformer is not None:
         _check_tp(degrees.tp, transformer)
     _check_pp(scheme, degrees.pp, model, transformer, num_microbatches=num_microbatches)
+    _check_cp(scheme, degrees, transformer)
     if degrees.pp > 1 and eval_every:
         raise UserError(
             f"train.eval_every={eval_every} with scheme.pp={degrees.pp}: evaluation runs the whole model's"
@@ -203,6 +211,41 @@ def _check_tp(tp: int, model: TransformerConfig) -> None:
             raise UserError(
                 f"scheme.tp={tp} does not divide {key}={size} ({size} / {tp} = {size / tp:.2f});"
                 f" tensor parallelism splits it evenly: try scheme.tp in {ok}"
+            )
+
+
+def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: TransformerConfig | None) -> None:
+    """Context parallelism as the runtime builds it (dtk.parallel.cp): the built-in transformer,
+    under FSDP over dp_shard x cp, without a pipeline, compile or sequence parallelism yet."""
+    cp = degrees.cp
+    if cp == 1:
+        return
+    if model is None:
+        raise UserError(
+            f"scheme.cp={cp}: context parallelism runs the built-in transformer only (model=transformer); a"
+            " Hugging Face or user model's attention does not gather the other ranks' keys yet; use scheme.cp=1"
+        )
+    if model.seq_len % (2 * cp):
+        ok = [c for c in range(1, 17) if model.seq_len % (2 * c) == 0]
+        raise UserError(
+            f"scheme.cp={cp} does not fit model.seq_len={model.seq_len}: each sequence is cut into 2 x cp ="
+            f" {2 * cp} equal chunks ({model.seq_len} / {2 * cp} = {model.seq_len / (2 * cp):.2f});"
+            f" try scheme.cp in {ok}"
+        )
+    if scheme.data_parallel != DataParallel.fsdp:
+        raise UserError(
+            f"scheme.cp={cp} with scheme.data_parallel={scheme.data_parallel}: context-parallel ranks hold parts of"
+            " the same samples and reduce their gradients with FSDP over dp_shard x cp; use"
+            " scheme.data_parallel=fsdp"
+        )
+    unsupported = {"scheme.pp": (degrees.pp > 1, f"{degrees.pp}", "scheme.pp=1"),
+                   "scheme.compile": (scheme.compile, "true", "scheme.compile=false"),
+                   "scheme.sequence_parallel": (scheme.sequence_parallel, "true", "scheme.sequence_parallel=false")}
+    for key, (on, value, instead) in unsupported.items():
+        if on:
+            raise UserError(
+                f"{key}={value} with scheme.cp={cp}: context parallelism does not run with it yet; set {instead}"
+                " or scheme.cp=1"
             )
 
 

@@ -7,12 +7,12 @@ the real tensors:
    the blocks divided evenly over pp x pp_virtual_stages stages, or at model.split_points;
 2. tensor parallel: a tensor with a `tp_dim` is split on it by torch.chunk over tp;
 3. FSDP: dim 0 of the (tensor-parallel local) tensor is split by torch.chunk over dp_shard
-   (fully_shard's Shard(0)); replicated over dp_replicate;
+   (x cp: context-parallel ranks shard too; fully_shard's Shard(0)); replicated over dp_replicate;
 4. ZeRO-1: whole tensors are owned by one data-parallel rank each, largest first to the
    least loaded rank (dtk.parallel.zero.partition), per pipeline part.
 
 Ranks are numbered as dtk.dist.mesh lays them out:
-rank = ((dp_replicate_i * pp + pp_i) * dp_shard + dp_shard_i) * tp + tp_i.
+rank = (((dp_replicate_i * pp + pp_i) * dp_shard + dp_shard_i) * cp + cp_i) * tp + tp_i.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def chunk(n: int, parts: int, index: int) -> int:
 def uses_fsdp(scheme: SchemeConfig, d: Degrees) -> bool:
     """fully_shard when data-parallel, or alone: a one-process fsdp job still runs it (on a
     one-rank mesh), with the same mixed-precision policy and memory layout as on many GPUs."""
-    return scheme.data_parallel == DataParallel.fsdp and (d.dp > 1 or d.world == 1)
+    return scheme.data_parallel == DataParallel.fsdp and (d.dp * d.cp > 1 or d.world == 1)
 
 
 def uses_ddp(scheme: SchemeConfig, d: Degrees) -> bool:
@@ -201,7 +201,8 @@ def _rank_layout(shape: ModelShape, d: Degrees, rank: int, split_points: tuple[s
         full = math.prod(local)
         numel = grad = full
         if fsdp and local:
-            numel = grad = chunk(local[0], d.dp_shard, c.dp_shard) * math.prod(local[1:])
+            # over dp_shard x cp, dp_shard outer (dtk.dist.mesh's flattened dp_shard_cp)
+            numel = grad = chunk(local[0], d.dp_shard * d.cp, c.dp_shard * d.cp + c.cp) * math.prod(local[1:])
         elif t.embedding and t.tp_dim is not None and d.tp > 1:
             grad = t.numel  # the row-split embedding's gradient arrives whole on every rank
         held.append(Held(t, numel, full, grad, unit_part[t.unit]))

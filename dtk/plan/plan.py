@@ -218,6 +218,11 @@ def make_plan(
             f"scheme.pp={degrees.pp} with model=hf: a Hugging Face model's forward does not skip the layers a"
             " pipeline stage does not hold; use scheme.pp=1 (ddp, fsdp, tp, hsdp)"
         )
+    if degrees.cp > 1 and cfg.task._target_ is not None:
+        raise UserError(
+            f"scheme.cp={degrees.cp} with task._target_={cfg.task._target_}: context parallelism cuts token rows"
+            " (task=lm) into each rank's slice, a user's batch it cannot cut; use task=lm, or scheme.cp=1"
+        )
     if degrees.pp > 1 and cfg.task._target_ is not None:
         raise UserError(
             f"scheme.pp={degrees.pp} with task._target_={cfg.task._target_}: a pipeline runs the token-LM task only"

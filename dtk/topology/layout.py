@@ -100,7 +100,9 @@ def axis_groups(degrees: dict[str, int], axis: str) -> list[tuple[int, ...]]:
 
 
 def plan_layout(nodes: list[NodeTopology], *, degrees: dict[str, int], tasks_per_node: int) -> Layout:
-    """The layout of a job of len(nodes) x tasks_per_node ranks with these degrees."""
+    """The layout of a job of len(nodes) x tasks_per_node ranks with these degrees (an axis
+    left out has degree 1)."""
+    degrees = {**dict.fromkeys(MESH_ORDER, 1), **degrees}
     names = [n.node for n in nodes]
     switches = next((n.slurm.switches for n in nodes if n.slurm.switches), ())
     order, why = order_nodes(names, switches)

@@ -30,26 +30,37 @@ from dtk.config.choices import TaskForm
 from dtk.config.schema import TaskConfig
 from dtk.data.batch import batch_size
 from dtk.errors import UserError
+from dtk.parallel.cp import CpLayout
 from dtk.train.loss import Loss
 
 
 class LmTask:
-    """Next-token training on rows of token ids, scored by the run's loss component."""
+    """Next-token training on rows of token ids, scored by the run's loss component. Under
+    context parallelism (`cp`, dtk.parallel.cp) every cp rank gets the same rows and trains
+    on its slice of each: the loss is the whole sequence's mean."""
 
-    def __init__(self, loss: Loss, *, metrics: Mapping[str, Callable[..., torch.Tensor]] | None = None) -> None:
+    def __init__(self, loss: Loss, *, metrics: Mapping[str, Callable[..., torch.Tensor]] | None = None,
+                 cp: CpLayout | None = None) -> None:
         self.loss = loss
         self.metrics = dict(metrics or {})
+        if cp is not None and self.metrics:
+            raise UserError(f"task.metrics with scheme.cp={cp.size}: a metric is called with whole rows, and a"
+                            " context-parallel rank holds a slice of each; drop task.metrics or use scheme.cp=1")
+        self.cp = cp
 
-    @staticmethod
-    def split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of a batch of token rows."""
-        return batch[:, :-1], batch[:, 1:]
+    def split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of a batch of token rows (this cp rank's slice of both)."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self.cp is not None:
+            return self.cp.shard(inputs), self.cp.shard(targets)
+        return inputs, targets
 
     def __call__(self, model: torch.nn.Module, batch: torch.Tensor, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
         inputs, targets = self.split(batch)
         with autocast:
             logits = model(inputs)
-        return self.loss(logits, targets)
+        loss = self.loss(logits, targets)
+        return loss if self.cp is None else self.cp.mean(loss)
 
     def sums(self, model: torch.nn.Module, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Per name, a sum and its count: the loss summed over target tokens, each metric
@@ -57,6 +68,8 @@ class LmTask:
         inputs, targets = self.split(batch)
         logits = model(inputs)
         summed, count = self.loss.total(logits, targets)
+        if self.cp is not None:
+            summed, count = self.cp.total(summed, count)
         sums, counts = {"loss": summed}, {"loss": count}
         n = len(batch)
         for name, metric in self.metrics.items():
@@ -134,14 +147,15 @@ def _locate(target: str, key: str) -> Callable[..., Any]:
     return fn
 
 
-def build_task(task: TaskConfig, *, loss: Loss) -> Task:
+def build_task(task: TaskConfig, *, loss: Loss, cp: CpLayout | None = None) -> Task:
     """The run's task from its config; `loss` is the loss component the LM task scores with
-    (and a pipeline's last stage)."""
+    (and a pipeline's last stage); `cp`: this rank's context-parallel layout (the plan runs
+    only the LM task under it)."""
     if "loss" in task.metrics:
         raise UserError("task.metrics.loss: the loss is logged as val_loss already; give the metric another name")
     metrics = {name: _locate(target, f"task.metrics.{name}") for name, target in task.metrics.items()}
     if task._target_ is None:
-        return LmTask(loss, metrics=metrics)
+        return LmTask(loss, metrics=metrics, cp=cp)
     return UserTask(
         _locate(task._target_, "task._target_"), form=task.form, inputs=task.inputs, metrics=metrics,
         target=task._target_,

@@ -27,6 +27,7 @@ from dtk.dist.init import init_process_group, pick_device
 from dtk.dist.mesh import ParallelMesh, build_mesh
 from dtk.errors import ArgumentParser, UserError
 from dtk.models.build import ParallelSpec, build_model, materialize
+from dtk.parallel.cp import CpLayout
 from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
 from dtk.plan.layout import uses_zero1
@@ -98,7 +99,8 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     mesh = build_mesh(plan.degrees, device.type)
     record_mesh(mesh, env, run)  # mesh.json: the groups as built, against plan.md
     loss = TokenCrossEntropy()  # the token loss component: the LM task and a pipeline's last stage score with it
-    task = build_task(cfg.task, loss=loss)  # what a step computes: the trainer and the evaluator run it
+    # what a step computes: the trainer and the evaluator run it (on this cp rank's slice of each row)
+    task = build_task(cfg.task, loss=loss, cp=CpLayout.of(mesh))
     meta_model = build_model(cfg.model, device="meta", seed=seed)
     prediction = Prediction(plan, rank=env.rank, device=device, meta_model=meta_model)  # before it is sharded
     model = parallelize(

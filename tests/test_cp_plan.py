@@ -1,0 +1,78 @@
+"""Context parallelism at plan time (torch-free): the degrees with cp, FSDP over dp_shard x cp
+in the budget's layout, and every combination the runtime cannot run stopped before launch
+with one `error:` line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_main
+from dtk.config.compose import compose
+from dtk.errors import UserError
+from dtk.plan.degrees import Axis, Degrees
+from dtk.plan.layout import axis_groups, coords, uses_fsdp
+from dtk.plan.plan import make_plan
+
+
+def plan(*overrides: str):
+    return make_plan(compose(list(overrides)), cwd="/tmp")
+
+
+def test_cp_is_a_mesh_axis_between_dp_shard_and_tp():
+    assert Axis.values().index("cp") == Axis.values().index("dp_shard") + 1 == Axis.values().index("tp") - 1
+    d = Degrees(dp_replicate=1, pp=1, dp_shard=2, tp=2, cp=2)
+    assert d.world == 8 and d.dp == 2  # cp ranks see the same samples
+    assert axis_groups(d, "cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert coords(6, d).cp == 1 and coords(6, d).dp_shard == 1 and coords(6, d).tp == 0
+
+
+def test_cp_plans_with_fsdp_over_dp_shard_x_cp():
+    p = plan("+scheme=cp", "tasks_per_node=8", "scheme.cp=4", "model.seq_len=256", "train.global_batch=8")
+    assert (p.degrees.cp, p.degrees.dp_shard, p.degrees.dp) == (4, 2, 2)
+    assert uses_fsdp(compose(["+scheme=cp"]).scheme, p.degrees)
+    alone = plan("+scheme=cp", "tasks_per_node=2", "scheme.cp=2", "train.global_batch=8")
+    assert (alone.degrees.cp, alone.degrees.dp) == (2, 1)  # FSDP shards over cp alone
+
+
+CASES = {
+    "seq_len": (["+scheme=cp", "tasks_per_node=4", "scheme.cp=4", "model.seq_len=36"],
+                "scheme.cp=4 does not fit model.seq_len=36: each sequence is cut into 2 x cp = 8 equal chunks"),
+    "world": (["+scheme=cp", "tasks_per_node=4", "scheme.cp=3", "scheme.dp_shard=1", "model.seq_len=48"],
+              "dp_replicate=1 x pp=1 x dp_shard=1 x cp=3 x tp=1 = 3, but the world size (nodes x tasks_per_node) is 4"),
+    "ddp": (["+scheme=ddp", "tasks_per_node=2", "scheme.cp=2", "scheme.dp_replicate=1"],
+            "scheme.cp=2 with scheme.data_parallel=ddp: context-parallel ranks hold parts of the same samples"),
+    "pp": (["+scheme=cp", "tasks_per_node=4", "scheme.cp=2", "scheme.dp_shard=1", "scheme.pp=2"],
+           "scheme.pp=2 with scheme.cp=2: context parallelism does not run with it yet"),
+    "sequence_parallel": (["+scheme=cp", "tasks_per_node=4", "scheme.cp=2", "scheme.tp=2", "scheme.dp_shard=1",
+                           "scheme.sequence_parallel=true"],
+                          "scheme.sequence_parallel=true with scheme.cp=2: context parallelism does not run"),
+    "hf": (["model=hf", "model.config={tmp}/tiny-llama", "model.seq_len=32", "+scheme=cp", "tasks_per_node=2",
+            "scheme.cp=2"],
+           "scheme.cp=2: context parallelism runs the built-in transformer only"),
+    "user_task": (["+scheme=cp", "tasks_per_node=2", "scheme.cp=2", "task._target_=os.path.join"],
+                  "scheme.cp=2 with task._target_=os.path.join: context parallelism cuts token rows"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_cp_cannot_run_is_one_error_line_with_exit_2(case, tmp_path: Path):
+    overrides, message = CASES[case]
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_text(json.dumps({  # a Llama config (model=hf)
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}))
+    proc = run_main("dtk.submit", *overrides, f"run.root={tmp_path}/runs", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert message in lines[0], lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_checks_are_user_errors_in_make_plan():
+    with pytest.raises(UserError, match="2 x cp = 4 equal chunks"):
+        plan("+scheme=cp", "tasks_per_node=2", "scheme.cp=2", "model.seq_len=66")
