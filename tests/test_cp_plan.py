@@ -76,3 +76,47 @@ def test_what_cp_cannot_run_is_one_error_line_with_exit_2(case, tmp_path: Path):
 def test_the_checks_are_user_errors_in_make_plan():
     with pytest.raises(UserError, match="2 x cp = 4 equal chunks"):
         plan("+scheme=cp", "tasks_per_node=2", "scheme.cp=2", "model.seq_len=66")
+
+
+def _job(degrees: Degrees, ac: str):
+    import dataclasses
+
+    from dtk.config.schema import SchemeConfig
+    from dtk.plan.memory import Job, precision_for, scheme_config
+
+    s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), data_parallel="fsdp", activation_checkpoint=ac))
+    return Job(s, degrees, micro_batch=2, num_micro=1, device="cuda", precision=precision_for(s, "cuda"))
+
+
+SHAPE_KEYS = {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 8192, "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("ac", ["full", "none"])
+def test_the_budget_divides_activations_by_cp_and_keeps_the_gathered_keys_and_values(ac):
+    from dtk.plan.memory import rank_bytes
+    from dtk.plan.shape import whatif_shape
+
+    shape = whatif_shape(SHAPE_KEYS)
+    one = rank_bytes(shape, _job(Degrees(1, 1, 2, 1), ac), 0).activations
+    cp2 = rank_bytes(shape, _job(Degrees(1, 1, 1, 1, cp=2), ac), 0).activations
+    local_bsh = 2 * 8192 // 2 * 1024  # micro batch x this rank's tokens x hidden
+    gathered = 0 if ac == "full" else 2 * 2 * local_bsh  # per block, bf16 (2 bytes): the other rank's keys and values
+    assert cp2 == one // 2 + 4 * gathered
+
+
+def test_the_step_time_counts_the_key_value_traffic_of_cp_on_the_critical_path():
+    from dtk.config.schema import ClusterConfig
+    from dtk.plan.comm import traffic
+    from dtk.plan.shape import whatif_shape
+    from dtk.plan.steptime import hardware_of, step_time
+
+    shape = whatif_shape(SHAPE_KEYS)
+    for ac, gathers in (("none", 1), ("full", 2)):
+        job = _job(Degrees(1, 1, 1, 1, cp=2), ac)
+        axes = {a.axis: a for a in traffic(shape, job, tasks_per_node=8)}
+        local_bsh = 2 * 8192 // 2 * 1024
+        # 4 blocks x (forward gathers + backward reduce-scatter) x (cp - 1) / cp x K and V of cp x local tokens, bf16
+        assert axes["cp"].bytes_per_step == 4 * (gathers + 1) * 0.5 * 2 * 2 * local_bsh * 2
+        hw = hardware_of(ClusterConfig(accelerator="h100-80gb"), device="cuda", param_dtype="auto")
+        t = step_time(shape, job, global_batch=2, tasks_per_node=8, hw=hw)
+        assert t.axes["cp"] == pytest.approx(axes["cp"].bytes_per_step / (hw.speeds.intra_gbps * 1e9))

@@ -16,6 +16,8 @@ Outside the blocks: the final norm (3 bsh), log-softmax of the logits (bsV, fp32
 logits the training loop holds until backward ends (bsV in a bytes), token positions.
 Tensor parallelism divides the head and feed-forward parts by tp; sequence parallelism
 also the norms and residual stream, and adds the gathered block inputs.
+Context parallelism (scheme.cp) gives a rank s = seq_len / cp tokens of each sample, and
+its attention keeps the keys and values of the other cp - 1 ranks' tokens (2 (cp - 1) bsh / tp).
 
 Pipelines keep several micro-batches in flight on a rank: GPipe all n of them, 1F1B
 min(n, pp - stage), interleaved 1F1B its warm-up plus one (per chunk of stages), as
@@ -51,6 +53,9 @@ class Dims:
     sp: bool = False
     fused_norm: bool = False
     """CUDA's fused rms_norm keeps input and rstd only (CPU decomposes it and keeps x*rstd too)."""
+    cp: int = 1
+    """Context parallelism: `s` is this rank's tokens (seq_len / cp); attention keeps the keys
+    and values gathered from the other cp - 1 ranks for its backward (dtk.parallel.cp)."""
 
     @property
     def bsh(self) -> int:
@@ -68,6 +73,9 @@ def block_bytes(d: Dims, ac: str) -> int:
     lse = 4 * d.b * (d.heads // t if d.heads else 0) * d.s
     if ac == "full":
         return d.a * d.bsh // seq
+    # saved for attention's backward: its log-sum-exp (fp32) and, under context parallelism,
+    # the keys and values gathered from the other cp - 1 ranks
+    lse += d.a * 2 * (d.cp - 1) * d.bsh // t
     if ac == "selective":
         # block input, q k v and attention output, the wo and w2 matmul outputs (partial sums
         # of full size under tp), w1 and w3 outputs

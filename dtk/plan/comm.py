@@ -135,6 +135,16 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         # in each forward, two in backward
         per_block = (2 * forward_passes + 2) * 2 * _ring(d.tp) * dims.bsh * dims.a
         add("tp", d.tp, job.num_micro * blocks * per_block, "tensor-parallel collectives inside every block")
+    if dims is not None and d.cp > 1:
+        blocks = len({h.tensor.unit for h in layout.held if h.tensor.block})
+        gathers = 2 if scheme.activation_checkpoint == ActivationCheckpoint.full else 1  # the recompute gathers again
+        # keys and values of the whole sequence (cp x this rank's tokens): all-gathered in
+        # forward, their gradients reduce-scattered in backward; dtk.parallel.cp issues them
+        # inside the block, so they are not overlapped with compute (the step time counts them whole)
+        per_block = (gathers + 1) * _ring(d.cp) * 2 * d.cp * dims.bsh * dims.a / d.tp
+        add("cp", d.cp, job.num_micro * blocks * per_block,
+            "context-parallel all-gather of keys and values per block and micro-batch (again in a full-checkpoint"
+            " recompute) + reduce-scatter of their gradients; not overlapped with compute")
     if dims is not None and d.pp > 1:
         chunks = len(layout.stage_ids)
         add("pp", d.pp, job.num_micro * chunks * 2 * dims.bsh * dims.a / (d.tp if dims.sp else 1),

@@ -175,10 +175,10 @@ def job_dims(shape: ModelShape, job: Job) -> Dims | None:
     seq, hidden = shape.seq_len, shape.hidden
     if not shape.has_activation_shape or seq is None or hidden is None:
         return None
-    return Dims(
-        b=job.micro_batch, s=seq, h=hidden, f=shape.ffn_hidden or 4 * hidden,
+    return Dims(  # a context-parallel rank holds seq_len / cp tokens of each sample
+        b=job.micro_batch, s=seq // job.degrees.cp, h=hidden, f=shape.ffn_hidden or 4 * hidden,
         heads=shape.heads or 0, vocab=shape.vocab or 0, a=job.precision.compute_bytes, tp=job.degrees.tp,
-        sp=job.scheme.sequence_parallel and job.degrees.tp > 1, fused_norm=job.device == "cuda",
+        sp=job.scheme.sequence_parallel and job.degrees.tp > 1, fused_norm=job.device == "cuda", cp=job.degrees.cp,
     )
 
 
