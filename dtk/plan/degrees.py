@@ -249,6 +249,15 @@ def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: TransformerConfig |
             )
 
 
+def check_cp_task(degrees: Degrees, task_target: str | None) -> None:
+    """Context parallelism cuts token rows (task=lm) into each rank's slice; a user's task it cannot cut."""
+    if degrees.cp > 1 and task_target is not None:
+        raise UserError(
+            f"scheme.cp={degrees.cp} with task._target_={task_target}: context parallelism cuts token rows"
+            " (task=lm) into each rank's slice, a user's batch it cannot cut; use task=lm, or scheme.cp=1"
+        )
+
+
 def _check_pp(
     scheme: SchemeConfig, pp: int, model: ModelConfig, transformer: TransformerConfig | None, *, num_microbatches: int
 ) -> None:

@@ -20,7 +20,7 @@ from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig, SchemeConfig
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES
-from dtk.plan.degrees import Degrees, check_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.degrees import Degrees, check_cp_task, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.identity import run_identity
 from dtk.plan.parts import check_builtin_arguments
 from dtk.plan.sync import check_compression, check_sync, describe_sync
@@ -218,11 +218,7 @@ def make_plan(
             f"scheme.pp={degrees.pp} with model=hf: a Hugging Face model's forward does not skip the layers a"
             " pipeline stage does not hold; use scheme.pp=1 (ddp, fsdp, tp, hsdp)"
         )
-    if degrees.cp > 1 and cfg.task._target_ is not None:
-        raise UserError(
-            f"scheme.cp={degrees.cp} with task._target_={cfg.task._target_}: context parallelism cuts token rows"
-            " (task=lm) into each rank's slice, a user's batch it cannot cut; use task=lm, or scheme.cp=1"
-        )
+    check_cp_task(degrees, cfg.task._target_)
     if degrees.pp > 1 and cfg.task._target_ is not None:
         raise UserError(
             f"scheme.pp={degrees.pp} with task._target_={cfg.task._target_}: a pipeline runs the token-LM task only"
