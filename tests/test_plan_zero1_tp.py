@@ -1,6 +1,6 @@
 """ZeRO-1 (the optimizer state sharded over the data-parallel ranks, Megatron-LM's
 distributed optimizer) combined with tensor and pipeline parallelism: python -m dtk.plan
-expresses and budgets it; dtk.submit refuses it with one line until the runtime runs it."""
+expresses and budgets it, and the workers run it (no DDP wrapper: the optimizer all-reduces)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ def test_the_plan_budgets_zero1_with_tp_and_pp_its_optimizer_state_sharded_over_
     assert r.returncode == 2 and "DDP replicates whole" in r.stderr
 
 
-def test_submit_refuses_it_with_one_line_and_writes_nothing(tmp_path):
+def test_the_workers_plan_accepts_it_as_the_planner_does(tmp_path):
+    """dtk.submit's plan (not the planner's) takes ZeRO-1 with tp: the runtime runs it
+    (+scheme=zero_tp_pp, tests/test_schemes_zero_tp_pp.py)."""
+    from dtk.config.compose import compose
+    from dtk.plan.layout import uses_zero1, zero1_reduces_gradients
+    from dtk.plan.plan import make_plan
+
     job = ["tasks_per_node=4", "+scheme=hybrid", "scheme.dp_replicate=2", "scheme.dp_shard=1", "scheme.tp=2",
            "scheme.pp=1", *ZERO1]
-    r = run_main("dtk.submit", *job, cwd=tmp_path)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: scheme.shard_optimizer=true with scheme.tp=2")
-    assert "planned" in lines[0] and "not yet runnable" in lines[0]
-    assert not (tmp_path / "runs").exists()
+    plan = make_plan(compose(job), cwd=str(tmp_path))
+    assert uses_zero1(plan.config.scheme, plan.degrees) and zero1_reduces_gradients(plan.config.scheme, plan.degrees)
     assert run_main("dtk.plan", *job, cwd=tmp_path).returncode == 0
-

@@ -63,6 +63,9 @@ CASES = {
          "scheme.activation_checkpoint=selective", "train.micro_batch=4"],
         TP_ATOL,
     ),
+    # ZeRO-1 with tp: no DDP wrapper, the optimizer all-reduces the gradients itself
+    "zero_tp": (["+scheme=zero_tp_pp", "scheme.pp=1", "train.micro_batch=8"], TP_ATOL),
+    "zero_pp": (["+scheme=zero_tp_pp", "scheme.tp=1"], EXACT_ATOL),  # DDP on each stage, ZeRO-1 per stage
     "hybrid_pp2_dp2": (
         ["+scheme=hybrid", "scheme.pp=2", "scheme.dp_shard=2", "scheme.tp=1", "scheme.pp_schedule=gpipe",
          "scheme.activation_checkpoint=full"],  # FSDP kept gathered through the pipeline step by default

@@ -13,6 +13,13 @@ small ones (each has a fixed launch and latency cost, on NCCL tens of microsecon
 The rank's local optimizer is a plain torch optimizer over its own parameters, so a
 checkpoint of it holds exactly their state under their original names: it loads into any
 other partition (another world size) or scheme.
+
+With tensor parallelism (parameters are DTensors: DDP's wrapper replicates plain modules
+only) the optimizer all-reduces the gradients itself, before the step's clipping
+(`reduce_gradients`, called by the trainer): each tensor-parallel rank runs one ZeRO-1 over
+its own data-parallel group, on its local shards, owners chosen by the shards' sizes (as
+the planner counts them, dtk.plan.layout.rank_layout). Under a pipeline each stage has its
+own ZeroOptimizer, as without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -45,11 +52,33 @@ def buckets(params: list[torch.nn.Parameter], limit: int = BUCKET_BYTES) -> list
     return out
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor: a DTensor's local shard, else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def partition(params: list[torch.nn.Parameter], num_ranks: int) -> list[int]:
     """Owner of each parameter: the planner's rule (dtk.plan.layout.zero1_owner: largest
-    first, to the least loaded rank, ties to the lowest). Deterministic, so every rank
-    computes the same answer."""
-    return list(zero1_owner(tuple(p.numel() for p in params), num_ranks))
+    first, to the least loaded rank, ties to the lowest) on the sizes this rank holds (a
+    DTensor's local shard). Deterministic, so every rank computes the same answer."""
+    return list(zero1_owner(tuple(local(p).numel() for p in params), num_ranks))
+
+
+def _local_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient of `param` laid out as the parameter, as a local tensor (zeros where it
+    has none, so every rank reduces the same buckets). A tensor-parallel gradient that came
+    back in another layout (an embedding's, partial or whole) is redistributed first: a
+    collective of the tensor-parallel ranks, which all reduce the same parameters in order."""
+    from torch.distributed.tensor import DTensor
+
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
 
 
 class ZeroOptimizer:
@@ -61,9 +90,13 @@ class ZeroOptimizer:
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         *,
         group: dist.ProcessGroup,
+        reduces_gradients: bool = False,
     ) -> None:
         self.params = list(params)
         self.group = group
+        self.reduces_gradients = reduces_gradients
+        """No DDP wrapper reduces the gradients (tensor parallel): the trainer calls
+        `reduce_gradients` before clipping (dtk.plan.layout.zero1_reduces_gradients)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if len(self.params) < size:
             raise UserError(
@@ -76,6 +109,22 @@ class ZeroOptimizer:
         self.rank = rank
         # (owner, parameters) of each broadcast, the same list on every rank
         self.buckets = [(src, bucket) for src, share in enumerate(self.shares) for bucket in buckets(share)]
+        self.grad_buckets = buckets([p for p in self.params if p.requires_grad])
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """All-reduce every gradient over the group to its mean (what DDP does, for a model
+        DDP cannot wrap: tensor-parallel DTensors), bucketed like the broadcasts."""
+        size = dist.get_world_size(self.group)
+        grads = [[_local_grad(p) for p in bucket] for bucket in self.grad_buckets]
+        flats = [g[0] if len(g) == 1 else torch._utils._flatten_dense_tensors(g) for g in grads]
+        works = [dist.all_reduce(flat, group=self.group, async_op=True) for flat in flats]
+        for g, flat, work in zip(grads, flats, works, strict=True):
+            work.wait()
+            flat.div_(size)
+            if len(g) > 1:
+                for grad, value in zip(g, torch._utils._unflatten_dense_tensors(flat, g), strict=True):
+                    grad.copy_(value)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -88,18 +137,20 @@ class ZeroOptimizer:
         flats, works = [], []
         for src, bucket in self.buckets:
             if len(bucket) == 1:
-                flat = bucket[0].detach()
+                flat = local(bucket[0].detach())
             elif src == self.rank:
-                flat = torch._utils._flatten_dense_tensors([p.detach() for p in bucket])
+                flat = torch._utils._flatten_dense_tensors([local(p.detach()) for p in bucket])
             else:
-                flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                flat = torch.empty(sum(local(p).numel() for p in bucket), dtype=bucket[0].dtype,
+                                   device=bucket[0].device)
             flats.append(flat)
             works.append(dist.broadcast(flat, group=self.group, group_src=src, async_op=True))
         for (src, bucket), flat, work in zip(self.buckets, flats, works, strict=True):
             work.wait()
             if len(bucket) > 1 and src != self.rank:
-                for p, value in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
-                    p.copy_(value)
+                pieces = [local(p) for p in bucket]
+                for piece, value in zip(pieces, torch._utils._unflatten_dense_tensors(flat, pieces), strict=True):
+                    piece.copy_(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Every rank holds every gradient (ZeRO-1), not only those of its share.

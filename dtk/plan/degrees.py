@@ -148,12 +148,6 @@ def check_scheme(
             f"scheme.data_parallel=ddp with dp_shard={degrees.dp_shard}, tp={degrees.tp}: DDP replicates whole"
             " (non-DTensor) models; use scheme.data_parallel=fsdp, or dp_shard=1 and tp=1"
         )
-    if scheme.data_parallel == DataParallel.ddp and zero1_tp and not planning:
-        raise UserError(
-            f"scheme.shard_optimizer=true with scheme.tp={degrees.tp}: ZeRO-1 (optimizer state sharded over the"
-            " data-parallel ranks) with tensor parallelism is planned (python -m dtk.plan budgets it) but not yet"
-            " runnable; run tp with scheme.data_parallel=fsdp"
-        )
     if scheme.shard_optimizer and scheme.data_parallel != DataParallel.ddp:
         raise UserError(
             "scheme.shard_optimizer=true is ZeRO-1 over DDP; with data_parallel=fsdp the optimizer state is"

@@ -90,6 +90,14 @@ def uses_zero1(scheme: SchemeConfig, d: Degrees) -> bool:
     return scheme.shard_optimizer and uses_ddp(scheme, d)
 
 
+def zero1_reduces_gradients(scheme: SchemeConfig, d: Degrees) -> bool:
+    """ZeRO-1 with tensor parallelism: the parts are DTensors, which DDP's wrapper does not
+    replicate, so there is no wrapper and the ZeRO-1 optimizer all-reduces the gradients
+    over the data-parallel ranks itself (dtk.parallel.zero). The same bytes and traffic as
+    DDP's all-reduce, which is what the budget counts (uses_ddp)."""
+    return uses_zero1(scheme, d) and d.tp > 1
+
+
 def reshards_after_forward(scheme: SchemeConfig, d: Degrees) -> bool:
     """Whether FSDP frees a unit's gathered parameters after its forward (ZeRO-3):
     `scheme.reshard_after_forward` when set; unset, yes except with pp > 1 (torchtitan's

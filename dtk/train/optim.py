@@ -29,14 +29,17 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], *, optim: OptimConfig, shard_group=None):
+def build_optimizer(params: Iterable[torch.nn.Parameter], *, optim: OptimConfig, shard_group=None,
+                    reduces_gradients: bool = False):
     """The optimizer `optim.name` names; with `shard_group` ZeRO-1 (dtk.parallel.zero): each
-    rank of the group keeps the state of its share of the parameters only."""
+    rank of the group keeps the state of its share of the parameters only, and with
+    `reduces_gradients` (no DDP wrapper: tensor parallel) all-reduces the gradients itself."""
     make = OPTIMIZERS[optim.name]
     if shard_group is not None:
         from dtk.parallel.zero import ZeroOptimizer
 
-        return ZeroOptimizer(list(params), lambda share: make(share, optim), group=shard_group)
+        return ZeroOptimizer(list(params), lambda share: make(share, optim), group=shard_group,
+                             reduces_gradients=reduces_gradients)
     return make(list(params), optim)
 
 

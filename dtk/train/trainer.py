@@ -37,6 +37,7 @@ from dtk.dist.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
 from dtk.parallel.precision import autocast
+from dtk.parallel.zero import ZeroOptimizer
 from dtk.train.divergence import (
     FAIL,
     OK,
@@ -228,6 +229,9 @@ class Trainer:
                 local = self._accumulate(micro)
         if self.nan_drill is not None and self.nan_drill.poisoned(step + 1):
             local = local + float("nan")  # rank 0's share: the global mean is NaN on every rank
+        for optimizer in self.optimizers:  # ZeRO-1 without DDP (tensor parallel): the mean over dp, before clipping
+            if isinstance(optimizer, ZeroOptimizer) and optimizer.reduces_gradients:
+                optimizer.reduce_gradients()
         grad_norm = clip_grad_norm_(self._params, self.grad_clip, pp_group=self.mesh.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         batch_hash = self.batches.global_hash(step)

@@ -30,7 +30,7 @@ from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.cp import CpLayout
 from dtk.parallel.parallelize import parallelize
 from dtk.parallel.precision import matmul_precision, resolve_dtype
-from dtk.plan.layout import uses_zero1
+from dtk.plan.layout import uses_zero1, zero1_reduces_gradients
 from dtk.plan.plan import Plan
 from dtk.report.goodput import account as goodput_account
 from dtk.rundir import (
@@ -118,7 +118,9 @@ def train(plan: Plan, env: WorkerEnv, run: RunDir, clock: StartupClock) -> dict:
     )
     # One optimizer per model part (pipeline stage), so a checkpoint holds (part, optimizer) pairs.
     shard_group = mesh.dp_group if uses_zero1(cfg.scheme, mesh.degrees) else None
-    optimizers = [build_optimizer(part.parameters(), optim=cfg.optim, shard_group=shard_group) for part in model.parts]
+    reduces = zero1_reduces_gradients(cfg.scheme, mesh.degrees)  # ZeRO-1 with tp: no DDP, it all-reduces itself
+    optimizers = [build_optimizer(part.parameters(), optim=cfg.optim, shard_group=shard_group, reduces_gradients=reduces)
+                  for part in model.parts]
     scheduler = SchedulerGroup(
         [build_scheduler(state_optimizer(o), optim=cfg.optim, total_steps=plan.steps) for o in optimizers]
     )
