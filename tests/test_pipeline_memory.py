@@ -93,6 +93,7 @@ def pipeline_run(plan_json: str) -> dict:
     pipe = model.pipeline
     assert pipe is not None
     most = [0]  # the most receive buffers alive at once, over every action of the steps after the first
+    outputs = [0]  # the most micro-batches' outputs (on the last stage: logits) a stage holds at once
 
     def counting(stage, name):
         action = getattr(stage, name)
@@ -100,6 +101,7 @@ def pipeline_run(plan_json: str) -> dict:
         def call(*args, **kwargs):
             out = action(*args, **kwargs)
             most[0] = max(most[0], live_buffers(stage))
+            outputs[0] = max(outputs[0], len(stage.fwd_cache) + len(stage.output_chunks))
             return out
         setattr(stage, name, call)
 
@@ -111,7 +113,7 @@ def pipeline_run(plan_json: str) -> dict:
     losses, outputs_kept, after_step = [], [], []
     for step in range(STEPS):
         if step == 1:
-            most[0] = 0
+            most[0] = outputs[0] = 0
         mine: list[torch.Tensor] = []
         args = (inputs,) if pipe.has_first_stage else ()
         kwargs = {"target": targets, "losses": mine} if pipe.has_last_stage else {}
@@ -123,7 +125,7 @@ def pipeline_run(plan_json: str) -> dict:
         loss = torch.stack([local_value(x.detach()) for x in mine]).mean() if mine else torch.zeros(())
         dist.all_reduce(loss, group=mesh.pp_group)  # the last stage's, given to every stage
         losses.append(loss.item())
-    return {"losses": losses, "most": most[0], "outputs_kept": outputs_kept, "after_step": after_step,
+    return {"losses": losses, "most": most[0], "outputs": outputs[0], "outputs_kept": outputs_kept, "after_step": after_step,
             "seen": seen, "stage": pipe.stages[0].stage_index, "last": pipe.has_last_stage}
 
 
@@ -157,6 +159,9 @@ def test_no_logits_and_no_receive_buffer_outlive_their_micro_batch(runs, name):
         # activation buffer and, from the next stage's backward, its gradient buffer.
         assert r["most"] <= 2 * (pp - r["stage"]), r
         assert r["most"] < NUM_MICRO
+        # a stage keeps a micro-batch's output until its backward: pp - s at most under 1F1B,
+        # one on the last stage (its logits: forward, loss, backward, then the next)
+        assert r["outputs"] == (1 if r["last"] else pp - r["stage"]), r
 
 
 def test_tensor_parallel_last_stage_computes_the_loss_on_vocabulary_shards(runs):

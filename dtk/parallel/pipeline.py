@@ -241,7 +241,7 @@ def build_pipeline(
         with loss_parallel() if sharded_loss and has_last else contextlib.nullcontext():
             return step(*args, **kwargs)
 
-    sched.step = per_micro_batch_step  # type: ignore[method-assign]
+    sched.step = per_micro_batch_step
     return Pipeline(
         schedule=sched,
         has_first_stage=0 in stage_ids,
