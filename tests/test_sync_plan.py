@@ -104,3 +104,16 @@ def test_the_planner_counts_the_replicas_exchange_of_each_mode():
     hsdp_bytes, _ = replicas(_job(hsdp, data_parallel="fsdp"))
     hsdp_sync_bytes, _ = replicas(_job(hsdp, data_parallel="fsdp", sync_every=4))
     assert hsdp_sync_bytes < hsdp_bytes
+
+
+@pytest.mark.parametrize("overrides", [["+sync=diloco", "sync.every=4", "checkpoint.every=6"],
+                                       ["+sync=local_sgd", "+scheme=hsdp", "scheme.dp_replicate=2"]])
+def test_a_sync_runs_overrides_compose_it_again(overrides):
+    """What dtk.handover writes as the run's command (dtk.config.overrides): +sync= first."""
+    from dtk.config.overrides import repeat_overrides
+
+    cfg = compose(overrides)
+    again, why = repeat_overrides(cfg, identity_hash(cfg))
+    assert again is not None, why
+    assert f"+sync={overrides[0].partition('=')[2]}" in again
+    assert compose(again).sync == cfg.sync

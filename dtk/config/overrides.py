@@ -44,12 +44,14 @@ def value_text(value: Any) -> str:
 
 def group_choices(cfg: dict[str, Any]) -> list[str]:
     """The group options of a config in its plain form (dtk.config.convert.to_dict) that its
-    values name: the data kind, the scheme, the access policy."""
+    values name: the data kind, the scheme, the sync mode, the access policy."""
     choices = []
     if cfg["data"]["kind"] != "synthetic":
         choices.append(f"data={cfg['data']['kind']}")
     if cfg["scheme"] is not None:
         choices.append(f"+scheme={cfg['scheme']['name']}")
+    if cfg.get("sync") is not None:  # +sync=local_sgd|diloco (runs from before it have no sync)
+        choices.append(f"+sync={cfg['sync']['mode']}")
     if "access" in cfg and cfg["access"]["name"] != "open":  # runs from before access policies have none
         choices.append(f"access={cfg['access']['name']}")
     return choices
