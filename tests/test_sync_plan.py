@@ -117,3 +117,19 @@ def test_a_sync_runs_overrides_compose_it_again(overrides):
     assert again is not None, why
     assert f"+sync={overrides[0].partition('=')[2]}" in again
     assert compose(again).sync == cfg.sync
+
+
+def test_a_new_defaulted_sync_key_renames_no_sync_run():
+    import dataclasses
+
+    from dtk.config.fields import IDENTITY
+    from dtk.config.schema import SyncConfig
+
+    cfg = compose(["+sync=diloco", "sync.every=4"])
+    before = identity_hash(cfg)
+    later = dataclasses.make_dataclass("SyncConfigNext", [("fragments", int, dataclasses.field(
+        default=1, metadata=IDENTITY))], bases=(SyncConfig,))
+    cfg.sync = later(**dataclasses.asdict(cfg.sync))
+    assert identity_hash(cfg) == before
+    cfg.sync.fragments = 2
+    assert identity_hash(cfg) != before

@@ -40,8 +40,9 @@ def identity_values(cfg: Any) -> dict[str, Any]:
     for section in IDENTITY_SECTIONS:
         _differing(getattr(cfg, section), section, out)
     _differing(cfg.scheme, "scheme", out)  # its few identity keys (grad_compression): how the rest never forks
-    if cfg.sync is not None:  # +sync=...: a run of its own, whatever its values
-        out.update({f"sync.{f.name}": plain(getattr(cfg.sync, f.name)) for f in dataclasses.fields(cfg.sync)})
+    if cfg.sync is not None:  # +sync=MODE: a run of its own, whatever its values; the rest as any section's
+        out["sync.mode"] = plain(cfg.sync.mode)
+        _differing(cfg.sync, "sync", out)
     return out
 
 
