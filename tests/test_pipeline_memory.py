@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dtk.config.compose import compose
+from dtk.plan.activations import in_flight
 from dtk.plan.plan import Plan, make_plan
 from multirank import run_on_ranks
 
@@ -159,9 +160,11 @@ def test_no_logits_and_no_receive_buffer_outlive_their_micro_batch(runs, name):
         # activation buffer and, from the next stage's backward, its gradient buffer.
         assert r["most"] <= 2 * (pp - r["stage"]), r
         assert r["most"] < NUM_MICRO
-        # a stage keeps a micro-batch's output until its backward: pp - s at most under 1F1B,
-        # one on the last stage (its logits: forward, loss, backward, then the next)
-        assert r["outputs"] == (1 if r["last"] else pp - r["stage"]), r
+        # a stage keeps a micro-batch's output until its backward: pp - s under 1F1B, the
+        # chunks in flight the planner budgets (dtk.plan.activations.in_flight); the last
+        # stage one (its logits: forward, loss, backward, then the next micro-batch)
+        planned = in_flight("1f1b", pp=pp, pp_index=r["stage"], num_micro=NUM_MICRO, virtual=1)
+        assert r["outputs"] == (1 if r["last"] else planned) == (1 if r["last"] else pp - r["stage"]), r
 
 
 def test_tensor_parallel_last_stage_computes_the_loss_on_vocabulary_shards(runs):
