@@ -49,9 +49,12 @@ CASES = {
     "sequence_parallel": (["+scheme=cp", "tasks_per_node=4", "scheme.cp=2", "scheme.tp=2", "scheme.dp_shard=1",
                            "scheme.sequence_parallel=true"],
                           "scheme.sequence_parallel=true with scheme.cp=2: context parallelism does not run"),
-    "hf": (["model=hf", "model.config={tmp}/tiny-llama", "model.seq_len=32", "+scheme=cp", "tasks_per_node=2",
-            "scheme.cp=2"],
-           "scheme.cp=2: context parallelism runs the built-in transformer only"),
+    "hf_seq_len": (["model=hf", "model.config={tmp}/tiny-llama", "model.seq_len=30", "+scheme=cp",
+                    "tasks_per_node=2", "scheme.cp=2"],
+                   "scheme.cp=2 does not fit model.seq_len=30: each sequence is cut into 2 x cp = 4 equal chunks"),
+    "user_model": (["hydra.searchpath=[file://{tmp}]", "model=mine", "+scheme=cp", "tasks_per_node=2", "scheme.cp=2"],
+                   "scheme.cp=2: context parallelism runs the built-in transformer and model=hf; the attention of"
+                   " model._target_=tests.models_for_tests.build does not gather"),
     "user_task": (["+scheme=cp", "tasks_per_node=2", "scheme.cp=2", "task._target_=os.path.join"],
                   "scheme.cp=2 with task._target_=os.path.join: context parallelism cuts token rows"),
 }
@@ -65,12 +68,24 @@ def test_what_cp_cannot_run_is_one_error_line_with_exit_2(case, tmp_path: Path):
     (tmp_path / "tiny-llama" / "config.json").write_text(json.dumps({  # a Llama config (model=hf)
         "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text(  # a user model
+        "_target_: tests.models_for_tests.build\nvocab_size: 256\nseq_len: 32\nwidth: 8\ndepth: 2\n")
     proc = run_main("dtk.submit", *overrides, f"run.root={tmp_path}/runs", cwd=tmp_path)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert message in lines[0], lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_hugging_face_model_plans_under_cp(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}))
+    p = plan("model=hf", f"model.config={tmp_path}", "model.seq_len=32", "+scheme=cp", "tasks_per_node=4",
+             "scheme.cp=2", "train.global_batch=8")
+    assert (p.degrees.cp, p.degrees.dp_shard) == (2, 2)
 
 
 def test_the_checks_are_user_errors_in_make_plan():

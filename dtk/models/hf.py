@@ -27,6 +27,13 @@ build (dtk.models.ties).
 
 Pipeline parallelism is not offered: transformers' forward does not skip the modules a
 stage does not hold.
+
+Context parallelism (scheme.cp, dtk.parallel.cp): the root and every attention module carry
+an attribute `cp`; once dtk sets it, the forward gets the full sequence's `position_ids` of
+this rank's tokens (RoPE at the true positions) and attention runs through CP_ATTENTION,
+transformers' attention interface for the cp layout's attention over gathered keys and
+values (grouped-query heads included); its mask interface makes no mask (the layout masks
+by positions).
 """
 
 from __future__ import annotations
@@ -164,6 +171,45 @@ def _logits(_module: nn.Module, _args: Any, output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output[0]
 
 
+CP_ATTENTION = "dtk_cp"
+"""The attention implementation of a model under context parallelism (module doc)."""
+
+
+def _cp_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **_: Any):
+    """transformers' attention interface: (batch, seq, heads, head_dim) output and no weights."""
+    if dropout:
+        raise UserError(f"attention_dropout={dropout} (config.json) with scheme.cp: context-parallel attention has"
+                        " no dropout yet; set attention_dropout to 0 or use scheme.cp=1")
+    out = module.cp.attention(query, key, value, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*_: Any, **__: Any) -> None:
+    return None
+
+
+@functools.cache
+def _register_cp_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CP_ATTENTION, _cp_attention)
+    AttentionMaskInterface.register(CP_ATTENTION, _no_mask)
+
+
+def _cp_inputs(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook: under context parallelism, this rank's positions and CP_ATTENTION."""
+    layout = model.cp
+    if layout is None:
+        return None
+    _register_cp_attention()
+    if model.config._attn_implementation != CP_ATTENTION:
+        model.config._attn_implementation = CP_ATTENTION
+    tokens = args[0] if args else kwargs["input_ids"]
+    return args, {**kwargs, "position_ids": layout.positions(tokens.shape[1], tokens.device)}
+
+
 def build(
     *,
     config: str | None = None,
@@ -194,4 +240,8 @@ def build(
     model.reset_parameter = functools.partial(_reset_parameter, model, weights)
     model.dtk_wrap_classes, model.dtk_tp_plan = parallel_defaults(model)
     model.register_forward_hook(_logits)
+    for module in model.modules():  # context parallelism (module doc): dtk.parallel.cp sets them
+        if module is model or type(module).__name__.endswith("Attention"):
+            module.cp = None
+    model.register_forward_pre_hook(_cp_inputs, with_kwargs=True)
     return model

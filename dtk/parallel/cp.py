@@ -107,9 +107,11 @@ class CpLayout:
             )
         return shard_sequence(t, cp=self.size, rank=self.rank, dim=dim)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
         """Causal attention of this rank's queries (batch, heads, local, head_dim) over the
-        keys and values of the whole sequence, gathered from the cp group."""
+        keys and values of the whole sequence, gathered from the cp group (`enable_gqa`:
+        fewer key / value heads than query heads, as SDPA takes them)."""
         bsz, heads, local, head_dim = k.shape
         full_k = _GatherSequence.apply(k, self.group, self.size)  # (cp, batch, heads, local, head_dim)
         full_v = _GatherSequence.apply(v, self.group, self.size)
@@ -118,7 +120,7 @@ class CpLayout:
         query_pos = self.positions_of(self.rank, local, q.device)
         key_pos = torch.cat([self.positions_of(r, local, q.device) for r in range(self.size)])
         mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (local, cp x local): True attends
-        return F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
     def mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The whole sequence's mean loss as the value, this rank's own mean for the gradient

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dtk.config.choices import Choice, DataParallel, PipelineSchedule
 from dtk.config.convert import builtin_transformer
+from dtk.config.hf_json import HF_TARGET
 from dtk.config.schema import ModelConfig, SchemeConfig, TransformerConfig
 from dtk.errors import UserError
 from dtk.plan.shape import ffn_hidden_size
@@ -173,7 +174,7 @@ def check_scheme(
     if transformer is not None:
         _check_tp(degrees.tp, transformer)
     _check_pp(scheme, degrees.pp, model, transformer, num_microbatches=num_microbatches)
-    _check_cp(scheme, degrees, transformer)
+    _check_cp(scheme, degrees, model, transformer)
     if degrees.pp > 1 and eval_every:
         raise UserError(
             f"train.eval_every={eval_every} with scheme.pp={degrees.pp}: evaluation runs the whole model's"
@@ -208,23 +209,24 @@ def _check_tp(tp: int, model: TransformerConfig) -> None:
             )
 
 
-def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: TransformerConfig | None) -> None:
-    """Context parallelism as the runtime builds it (dtk.parallel.cp): the built-in transformer,
-    under FSDP over dp_shard x cp, without a pipeline, compile or sequence parallelism yet."""
+def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, transformer: TransformerConfig | None) -> None:
+    """Context parallelism as the runtime builds it (dtk.parallel.cp): the built-in transformer
+    or a Hugging Face model, under FSDP over dp_shard x cp, without a pipeline, compile or
+    sequence parallelism yet."""
     cp = degrees.cp
     if cp == 1:
         return
-    if model is None:
+    if transformer is None and model._target_ != HF_TARGET:
         raise UserError(
-            f"scheme.cp={cp}: context parallelism runs the built-in transformer only (model=transformer); a"
-            " Hugging Face or user model's attention does not gather the other ranks' keys yet; use scheme.cp=1"
+            f"scheme.cp={cp}: context parallelism runs the built-in transformer and model=hf; the attention of"
+            f" model._target_={model._target_} does not gather the other ranks' keys; use scheme.cp=1"
         )
-    if model.seq_len % (2 * cp):
-        ok = [c for c in range(1, 17) if model.seq_len % (2 * c) == 0]
+    seq_len = transformer.seq_len if transformer is not None else model.seq_len
+    if seq_len is not None and seq_len % (2 * cp):
+        ok = [c for c in range(1, 17) if seq_len % (2 * c) == 0]
         raise UserError(
-            f"scheme.cp={cp} does not fit model.seq_len={model.seq_len}: each sequence is cut into 2 x cp ="
-            f" {2 * cp} equal chunks ({model.seq_len} / {2 * cp} = {model.seq_len / (2 * cp):.2f});"
-            f" try scheme.cp in {ok}"
+            f"scheme.cp={cp} does not fit model.seq_len={seq_len}: each sequence is cut into 2 x cp ="
+            f" {2 * cp} equal chunks ({seq_len} / {2 * cp} = {seq_len / (2 * cp):.2f}); try scheme.cp in {ok}"
         )
     if scheme.data_parallel != DataParallel.fsdp:
         raise UserError(
