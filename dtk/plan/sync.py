@@ -24,11 +24,11 @@ def check_sync(sync: SyncConfig | None, scheme: SchemeConfig, degrees: Degrees, 
             f"{key} with scheme.dp_replicate={degrees.dp_replicate}: there is one data-parallel replica, nothing to"
             " synchronize with; use >= 2 replicas (scheme.dp_replicate=2, or +scheme=ddp on >= 2 workers)"
         )
-    if degrees.tp > 1 or degrees.pp > 1:
+    if degrees.tp > 1 or degrees.pp > 1 or degrees.cp > 1:
         raise UserError(
-            f"{key} with scheme.tp={degrees.tp}, scheme.pp={degrees.pp}: synchronizing less often is built for"
-            " replicas that are plain DDP-style copies or FSDP inside a replica (+scheme=ddp or +scheme=hsdp);"
-            " use tp=1 and pp=1"
+            f"{key} with scheme.tp={degrees.tp}, scheme.pp={degrees.pp}, scheme.cp={degrees.cp}: synchronizing less"
+            " often is built for replicas that are plain DDP-style copies or FSDP inside a replica (+scheme=ddp or"
+            " +scheme=hsdp); use tp=1, pp=1 and cp=1"
         )
     if scheme.shard_optimizer:
         raise UserError(f"{key} with scheme.shard_optimizer=true: each replica keeps its own optimizer state;"
