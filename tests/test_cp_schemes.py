@@ -1,7 +1,7 @@
 """Context parallelism end to end (real `python -m dtk.submit` runs on CPU gloo workers)
 against one process, at model.seq_len=256 (4x the default): cp=2, cp=2 x dp_shard=2,
 cp=2 x tp=2 and cp=2 with full activation checkpointing (losses, validation losses, final
-parameters); and a checkpoint written under cp resumes without it, and the other way round.
+parameters), and a Hugging Face Llama under cp=2 x dp_shard=2 (losses); and a checkpoint written under cp resumes without it, and the other way round.
 
 Tolerances as tests/test_schemes.py's: the loss per step within rtol 1e-5 (the brief of
 context parallelism asks 1e-4), the parameters after 10 steps within rtol 1e-5 and atol 2e-5
@@ -122,3 +122,23 @@ def test_a_checkpoint_without_cp_continues_under_cp(reference, tmp_path):
     assert sorted(continued) == [6, 7, 8, 9, 10]
     for step, loss in continued.items():
         assert loss == pytest.approx(losses(reference)[step], rel=LOSS_RTOL), f"step {step}"
+
+
+def test_a_hugging_face_llama_under_cp_matches_one_process(tmp_path):
+    """model=hf (a Llama with grouped-query attention and RoPE) under cp=2 x dp_shard=2
+    against one process: RoPE at the true positions, keys and values gathered over cp."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    job = ["model=hf", f"model.config={tmp_path / 'tiny'}", "model.seq_len=256", "train.steps=4",
+           "train.global_batch=4", f"run.root={tmp_path}"]
+    runs = {}
+    for name, layout in {"one": ["tasks_per_node=1"],
+                         "cp": ["tasks_per_node=4", "+scheme=cp", "scheme.cp=2", "scheme.dp_shard=2"]}.items():
+        proc = dtk("dtk.submit", *job, *layout, f"run.name={name}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = losses(tmp_path / name)
+    assert sorted(runs["cp"]) == [1, 2, 3, 4]
+    for step, loss in runs["one"].items():
+        assert runs["cp"][step] == pytest.approx(loss, rel=LOSS_RTOL), f"step {step}"
