@@ -99,14 +99,14 @@ def _gpt(layers: int, hidden: int, heads: int, vocab: int = 51200) -> dict[str, 
 
 
 def _megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
-              tflops: float, note: str = "") -> Setup:
+              tflops: float) -> Setup:
     """A row of Megatron-LM SC'21 Table 1 (GPT, seq 2048, vocab 51200, full recompute, A100 80GB on Selene)."""
     name = f"GPT {params}, TP {tp}" + (f" x PP {pp}" if pp > 1 else "") + f" x DP {gpus // (tp * pp)}"
     return Setup(name, MEGATRON.format(1), _gpt(layers, hidden, heads), "a100-80gb", gpus,
                  ["+scheme=hybrid", f"scheme.dp_replicate={gpus // (tp * pp)}", "scheme.dp_shard=1", f"scheme.tp={tp}",
                   f"scheme.pp={pp}", "scheme.activation_checkpoint=full", "train.micro_batch=1"], batch,
                  megatron_step(batch=batch, seq=2048, layers=layers, hidden=hidden, vocab=51200, gpus=gpus,
-                               tflops=tflops), f"{tflops:g} TFLOP/s per GPU", note)
+                               tflops=tflops), f"{tflops:g} TFLOP/s per GPU")
 
 
 def _mt_nlg(nodes: int, step_s: float, tflops: float) -> Setup:
@@ -116,7 +116,7 @@ def _mt_nlg(nodes: int, step_s: float, tflops: float) -> Setup:
     return Setup(f"MT-NLG 530B, TP 8 x PP 35 x DP {gpus // 280}", MT_NLG, _gpt(105, 20480, 128, 50272), "a100-80gb",
                  gpus, ["+scheme=hybrid", f"scheme.dp_replicate={gpus // 280}", "scheme.dp_shard=1", "scheme.tp=8",
                         "scheme.pp=35", "scheme.activation_checkpoint=full", "train.micro_batch=1"], 1920, step_s,
-                 f"{step_s} s per iteration ({tflops:g} TFLOP/s per GPU)", LOGITS_AND_RECV)
+                 f"{step_s} s per iteration ({tflops:g} TFLOP/s per GPU)")
 
 
 def _llama3(gpus: int, dp: int, tflops: float) -> Setup:
@@ -140,13 +140,9 @@ SELECTIVE = (TITAN_H100 + ". Does not fit in dtk: its selective checkpointing ke
 NO_LOSS_PARALLEL = (". Does not fit in dtk's plan: its budget counts the whole logits and their fp32 gradient"
                     " on every tp rank, 16 x 8192 x 128256 of them here (the workers' loss parallel keeps 1/tp of"
                     " them, as torchtitan's does; the budget does not model it yet)")
-LOGITS_AND_RECV = ("Does not fit in dtk: the pipeline runtime keeps every micro-batch's logits on the last stage"
-                   " and a receive buffer per micro-batch until the step ends (the budget is faithful to it), where"
-                   " Megatron-LM computes the loss per micro-batch; the per-micro-batch budget"
-                   " (dtk.plan.activations.PIPELINE_LOSS_PER_MICRO_BATCH) waits for that runtime change")
 LLAMA3_NOTE = ("Planned with interleaved 1F1B of 2 virtual stages and full recompute (Table 4 gives neither); the"
                " H100 efficiency (0.40) is torchtitan's 500 W bf16 runs, where Llama 3's 700 W H100s reached 43% MFU,"
-               " so dtk predicts about 2x their step. " + LOGITS_AND_RECV)
+               " so dtk predicts about 2x their step")
 SETUPS = (
     Setup("Llama 3.1 8B, FSDP", TORCHTITAN.format(1), _llama(8.03e9, 32, 4096, 32), "h100-80gb", 8,
           ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], 16,
@@ -166,8 +162,7 @@ SETUPS = (
                 "scheme.pp_schedule=interleaved_1f1b", "scheme.pp_virtual_stages=2", "train.micro_batch=1"],
           256, titan_step(batch=256, seq=8192, gpus=512, tps_per_gpu=128),
           "128 tokens/s per GPU (Float8, compile, interleaved 1F1B)",
-          FP8 + ". Does not fit in dtk: its pipeline keeps every micro-batch's logits on the last stage until the step ends"
-          " (32 x 8192 x 128256 fp32), where torchtitan computes the loss per micro-batch", 96, 72.7),
+          FP8, 96, 72.7),
     Setup("GPT 18.4B, TP 8 x DP 32", MEGATRON.format(1), _gpt(40, 6144, 48), "a100-80gb", 256,
           ["+scheme=hybrid", "scheme.dp_replicate=32", "scheme.dp_shard=1", "scheme.tp=8", "scheme.pp=1",
            "scheme.activation_checkpoint=full", "train.micro_batch=1"], 1024,
@@ -200,9 +195,9 @@ SETUPS = (
     _megatron("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
     _megatron("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
     _megatron("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, LOGITS_AND_RECV),
-    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, LOGITS_AND_RECV),
-    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163, LOGITS_AND_RECV),
+    _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
     _mt_nlg(280, 60.1, 126),
     _mt_nlg(350, 50.2, 121),
     _mt_nlg(420, 44.4, 113),
@@ -214,8 +209,8 @@ SETUPS = (
            "train.micro_batch=1"], 2048,
           megatron_step(batch=2048, seq=2048, layers=70, hidden=14336, vocab=250880, gpus=384, tflops=150),
           "about 150 TFLOP/s per GPU (Megatron-DeepSpeed's count, the Megatron-LM formula)",
-          "ZeRO-1 with tp is planned, not yet runnable in dtk. " + LOGITS_AND_RECV + " (256 micro-batches of a"
-          " 250,880-token vocabulary here)", cluster=("cluster.inter_node_gbps=10",), nics_per_node=4),
+          "",
+          cluster=("cluster.inter_node_gbps=10",), nics_per_node=4),
     *(Setup(f"Llama 3.1 8B, FSDP {n * 8}", TRAINY_H200, _llama(8.03e9, 32, 4096, 32), "h200", n * 8,
             ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], n * 16,
             titan_step(batch=n * 16, seq=8192, gpus=n * 8, tps_per_gpu=tps), f"{tps:,} tokens/s per GPU (Float8, compile)",
@@ -243,7 +238,7 @@ def plan_setup(s: Setup) -> dict:
     from dtk.plan.steptime import step_time
 
     cfg = compose([*base_keys(s), *s.layout])
-    plan = make_plan(cfg, cwd="/tmp", planning=True)  # as python -m dtk.plan plans it
+    plan = make_plan(cfg, cwd="/tmp")
     ctx = context(cfg, plan)
     mp = memory_plan(ctx, plan)
     # The step time of the setup whether or not dtk's accounting fits it (the note says why not).

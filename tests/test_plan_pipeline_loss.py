@@ -1,9 +1,13 @@
-"""The pipeline's last stage, budgeted per micro-batch in flight (dtk.plan.activations):
-the function the runtime change that computes the loss per micro-batch switches on
-(PIPELINE_LOSS_PER_MICRO_BATCH), next to the budget the runtime has today."""
+"""The pipeline's last stage and receive buffers, budgeted per micro-batch in flight
+(dtk.plan.activations), as dtk.parallel.pipeline runs them since it computes the loss per
+micro-batch inside the schedule and frees each receive buffer after its backward
+(tests/test_pipeline_memory.py); the budget of the runtime before it is kept beside."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import (
     LOSS_BYTES,
     Dims,
@@ -11,31 +15,52 @@ from dtk.plan.activations import (
     last_stage_head_bytes,
     last_stage_working_bytes,
     logits_bytes,
+    recv_buffer_bytes,
 )
+from dtk.plan.degrees import Degrees
+from dtk.plan.memory import Job, precision_for, rank_bytes, scheme_config
+from dtk.plan.shape import whatif_shape
 
 D = Dims(b=1, s=8192, h=16384, f=53248, heads=128, vocab=128256, a=2, tp=8, sp=True, fused_norm=True)
+LOG_SOFTMAX = LOSS_BYTES * D.b * D.s * D.vocab
 
 
-def test_today_the_last_stage_keeps_every_micro_batchs_logits():
-    for n in (1, 8, 32):
-        got = last_stage_head_bytes(D, ends=1, num_micro=n, pp=8, per_micro_batch=False)
-        assert got == head_bytes(D) + n * logits_bytes(D)
-    # without a pipeline one micro-batch's, whichever way
+def test_the_last_stage_keeps_its_micro_batches_in_flight_and_one_micro_batchs_logits_split_over_tp():
+    norms = head_bytes(D) - LOG_SOFTMAX
+    one = last_stage_head_bytes(D, ends=1, num_micro=32, pp=8, per_micro_batch=True)  # 1F1B: one in flight
+    assert one == norms + LOG_SOFTMAX // 8 + logits_bytes(D) // 8
+    assert last_stage_head_bytes(D, ends=1, num_micro=2, pp=8, per_micro_batch=True) == one  # not per micro-batch
+    # GPipe: every micro-batch's forward before any backward, each keeps its norm and log-softmax
+    assert (last_stage_head_bytes(D, ends=32, num_micro=32, pp=8, per_micro_batch=True)
+            == 32 * (norms + LOG_SOFTMAX // 8) + logits_bytes(D) // 8)
+    # the runtime before: every micro-batch's logits whole until the step ended; 72 GB here against 1.1 GB
+    before = last_stage_head_bytes(D, ends=1, num_micro=32, pp=8, per_micro_batch=False)
+    assert before == head_bytes(D) + 32 * logits_bytes(D) and before > 60 * one
+    assert last_stage_working_bytes(D, "full", pp=8, per_micro_batch=True) < last_stage_working_bytes(
+        D, "full", pp=8, per_micro_batch=False)
+    # without a pipeline one micro-batch's logits, whichever way
     assert (last_stage_head_bytes(D, ends=1, num_micro=32, pp=1, per_micro_batch=True)
-            == last_stage_head_bytes(D, ends=1, num_micro=32, pp=1, per_micro_batch=False)
             == head_bytes(D) + logits_bytes(D))
 
 
-def test_per_micro_batch_one_micro_batchs_logits_and_log_softmax_split_over_tp():
-    log_softmax = LOSS_BYTES * D.b * D.s * D.vocab
-    norms = head_bytes(D) - log_softmax
-    one = last_stage_head_bytes(D, ends=1, num_micro=32, pp=8, per_micro_batch=True)
-    assert one == norms + (logits_bytes(D) + log_softmax) // 8
-    assert last_stage_head_bytes(D, ends=1, num_micro=2, pp=8, per_micro_batch=True) == one  # not per micro-batch
-    # the norms of at most pp micro-batches in flight
-    assert last_stage_head_bytes(D, ends=20, num_micro=32, pp=8, per_micro_batch=True) == 8 * norms + one - norms
-    # 32 micro-batches of Llama 3.1 405B's logits on the last of 8 stages: 72 GB today, 1.1 GB per micro-batch
-    today = last_stage_head_bytes(D, ends=1, num_micro=32, pp=8, per_micro_batch=False)
-    assert today > 60 * one
-    assert last_stage_working_bytes(D, "full", pp=8, per_micro_batch=True) < last_stage_working_bytes(
-        D, "full", pp=8, per_micro_batch=False)
+def test_receive_buffers_of_the_micro_batches_in_flight():
+    # a middle stage of 1F1B holding 3 micro-batches in flight: 3 inputs, 1 gradient at a time
+    assert recv_buffer_bytes(10, chunks=3, stages=1, first=False, last=False, num_micro=32) == 40
+    assert recv_buffer_bytes(10, chunks=1, stages=1, first=False, last=True, num_micro=32) == 10  # the last stage
+    assert recv_buffer_bytes(10, chunks=8, stages=1, first=True, last=False, num_micro=32) == 10  # the first stage
+
+
+def test_a_pipeline_ranks_budget_no_longer_grows_with_the_micro_batch_count():
+    shape = whatif_shape({"layers": 32, "hidden": 4096, "heads": 32, "seq_len": 4096, "vocab_size": 128256})
+    scheme = scheme_config(dict(dataclasses.asdict(SchemeConfig()), data_parallel="fsdp", pp_schedule="1f1b"))
+    degrees = Degrees(dp_replicate=1, pp=4, dp_shard=2, tp=1)
+
+    def rank(r: int, num_micro: int):
+        job = Job(scheme, degrees, micro_batch=1, num_micro=num_micro, device="cuda",
+                  precision=precision_for(scheme, "cuda"))
+        return rank_bytes(shape, job, r)
+
+    last = degrees.world - 1  # a rank of the last stage
+    for r in (0, 2, last):
+        few, many = rank(r, 8), rank(r, 32)
+        assert (few.activations, few.detail.get("pipeline_recv")) == (many.activations, many.detail.get("pipeline_recv"))

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     cfg = compose(args.overrides, search=search)
     gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
-        plan = make_plan(cfg, import_path=search.modules, local_gpus=gpus, planning=True)
+        plan = make_plan(cfg, import_path=search.modules, local_gpus=gpus)
     except UserError as refused:
         from dtk.plan.search import names_a_layout
 
@@ -82,7 +82,7 @@ def _search_without_layout(args, search, gpus: int, cfg, refused: UserError) -> 
     for layout in stand_ins(world, cfg.tasks_per_node, cfg.train.global_batch):
         standing = compose([*args.overrides, *layout], search=search)
         try:
-            plan = make_plan(standing, import_path=search.modules, local_gpus=gpus, planning=True)
+            plan = make_plan(standing, import_path=search.modules, local_gpus=gpus)
         except UserError:
             continue
         budget = memory_plan(context(standing, plan, config_dirs=search.config), plan)

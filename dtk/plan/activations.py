@@ -22,9 +22,10 @@ its attention keeps the keys and values of the other cp - 1 ranks' tokens (2 (cp
 Pipelines keep several micro-batches in flight on a rank: GPipe all n of them, 1F1B
 min(n, pp - stage), interleaved 1F1B its warm-up plus one (per chunk of stages), as
 torch.distributed.pipelining schedules them. A non-first stage's input lives in a receive
-buffer allocated once (counted under buffers); a non-last stage keeps each in-flight
-output for its backward; the last stage keeps every micro-batch's logits to the end of
-the step (the schedule returns them).
+buffer from its receive to its backward (counted under buffers, recv_buffer_bytes); a
+non-last stage keeps each in-flight output for its backward; the last stage computes each
+micro-batch's loss inside the schedule, vocabulary-parallel under tp, and keeps the loss's
+log-softmax of the micro-batches in flight there (last_stage_head_bytes).
 
 Backward adds a working set: the loss gradient (bsV, fp32, twice) and, with
 checkpointing, one block recomputed at a time.
@@ -107,27 +108,41 @@ def embed_bytes(d: Dims) -> int:
     return 8 * d.s
 
 
-PIPELINE_LOSS_PER_MICRO_BATCH = False
-"""Whether a pipeline's last stage computes the loss of each micro-batch as it comes and
-frees its logits, with the loss vocabulary-parallel over tp. dtk.parallel.pipeline does not
-yet: its schedule returns every micro-batch's logits and the loss runs on them at the
-step's end, so the budget keeps counting them all (faithful to the runtime). The runtime
-change that computes the loss per micro-batch sets this, and the budget follows
-(last_stage_head_bytes, last_stage_working_bytes)."""
+PIPELINE_LOSS_PER_MICRO_BATCH = True
+"""Whether a pipeline's last stage computes the loss of each micro-batch inside the schedule
+and keeps no logits once its backward is done, the loss vocabulary-parallel over tp: what
+dtk.parallel.pipeline does (tests/test_pipeline_memory.py). False budgets the runtime
+before it, whose schedule returned every micro-batch's logits to a loss at the step's end."""
+PIPELINE_RECV_IN_FLIGHT = True
+"""Whether a pipeline stage's receive buffers live from their receive to their backward
+(dtk.parallel.pipeline's FreeingStage), so a rank holds those of its micro-batches in
+flight; False: one of each per micro-batch for the whole step, as before it."""
 
 
 def last_stage_head_bytes(d: Dims, *, ends: int, num_micro: int, pp: int, per_micro_batch: bool) -> int:
-    """What the model's last stage keeps outside its blocks: the final norm and loss of the
-    `ends` micro-batches in flight there, and logits. Without a pipeline one micro-batch's
-    logits. With one, as the runtime runs today (per_micro_batch false), every micro-batch's
-    logits until the step ends; per micro-batch, the norms of the micro-batches in flight
-    (at most pp under 1F1B) and ONE micro-batch's logits and fp32 log-softmax, split over
-    tp (a vocabulary-parallel loss)."""
+    """What the model's last stage keeps outside its blocks for the `ends` micro-batches in
+    flight there (1 under 1F1B, all of them under GPipe): their final norm and the loss's
+    fp32 log-softmax, and logits. Without a pipeline one micro-batch's logits. With one and
+    the loss per micro-batch, the log-softmax split over tp (vocabulary-parallel) and one
+    micro-batch's logits at a time; with the loss at the step's end (per_micro_batch
+    false), every micro-batch's logits until the step ends."""
     log_softmax = LOSS_BYTES * d.b * d.s * d.vocab
     if pp > 1 and per_micro_batch:
         norms = head_bytes(d) - log_softmax
-        return min(ends, pp) * norms + (logits_bytes(d) + log_softmax) // d.tp
+        return ends * (norms + log_softmax // d.tp) + logits_bytes(d) // d.tp
     return ends * head_bytes(d) + (num_micro if pp > 1 else 1) * logits_bytes(d)
+
+
+def recv_buffer_bytes(per: int, *, chunks: int, stages: int, first: bool, last: bool, num_micro: int) -> int:
+    """Receive buffers of a pipeline rank holding `stages` stages, `chunks` (stage x
+    micro-batch) in flight at its peak, `per` bytes each: the input of each chunk in flight
+    of a stage that is not the model's first, and the gradient from the next stage of each
+    stage that is not the model's last, one at a time (received right before its backward).
+    Without PIPELINE_RECV_IN_FLIGHT, both for every micro-batch."""
+    inputs, grads = stages - (1 if first else 0), stages - (1 if last else 0)
+    if not PIPELINE_RECV_IN_FLIGHT:
+        return num_micro * per * (inputs + grads)
+    return per * (-(-chunks * inputs // stages) + grads)
 
 
 def last_stage_working_bytes(d: Dims, ac: str, *, pp: int, per_micro_batch: bool) -> int:

@@ -136,13 +136,11 @@ def micro_batch_size(scheme: SchemeConfig, *, micro_batch: int | None, global_ba
 
 
 def check_scheme(
-    scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, *, num_microbatches: int, eval_every: int,
-    planning: bool = False,
+    scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, *, num_microbatches: int, eval_every: int
 ) -> None:
     """The scheme's options together, and the degrees against the model's shape (the built-in
     transformer's numbers; a user model is checked when it is built). Each option's own
-    allowed values were checked while composing (dtk/config/choices.py). `planning`: the
-    layouts the planner can budget but the runtime cannot run yet pass (python -m dtk.plan)."""
+    allowed values were checked while composing (dtk/config/choices.py)."""
     zero1_tp = scheme.shard_optimizer and degrees.dp_shard == 1 and degrees.tp > 1
     if scheme.data_parallel == DataParallel.ddp and (degrees.dp_shard > 1 or degrees.tp > 1) and not zero1_tp:
         raise UserError(

@@ -40,7 +40,7 @@ from enum import Enum
 from typing import Any
 
 from dtk.config.schema import SchemeConfig
-from dtk.plan.activations import Activations, Dims, rank_activations
+from dtk.plan.activations import Activations, Dims, in_flight, rank_activations, recv_buffer_bytes
 from dtk.plan.degrees import Degrees
 from dtk.plan.layout import (
     RankLayout,
@@ -248,7 +248,10 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
         per = p.compute_bytes * dims.bsh // (d.tp if dims.sp else 1)
         first, last = 0 in layout.stage_ids, layout.num_stages - 1 in layout.stage_ids
         stages = len(layout.stage_ids)
-        detail["pipeline_recv"] = job.num_micro * per * ((stages - (1 if first else 0)) + (stages - (1 if last else 0)))
+        chunks = in_flight(job.scheme.pp_schedule, pp=d.pp, pp_index=coords(rank, d).pp, num_micro=job.num_micro,
+                           virtual=stages)
+        detail["pipeline_recv"] = recv_buffer_bytes(per, chunks=chunks, stages=stages, first=first, last=last,
+                                                    num_micro=job.num_micro)
     staged = params + optimizer if job.async_checkpoint else 0
     offload = job.scheme.cpu_offload and uses_fsdp(job.scheme, d) and job.device == "cuda"
     host = staged if job.device == "cuda" else 0

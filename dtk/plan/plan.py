@@ -122,13 +122,11 @@ def gpus_per_node(cfg: Config, local_gpus: int) -> tuple[int, str]:
 
 
 def make_plan(
-    cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str | Path, ...] = (), local_gpus: int = 0,
-    planning: bool = False,
+    cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str | Path, ...] = (), local_gpus: int = 0
 ) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic.
     `local_gpus`: the GPUs this machine shows (dtk.plan.inputs.visible_gpus), which the
-    local cluster starts one worker per by default. `planning`: python -m dtk.plan, which
-    also plans layouts the runtime cannot run yet (check_scheme)."""
+    local cluster starts one worker per by default."""
     cluster, train, fault, ckpt, optim = cfg.cluster, cfg.train, cfg.fault, cfg.checkpoint, cfg.optim
     nodes, tpn = cfg.nodes, cfg.tasks_per_node
     gpus, gpus_from = gpus_per_node(cfg, local_gpus)
@@ -207,8 +205,7 @@ def make_plan(
         )
     whatif = whatif_of(cfg)  # a what-if model is checked by its own dimensions, not the config's model
     checked_model = ModelConfig(_target_="(what-if: plan.*)") if whatif else cfg.model
-    check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every,
-                 planning=planning)
+    check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
     check_compression(scheme, degrees)
     check_sync(cfg.sync, scheme, degrees, memory_every=ckpt.memory_every)
     if whatif:

@@ -149,7 +149,7 @@ def make_variant(
     if micro < 1 or global_batch % (micro * degrees.dp):
         raise UserError(f"train.global_batch={global_batch} is not a multiple of micro batch {micro} x dp {degrees.dp}")
     num_micro = global_batch // (micro * degrees.dp)
-    check_scheme(checked, degrees, model, num_microbatches=num_micro, eval_every=0, planning=True)
+    check_scheme(checked, degrees, model, num_microbatches=num_micro, eval_every=0)
     stages = degrees.pp * scheme["pp_virtual_stages"]
     if degrees.pp > 1 and stages > blocks:
         raise UserError(f"{stages} pipeline stages, but the model has {blocks} block(s) to split")
