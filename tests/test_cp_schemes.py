@@ -1,10 +1,11 @@
 """Context parallelism end to end (real `python -m dtk.submit` runs on CPU gloo workers)
 against one process, at model.seq_len=256 (4x the default): cp=2, cp=2 x dp_shard=2,
 cp=2 x tp=2 and cp=2 with full activation checkpointing (losses, validation losses, final
-parameters), and a Hugging Face Llama under cp=2 x dp_shard=2 (losses); and a checkpoint written under cp resumes without it, and the other way round.
+parameters), and a Hugging Face Llama under cp=2 x dp_shard=2 (losses); and a checkpoint
+written under cp resumes without it, and the other way round.
 
-Tolerances as tests/test_schemes.py's: the loss per step within rtol 1e-5 (the brief of
-context parallelism asks 1e-4), the parameters after 10 steps within rtol 1e-5 and atol 2e-5
+Tolerances as tests/test_schemes.py's: the loss per step within rtol 1e-5 (issue 34 asks
+1e-4), the parameters after 10 steps within rtol 1e-5 and atol 2e-5
 (Adam turns a rounding difference of a near-zero gradient into a visible step)."""
 
 from __future__ import annotations

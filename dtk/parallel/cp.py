@@ -8,8 +8,11 @@ attends over about the same number of (query, key) pairs:
 
 Attention stays exact. Each block all-gathers the keys and values of the whole sequence
 over the cp group (as Llama 3's context parallelism does; no ring of point-to-point steps)
-and masks by true positions: a query at position p sees the keys at positions <= p,
-whichever rank they came from. The backward of the gather is a reduce-scatter: each rank
+and puts them in sequence order; the queries of chunk j then attend over the first j + 1
+chunks of keys, causal at the lower right (torch's `causal_lower_right`: flash and
+memory-efficient kernels on a GPU take it without a mask; the CPU makes a boolean one of
+chunk x keys), so a query at position p sees exactly the keys at positions <= p and no
+rank computes scores it masks away, beyond the diagonal chunks. The backward of the gather is a reduce-scatter: each rank
 gets the sum of every rank's gradient for its own keys and values. The positions the model
 embeds (learned positions, RoPE) are those of the full sequence (`CpLayout.positions`).
 
@@ -33,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.bias import causal_lower_right
 
 from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
@@ -63,7 +67,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.size = group, size
         local = local.contiguous()
         out = local.new_empty((size * local.shape[0], *local.shape[1:]))  # gloo: pieces along dim 0
-        dist.all_gather_into_tensor(out, local, group=group)
+        dist.all_gather_single(out, local, group=group)
         return out.view(size, *local.shape)
 
     @staticmethod
@@ -72,6 +76,16 @@ class _GatherSequence(torch.autograd.Function):
         mine = grad.new_empty(grad.shape[1:])
         dist.reduce_scatter_single(mine, grad.flatten(0, 1), group=ctx.group)
         return mine, None, None
+
+
+def _sequence_order(gathered: torch.Tensor) -> torch.Tensor:
+    """(cp, batch, heads, 2 x chunk, head_dim) of every rank's two chunks, in rank order ->
+    (batch, heads, seq_len, head_dim) in sequence order: chunks 0..cp-1 are the ranks'
+    heads, chunks cp..2cp-1 their tails in reverse rank order."""
+    cp, bsz, heads, local, head_dim = gathered.shape
+    halves = gathered.view(cp, bsz, heads, 2, local // 2, head_dim)
+    chunks = torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(0)])  # (2cp, batch, heads, chunk, head_dim)
+    return chunks.permute(1, 2, 0, 3, 4).reshape(bsz, heads, cp * local, head_dim)
 
 
 @dataclass(frozen=True)
@@ -111,16 +125,20 @@ class CpLayout:
                   enable_gqa: bool = False) -> torch.Tensor:
         """Causal attention of this rank's queries (batch, heads, local, head_dim) over the
         keys and values of the whole sequence, gathered from the cp group (`enable_gqa`:
-        fewer key / value heads than query heads, as SDPA takes them)."""
-        bsz, heads, local, head_dim = k.shape
-        full_k = _GatherSequence.apply(k, self.group, self.size)  # (cp, batch, heads, local, head_dim)
-        full_v = _GatherSequence.apply(v, self.group, self.size)
-        full_k = full_k.permute(1, 2, 0, 3, 4).reshape(bsz, heads, self.size * local, head_dim)
-        full_v = full_v.permute(1, 2, 0, 3, 4).reshape(bsz, heads, self.size * local, head_dim)
-        query_pos = self.positions_of(self.rank, local, q.device)
-        key_pos = torch.cat([self.positions_of(r, local, q.device) for r in range(self.size)])
-        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (local, cp x local): True attends
-        return F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        fewer key / value heads than query heads, as SDPA takes them). With the keys in
+        sequence order, the queries of chunk j see exactly the first (j + 1) chunks of keys,
+        causally aligned at the lower right: no mask is made (module doc)."""
+        chunk = k.shape[2] // 2
+        full_k = _sequence_order(_GatherSequence.apply(k, self.group, self.size))
+        full_v = _sequence_order(_GatherSequence.apply(v, self.group, self.size))
+        out = []
+        for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            query = q[:, :, half * chunk:(half + 1) * chunk]
+            seen = (index + 1) * chunk  # the keys up to the end of this chunk
+            causal = {"is_causal": True} if seen == chunk else {"attn_mask": causal_lower_right(chunk, seen)}
+            out.append(F.scaled_dot_product_attention(query, full_k[:, :, :seen], full_v[:, :, :seen], scale=scale,
+                                                      enable_gqa=enable_gqa, **causal))
+        return torch.cat(out, dim=2)
 
     def mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The whole sequence's mean loss as the value, this rank's own mean for the gradient
