@@ -192,3 +192,19 @@ def test_a_batch_the_default_layout_cannot_split_is_no_reason_to_refuse_the_sear
     # a job that names its layout is refused as before
     named = run_main("dtk.plan", *GPT_76B, "+scheme=fsdp", cwd=tmp_path)
     assert named.returncode == 2 and named.stderr.startswith("error: train.global_batch=1792")
+
+
+def test_the_search_tries_zero1_with_tp_and_pp_and_its_layouts_type():
+    """ZeRO-1 with tp and pp (+scheme=zero_tp_pp) is among the searched structures, at 1F1B
+    and without sequence parallelism, the layout its runtime runs (tests/test_schemes_zero_tp_pp.py)."""
+    base = ["cluster=slurm", "tasks_per_node=8", "cluster.accelerator=a100-80gb", "cluster.nics_per_node=8",
+            "train.global_batch=2304", "plan.layers=80", "plan.hidden=12288", "plan.heads=96", "plan.seq_len=2048",
+            "plan.vocab_size=51200"]
+    _, mp = planned(*base, "nodes=192", "+scheme=zero_tp_pp", "scheme.tp=8", "scheme.pp=8")
+    zero1 = [c for c in mp.ranked if c.key == "zero_tp_pp"]
+    assert zero1
+    for c in zero1[:3]:
+        plan, est = typed_fits(base, c.overrides)
+        scheme = plan.config.scheme
+        assert est.fits is True and plan.degrees == c.degrees and plan.degrees.tp * plan.degrees.pp > 1
+        assert scheme.shard_optimizer and str(scheme.data_parallel) == "ddp" and scheme.pp_virtual_stages == 1

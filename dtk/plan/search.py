@@ -33,7 +33,7 @@ from dtk.plan.shape import is_builtin
 from dtk.plan.steptime import Hardware, StepTime, step_time
 from dtk.plan.variants import FAST_KEYS, Variant, checked_scheme, standard_scheme
 
-SIMPLE = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
+SIMPLE = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "zero_tp_pp", "hybrid")
 """Scheme files from the simplest to the most involved (the tie-break)."""
 TIE = 0.03
 OPTIONS = FAST_KEYS
@@ -128,6 +128,11 @@ def _layouts(nodes: int, tpn: int, world: int, blocks: int, *, max_tp: int,
                                               shard_optimizer=True)))
                     out.append(("zero2", _keys(grid(1, dp), sequence_parallel=sp, data_parallel=fsdp,
                                                reshard_after_forward=False)))
+            if tp * pp > 1 and dp > 1:
+                # ZeRO-1 with tp / pp: replicas of the split model, the optimizer state sharded
+                # over dp (without sequence parallelism: the layout its runtime is tested in)
+                out.append(("zero_tp_pp", _keys(grid(dp, 1), sequence_parallel=False, data_parallel=ddp,
+                                                shard_optimizer=True)))
             out.append(("fsdp" if tp == pp == 1 else "hybrid", _keys(grid(1, dp), sequence_parallel=sp,
                                                                      data_parallel=fsdp)))
             inside = max(1, tpn // (tp * pp)) if tpn % (tp * pp) == 0 else 1  # data-parallel ranks on one node
@@ -270,7 +275,7 @@ class Search:
         for key, keys in _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
                                   sequence_parallel=self.sequence_parallel):
             pp = _degrees(keys).pp
-            for virtual in (1, 2) if pp > 1 else (1,):
+            for virtual in (1, 2) if pp > 1 and key != "zero_tp_pp" else (1,):  # ZeRO-1's runtime: 1F1B
                 if virtual == 2 and 2 * pp > self.blocks:
                     continue
                 layout = dict(keys, pp_virtual_stages=virtual,
