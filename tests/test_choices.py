@@ -44,7 +44,11 @@ def test_every_choice_has_its_meaning_in_the_code():
 
 
 def test_the_mesh_axes_are_one_list():
-    assert [f.name for f in dataclasses.fields(Degrees)] == list(Axis.values())
+    # Degrees keeps cp last (default 1, so positional Degrees(dp_replicate, pp, dp_shard, tp)
+    # stands); the grid's order is Axis's, which places cp between dp_shard and tp.
+    fields = [f.name for f in dataclasses.fields(Degrees)]
+    assert sorted(fields) == sorted(Axis.values()) and fields[-1] == "cp"
+    assert [f for f in fields if f != "cp"] == [a for a in Axis.values() if a != "cp"]
     assert set(Axis.values()) <= {f.name for f in dataclasses.fields(SchemeConfig)}
 
 

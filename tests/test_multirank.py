@@ -93,5 +93,5 @@ def test_checkpoint_comm_matches_the_one_process_comm(results):
 def test_every_group_dtk_makes_has_the_worlds_timeout(results):
     for r in per_rank(results, "group_timeouts"):
         assert r["plain"] != 77.0  # torch's own default for a new group: the fix is needed
-        assert r["num_groups"] == 5  # four axes and the flattened data-parallel group
-        assert r["timeouts"] == [77.0] * 7
+        assert r["num_groups"] == 6  # five axes and the flattened data-parallel group
+        assert r["timeouts"] == [77.0] * 8
