@@ -1,5 +1,6 @@
 """A pipeline step holds what its micro-batches in flight need, not one of each per
-micro-batch (dtk.parallel.pipeline): on 4 gloo ranks, pp=4 and pp=2 x tp=2, 8 micro-batches.
+micro-batch (dtk.parallel.pipeline): on 4 gloo ranks, pp=4 and pp=2 x tp=2 under 1F1B, and
+pp=2 x tp=2 under interleaved 1F1B with 2 virtual stages per rank, 8 micro-batches.
 
 - the last stage computes each micro-batch's loss inside the schedule and keeps no logits
   (the schedule's output chunks stay empty);
@@ -28,8 +29,11 @@ NUM_MICRO = 8
 VOCAB = 32
 JOB = ["model.num_layers=4", "model.dim=16", "model.num_heads=2", "model.seq_len=8", f"model.vocab_size={VOCAB}",
        "train.global_batch=8", "train.micro_batch=1", "tasks_per_node=4", "optim.warmup_steps=0",
-       "+scheme=hybrid", "scheme.dp_shard=1", "scheme.pp_schedule=1f1b"]
-CASES = {"pp4": ["scheme.pp=4", "scheme.tp=1"], "pp2_tp2": ["scheme.pp=2", "scheme.tp=2"]}
+       "+scheme=hybrid", "scheme.dp_shard=1"]
+ONE_F_ONE_B = {"pp4": ["scheme.pp=4", "scheme.tp=1", "scheme.pp_schedule=1f1b"],
+               "pp2_tp2": ["scheme.pp=2", "scheme.tp=2", "scheme.pp_schedule=1f1b"]}
+CASES = {**ONE_F_ONE_B, "pp2_v2_tp2": ["scheme.pp=2", "scheme.tp=2", "scheme.pp_schedule=interleaved_1f1b",
+                                       "scheme.pp_virtual_stages=2"]}
 
 
 def tokens() -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +152,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[float], list[dict], Plan]]:
     return {name: (one_process_losses(plans[name]), [r[name] for r in ranks], plans[name]) for name in CASES}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ONE_F_ONE_B))
 def test_no_logits_and_no_receive_buffer_outlive_their_micro_batch(runs, name):
     want, ranks, plan = runs[name]
     pp = plan.degrees.pp
@@ -167,8 +171,11 @@ def test_no_logits_and_no_receive_buffer_outlive_their_micro_batch(runs, name):
         assert r["outputs"] == (1 if r["last"] else planned) == (1 if r["last"] else pp - r["stage"]), r
 
 
-def test_tensor_parallel_last_stage_computes_the_loss_on_vocabulary_shards(runs):
-    want, ranks, _ = runs["pp2_tp2"]
+@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_v2_tp2"])
+def test_tensor_parallel_last_stage_computes_the_loss_on_vocabulary_shards(runs, name):
+    """1F1B and interleaved 1F1B (2 virtual stages per rank): the loss on vocabulary shards,
+    no logits kept, no receive buffer between steps, the one-process losses."""
+    want, ranks, _ = runs[name]
     for r in ranks:
         assert r["losses"] == pytest.approx(want, rel=1e-5)
     last = [r for r in ranks if r["last"]]
@@ -177,3 +184,5 @@ def test_tensor_parallel_last_stage_computes_the_loss_on_vocabulary_shards(runs)
         # the first step also runs the loss once to learn the backward's shapes
         assert len(r["seen"]) >= STEPS * NUM_MICRO
         assert set(r["seen"]) == {(True, VOCAB // 2)}
+    for r in ranks:
+        assert r["outputs_kept"] == [0] * STEPS and r["after_step"] == [0] * STEPS
