@@ -9,10 +9,9 @@ attends over about the same number of (query, key) pairs:
 Attention stays exact. Each block all-gathers the keys and values of the whole sequence
 over the cp group (as Llama 3's context parallelism does; no ring of point-to-point steps)
 and puts them in sequence order; the queries of chunk j then attend over the first j + 1
-chunks of keys, causal at the lower right (torch's `causal_lower_right`: flash and
-memory-efficient kernels on a GPU take it without a mask; the CPU makes a boolean one of
-chunk x keys), so a query at position p sees exactly the keys at positions <= p and no
-rank computes scores it masks away, beyond the diagonal chunks. The backward of the gather is a reduce-scatter: each rank
+chunks of keys, causal at the lower right (a boolean mask of chunk x keys; the head chunk
+of rank 0 by SDPA's own causal flag), so a query at position p sees exactly the keys at
+positions <= p, and a rank scores only the keys up to the end of each of its chunks. The backward of the gather is a reduce-scatter: each rank
 gets the sum of every rank's gradient for its own keys and values. The positions the model
 embeds (learned positions, RoPE) are those of the full sequence (`CpLayout.positions`).
 
@@ -36,7 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.nn.attention.bias import causal_lower_right
 
 from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
@@ -76,6 +74,14 @@ class _GatherSequence(torch.autograd.Function):
         mine = grad.new_empty(grad.shape[1:])
         dist.reduce_scatter_single(mine, grad.flatten(0, 1), group=ctx.group)
         return mine, None, None
+
+
+def _lower_right(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(queries, keys) boolean mask, True where a query attends: the causal mask aligned at
+    the lower right (the last query sees every key). torch's `causal_lower_right` would let a
+    GPU's kernels skip the mask, but making it fails inside dtk's workers (a tensor subclass
+    whose creation collides with an existing tensor's Python object), so it is not used."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 def _sequence_order(gathered: torch.Tensor) -> torch.Tensor:
@@ -127,7 +133,7 @@ class CpLayout:
         keys and values of the whole sequence, gathered from the cp group (`enable_gqa`:
         fewer key / value heads than query heads, as SDPA takes them). With the keys in
         sequence order, the queries of chunk j see exactly the first (j + 1) chunks of keys,
-        causally aligned at the lower right: no mask is made (module doc)."""
+        causally aligned at the lower right (module doc)."""
         chunk = k.shape[2] // 2
         full_k = _sequence_order(_GatherSequence.apply(k, self.group, self.size))
         full_v = _sequence_order(_GatherSequence.apply(v, self.group, self.size))
@@ -135,7 +141,7 @@ class CpLayout:
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             query = q[:, :, half * chunk:(half + 1) * chunk]
             seen = (index + 1) * chunk  # the keys up to the end of this chunk
-            causal = {"is_causal": True} if seen == chunk else {"attn_mask": causal_lower_right(chunk, seen)}
+            causal = {"is_causal": True} if seen == chunk else {"attn_mask": _lower_right(chunk, seen, q.device)}
             out.append(F.scaled_dot_product_attention(query, full_k[:, :, :seen], full_v[:, :, :seen], scale=scale,
                                                       enable_gqa=enable_gqa, **causal))
         return torch.cat(out, dim=2)
