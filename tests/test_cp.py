@@ -130,6 +130,22 @@ def test_attention_over_gathered_keys_equals_full_causal_attention(results):
         assert min(r["grad_norms"]) > 0  # the gradients compared are not all zero
 
 
+def _attention_only(rank: int, size: int) -> dict:
+    try:
+        return _attention(rank, size)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def test_attention_on_four_cp_ranks_equals_full_causal_attention(tmp_path):
+    """cp=4: 8 chunks, each rank's head and tail at other offsets than with 2."""
+    for rank, r in enumerate(run_on_ranks(_attention_only, 4, tmp_path)):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        assert r["shape"] == (2, 3, 16 // 4, 8)
+        assert r["out"] < 1e-6
+        assert max(r["grads"]) < 1e-6, r["grads"]
+
+
 def test_transformer_under_cp_gives_the_one_process_loss_and_gradients(results):
     for r in per_rank(results, "model"):
         assert r["local_shapes"] == ((3, 32 // WORLD), (3, 32 // WORLD))
