@@ -36,6 +36,7 @@ CASES = {
     "pp_interleaved": ["+scheme=pp", "scheme.pp=2", "scheme.dp_shard=2", "scheme.pp_schedule=interleaved_1f1b",
                        "scheme.pp_virtual_stages=2", *UNEVEN],
     "hybrid": ["+scheme=hybrid", "scheme.dp_shard=2", "scheme.tp=2", *TP_SIZES],
+    "zero_tp": ["+scheme=zero_tp_pp", "scheme.pp=1", *TP_SIZES],  # ZeRO-1 owners on the tp-local sizes
 }
 
 
