@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dtk.checkpoint.manifest import CHECKSUM
@@ -109,8 +111,9 @@ _WRITEBACK = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtk-writeback
 class HashingStream:
     """A binary file opened for writing that updates a CRC-32 with every write."""
 
-    def __init__(self, raw) -> None:
+    def __init__(self, raw, *, kick: bool = True) -> None:
         self.raw = raw
+        self.kick = kick  # False: not a local file (an object store's upload), no write-back to start
         self.crc = Crc()
         self.size = 0
         self.sequential = True
@@ -155,7 +158,7 @@ class HashingStream:
                 piece.result()
         self.crc.update(view[done:written])
         self.size += written
-        if written >= CHUNK:
+        if written >= CHUNK and self.kick:
             self._kick()
         return written
 
@@ -233,6 +236,64 @@ class HashingWriter(FileSystemWriter):
         super().__init__(path, **kwargs)
         self.hashing = HashingFileSystem()
         self.fs = self.hashing  # what FileSystemWriter writes through
+        torch.serialization.set_crc32_options(False)
+
+    def hashed(self) -> dict[str, dict[str, Any]]:
+        return self.hashing.hashed()
+
+
+class HashingFsspecFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system (an object store), every file it writes checksummed on the
+    way; its size is asked of the store once the upload is done."""
+
+    def __init__(self, fs: Any) -> None:
+        super().__init__()
+        self.fs = fs
+        self._hashed: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
+        return path  # the store is given, with its endpoint and credentials
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            hashing = HashingStream(raw, kick=False)
+            yield hashing
+        name = os.path.basename(os.fspath(path))
+        assert self.fs is not None
+        ok = hashing.sequential and self.fs.size(os.fspath(path)) == hashing.size
+        with self._lock:
+            if ok:
+                self._hashed[name] = {"size": hashing.size, CHECKSUM: f"{hashing.crc.value:08x}"}
+            else:
+                self._hashed.pop(name, None)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # .metadata's temp object: a copy and a delete in a store
+        with self._lock:
+            entry = self._hashed.pop(os.path.basename(os.fspath(path)), None)
+            if entry is not None:
+                self._hashed[os.path.basename(os.fspath(new_path))] = entry
+
+    def hashed(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return dict(self._hashed)
+
+
+class HashingFsspecWriter(FsspecWriter):
+    """`HashingWriter` for a folder of an object store (`dtk.checkpoint.storage.FsspecStorage`):
+    the files are checksummed as they are uploaded. No fsync: an object exists once its
+    upload completed."""
+
+    def __init__(self, store: Any, **kwargs: Any) -> None:
+        super().__init__(store.root, sync_files=False, **kwargs)
+        self.hashing = HashingFsspecFileSystem(store.fs)
+        self.fs = self.hashing  # type: ignore[assignment]  # FileSystemWriter's annotation: the local one
         torch.serialization.set_crc32_options(False)
 
     def hashed(self) -> dict[str, dict[str, Any]]:

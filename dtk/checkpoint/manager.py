@@ -15,6 +15,7 @@ from dtk.checkpoint import load as loading
 from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
+from dtk.checkpoint.storage import LocalStorage, checkpoint_folder, checkpoint_steps, run_storage
 from dtk.config.schema import CheckpointConfig
 from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
@@ -43,6 +44,7 @@ class CheckpointManager:
         busy: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.run = run
+        self.store = run_storage(run, checkpoint.dir)  # the run's checkpoints/, or an object store's prefix
         self.busy = busy  # wraps a long save or wait: the heartbeat beats through it
         self.every = checkpoint.every
         self.every_s = 60.0 * checkpoint.every_minutes
@@ -114,7 +116,9 @@ class CheckpointManager:
         # checkpoint.resume=false is refused at submission where committed checkpoints exist
         # (dtk.launch.launch.check_run_dir), and the run lock keeps other jobs out: what is
         # found here was written by this submission's own earlier starts, so it resumes.
-        found = self.comm.broadcast(self.run.checkpoint_steps() if self.rank == 0 else None)
+        names = self.comm.broadcast([(step, folder.name, committed) for step, folder, committed
+                                     in checkpoint_steps(self.store)] if self.rank == 0 else None)
+        found = [(step, self.store.child(name), committed) for step, name, committed in names]
         memory_fallback = None
         if self.memory is not None and not self._resumed_once:  # a rollback's resume goes to the disk
             self._resumed_once = True
@@ -165,7 +169,7 @@ class CheckpointManager:
             self.run.event("memory_fallback", step=0, reason=memory_fallback)
         if reasons:
             raise UserError(
-                f"checkpoints exist in {self.run.checkpoints} but none verifies ({'; '.join(reasons)});"
+                f"checkpoints exist in {self.store} but none verifies ({'; '.join(reasons)});"
                 " the run stops instead of starting from scratch: restore a checkpoint,"
                 " or start a new run (another run.name)"
             )
@@ -246,7 +250,7 @@ class CheckpointManager:
             return
         self._settle()
         self._last_step = step
-        path = self.run.checkpoint_dir(step)
+        path = checkpoint_folder(self.store, step)
         samples = step * self.global_batch  # the loader's whole state: global samples consumed
         state = {
             "step": step,
@@ -291,7 +295,8 @@ class CheckpointManager:
         self.failures += 1
         if self.rank == 0:
             try:  # torch words a full disk obscurely ("unexpected pos"): say how much room is left
-                reason += f" ({shutil.disk_usage(self.run.checkpoints).free / 2**20:.1f} MiB free on the checkpoint storage)"
+                if isinstance(self.store, LocalStorage):  # an object store has no free space to tell
+                    reason += f" ({shutil.disk_usage(self.store.path).free / 2**20:.1f} MiB free on the checkpoint storage)"
             except OSError:
                 pass
             print(f"checkpoint of step {step} failed: {reason}", file=sys.stderr, flush=True)
@@ -310,11 +315,11 @@ class CheckpointManager:
     def _committed(self, manifest: dict[str, Any]) -> None:
         """Rank 0, in the finisher thread, right after the manifest of a save was written."""
         step = manifest["step"]
-        prune(self.run, keep=self.keep, current_step=step, protect=[step])
+        prune(self.store, keep=self.keep, current_step=step, protect=[step])
         self.run.event(
             "checkpoint_saved",
             step=step,
-            path=str(self.run.checkpoint_dir(step)),
+            path=str(checkpoint_folder(self.store, step)),
             seconds=manifest["save_seconds"],
             blocked_seconds=manifest["blocked_seconds"],
             staging_seconds=manifest["staging_seconds"],  # async: the copy to host memory, beside training

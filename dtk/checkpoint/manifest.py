@@ -17,6 +17,9 @@ The checksum is CRC-32 (zlib, in 8 MiB chunks): it runs at several GB/s on one c
 releases the GIL, and catches truncation and flipped bytes, which is what it is for
 (a checksum against disks and killed writers, not against an attacker).
 
+A folder is a `Path` or a `dtk.checkpoint.storage.Storage` (local files, or an object store
+such as S3): the commit and every check read and write through it, the same on both.
+
 No torch here: `python -m dtk.checkpoint list` runs on a login node.
 """
 
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtk.checkpoint.trust import CHECKSUM, Rejected, check_metadata
+from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_steps
+from dtk.checkpoint.trust import CHECKSUM, Rejected, check_metadata, storage_of
 from dtk.rundir import MANIFEST, RunDir, write_json_atomic
 
 FORMAT_VERSION = 1
@@ -37,8 +41,18 @@ CHUNK = 8 << 20
 
 
 def file_checksum(path: Path) -> str:
+    return _checksum(open(path, "rb", buffering=0))
+
+
+def stored_checksum(store: Storage, name: str) -> str:
+    if isinstance(store, LocalStorage):
+        return file_checksum(store.path / name)
+    return _checksum(store.open_read(name))
+
+
+def _checksum(stream: Any) -> str:
     crc = 0
-    with open(path, "rb", buffering=0) as fh:
+    with stream as fh:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := fh.readinto(buf):
@@ -50,18 +64,42 @@ def describe_file(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, CHECKSUM: file_checksum(path)}
 
 
-def payload_files(folder: Path) -> list[str]:
+def describe(folder: Path | Storage, name: str) -> dict[str, Any]:
+    """The manifest's entry of file `name`, read back from the storage."""
+    if isinstance(folder, LocalStorage):
+        folder = folder.path
+    if isinstance(folder, Path):
+        return describe_file(folder / name)
+    store = folder
+    return {"size": store.size(name), CHECKSUM: stored_checksum(store, name)}
+
+
+def write_json(folder: Path | Storage, name: str, obj: Any) -> None:
+    """A JSON file of a checkpoint folder, written atomically (rundir.write_json_atomic on
+    local disk; one PUT in an object store)."""
+    if isinstance(folder, LocalStorage):
+        folder = folder.path
+    if isinstance(folder, Path):
+        write_json_atomic(folder / name, obj)
+    else:
+        folder.write_bytes(name, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def payload_files(folder: Path | Storage) -> list[str]:
     """Every file of a checkpoint folder that the manifest must cover (all but itself and temp files)."""
-    return sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}.tmp")
-    )
+    return [name for name in storage_of(folder).files()
+            if name != MANIFEST and not name.startswith(f".{MANIFEST}.tmp")]
 
 
-def commit(folder: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest (temp file, fsync, rename) and make the rename itself durable."""
-    write_json_atomic(folder / MANIFEST, manifest)
+def commit(folder: Path | Storage, manifest: dict[str, Any]) -> None:
+    """Write the manifest (temp file, fsync, rename) and make the rename itself durable. In an
+    object store, one PUT of the manifest after every other object: the same commit point
+    (a PUT is atomic; there is no rename)."""
+    if isinstance(folder, LocalStorage):
+        folder = folder.path
+    write_json(folder, MANIFEST, manifest)
+    if not isinstance(folder, Path):
+        return
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -69,10 +107,10 @@ def commit(folder: Path, manifest: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST
+def read_manifest(folder: Path | Storage) -> dict[str, Any]:
+    store = storage_of(folder)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(store.read_bytes(MANIFEST).decode())
     except FileNotFoundError:
         raise Rejected("no manifest.json: the save did not finish, or the manifest was deleted") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -84,18 +122,19 @@ def read_manifest(folder: Path) -> dict[str, Any]:
             raise Rejected(f"manifest.json lacks '{key}'")
     if not isinstance(manifest["files"], dict) or not manifest["files"]:
         raise Rejected("manifest.json lists no files")
-    m = folder.name.removeprefix("step_")
+    m = store.name.removeprefix("step_")
     if m.isdigit() and int(m) != manifest["step"]:
-        raise Rejected(f"manifest.json says step {manifest['step']} in folder {folder.name}")
+        raise Rejected(f"manifest.json says step {manifest['step']} in folder {store.name}")
     return manifest
 
 
-def check_sizes(folder: Path, manifest: dict[str, Any]) -> list[str]:
+def check_sizes(folder: Path | Storage, manifest: dict[str, Any]) -> list[str]:
     """Problems found by looking at sizes only (cheap: no file is read)."""
+    store = storage_of(folder)
     problems = []
     for name, want in manifest["files"].items():
         try:
-            size = (folder / name).stat().st_size
+            size = store.size(name)
         except FileNotFoundError:
             problems.append(f"{name} is missing")
             continue
@@ -104,12 +143,13 @@ def check_sizes(folder: Path, manifest: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_checksums(folder: Path, manifest: dict[str, Any], names: list[str]) -> list[str]:
+def check_checksums(folder: Path | Storage, manifest: dict[str, Any], names: list[str]) -> list[str]:
+    store = storage_of(folder)
     problems = []
     for name in names:
         want = manifest["files"][name]
         try:
-            got = file_checksum(folder / name)
+            got = stored_checksum(store, name)
         except FileNotFoundError:
             problems.append(f"{name} is missing")
             continue
@@ -118,7 +158,7 @@ def check_checksums(folder: Path, manifest: dict[str, Any], names: list[str]) ->
     return problems
 
 
-def verify(folder: Path, *, checksums: bool = True) -> dict[str, Any]:
+def verify(folder: Path | Storage, *, checksums: bool = True) -> dict[str, Any]:
     """The manifest of a checkpoint whose files all match it and whose `.metadata` is DCP's
     metadata only (dtk.checkpoint.trust, without torch); raises Rejected otherwise. One
     process reads every file; workers share the reading (see dtk.checkpoint.load).
@@ -142,7 +182,7 @@ def summarize(problems: list[str], limit: int = 3) -> str:
 @dataclass(frozen=True)
 class Listing:
     step: int
-    path: Path
+    path: Any  # the folder: a Path in a run directory, a Storage in a checkpoint store
     size: int
     committed: bool
     verified: bool
@@ -150,14 +190,16 @@ class Listing:
     manifest: dict[str, Any] | None
 
 
-def folder_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+def folder_size(folder: Path | Storage) -> int:
+    store = storage_of(folder)
+    return sum(store.size(name) for name in store.files())
 
 
-def list_checkpoints(run: RunDir, *, checksums: bool = True) -> list[Listing]:
-    """Every checkpoint folder of a run, oldest first, each verified."""
+def list_checkpoints(run: RunDir | Storage, *, checksums: bool = True) -> list[Listing]:
+    """Every checkpoint folder of a run (or of a checkpoint store), oldest first, each verified."""
     out = []
-    for step, path, committed in run.checkpoint_steps():
+    found = run.checkpoint_steps() if isinstance(run, RunDir) else checkpoint_steps(run)
+    for step, path, committed in found:
         manifest = None
         try:
             manifest = verify(path, checksums=checksums)

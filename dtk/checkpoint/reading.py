@@ -40,6 +40,7 @@ from torch.futures import Future
 
 from dtk.checkpoint.manifest import CHECKSUM, CHUNK, Rejected
 from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
+from dtk.checkpoint.storage import Storage
 from dtk.checkpoint.trust import METADATA, bytes_key_refusal
 
 WHOLE_SHARE = 0.5  # read (and hash) a file whole when the rank needs at least this share of it
@@ -49,7 +50,7 @@ class HashingReader(SafeReader):
     """`dcp.FileSystemReader` that computes the CRC-32 of every file it reads whole (`crcs`)
     and unpickles nothing but data (SafeReader)."""
 
-    def __init__(self, path: str | os.PathLike, *, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: str | os.PathLike | Storage, *, manifest: dict[str, Any]) -> None:
         super().__init__(path, manifest=manifest)
         self.crcs: dict[str, str] = {}  # file name -> CRC-32 of its bytes, for files read whole
 
@@ -80,10 +81,9 @@ class HashingReader(SafeReader):
         return done
 
     def _read_file(self, name: str, items: dict[tuple[int, int], list], planner: LoadPlanner) -> None:
-        path = os.path.join(self.path, name)
         spans = sorted(items)
-        with open(path, "rb", buffering=0) as fh:
-            size = os.fstat(fh.fileno()).st_size
+        with self.storage.open_read(name) as fh:
+            size = self.storage.size(name)
             whole = sum(length for _, length in spans) >= WHOLE_SHARE * size
             crc, pos, failure = 0, 0, None
             deferred: list[tuple[Any, bytes]] = []  # bytes items of a file read whole: parsed once it checks

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterable
-from pathlib import Path
+from typing import Any
 
+from dtk.checkpoint.storage import Storage, checkpoint_steps
 from dtk.rundir import RunDir
 
 
-def doomed(found: list[tuple[int, Path, bool]], *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Path]:
+def doomed(found: list[tuple[int, Any, bool]], *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Any]:
     """The folders to delete, given (step, folder, committed) oldest first, right after the
     checkpoint of `current_step` was committed.
 
@@ -36,9 +38,15 @@ def doomed(found: list[tuple[int, Path, bool]], *, keep: int, current_step: int,
     return out
 
 
-def prune(run: RunDir, *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Path]:
-    """Rank 0 only: delete what `doomed` names; returns the deleted folders."""
-    paths = doomed(run.checkpoint_steps(), keep=keep, current_step=current_step, protect=protect)
+def prune(run: RunDir | Storage, *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Any]:
+    """Rank 0 only: delete what `doomed` names (in the run directory, or in a checkpoint
+    store: dtk.checkpoint.storage); returns the deleted folders."""
+    found = run.checkpoint_steps() if isinstance(run, RunDir) else checkpoint_steps(run)
+    paths = doomed(found, keep=keep, current_step=current_step, protect=protect)
     for p in paths:
-        shutil.rmtree(p, ignore_errors=True)
+        if isinstance(p, Storage):
+            with contextlib.suppress(OSError):
+                p.delete()
+        else:
+            shutil.rmtree(p, ignore_errors=True)
     return paths

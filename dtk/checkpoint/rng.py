@@ -4,11 +4,14 @@ ever unpickled as arbitrary objects), written and fsynced before the manifest li
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from dtk.checkpoint.storage import LocalStorage, Storage
 
 RankState = tuple[Callable[[], dict[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], None]]
 _KEPT: dict[str, RankState] = {}
@@ -55,6 +58,16 @@ def save_rng(path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
         torch.save(rng_state() if state is None else state, fh)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def save_rng_to(store: Storage, name: str, state: dict[str, torch.Tensor]) -> None:
+    """`save_rng` into a checkpoint folder of any storage (one PUT in an object store)."""
+    if isinstance(store, LocalStorage):
+        save_rng(store.path / name, state)
+        return
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    store.write_bytes(name, buf.getvalue())
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dtk.checkpoint.manifest import Rejected
+from dtk.checkpoint.storage import LocalStorage, Storage
 from dtk.checkpoint.trust import METADATA, bytes_key_refusal, parse_metadata, read_checked
 
 PLAIN = (bool, int, float, str, type(None))
@@ -72,8 +73,10 @@ class SafeReader(FileSystemReader):
     DCP metadata only. `rejection` keeps why a checkpoint was refused, since DCP wraps the
     exceptions of its reader in its own."""
 
-    def __init__(self, path: str | os.PathLike, *, manifest: dict[str, Any]) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike | Storage, *, manifest: dict[str, Any]) -> None:
+        # every read goes through the storage (local files or an object store)
+        self.storage = path if isinstance(path, Storage) else LocalStorage(Path(path))
+        super().__init__(self.storage.url)
         self.manifest = manifest
         self.rejection: str | None = None
         self._metadata: Metadata | None = None
@@ -89,7 +92,7 @@ class SafeReader(FileSystemReader):
             raise self.reject(f"no single {METADATA}; dtk does not read per-rank metadata")
         if self._metadata is None:
             try:
-                data = read_checked(Path(self.path), METADATA, self.manifest)
+                data = read_checked(self.storage, METADATA, self.manifest)
                 metadata = parse_metadata(data, self.manifest, resolve=True)
             except Rejected as exc:
                 raise self.reject(str(exc)) from None

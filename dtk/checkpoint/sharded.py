@@ -62,12 +62,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import writer_process
-from dtk.checkpoint.hashing import HashingWriter
-from dtk.checkpoint.rng import rng_state, save_rng
+from dtk.checkpoint.hashing import HashingFsspecWriter, HashingWriter
+from dtk.checkpoint.rng import rng_state, save_rng_to
 from dtk.checkpoint.staging import stager
+from dtk.checkpoint.storage import FsspecStorage, LocalStorage, Storage
 from dtk.dist.groups import new_group
 from dtk.models.ties import checkpoint_keys
-from dtk.rundir import TRAINER_STATE, write_json_atomic
+from dtk.rundir import TRAINER_STATE
 
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
 FORMAT_VERSION = mf.FORMAT_VERSION
@@ -204,7 +205,11 @@ class Saver:
         """Whether a copy of the state is in flight (`staged` would wait for it)."""
         return self._staging is not None
 
-    def _writer(self, path: Path) -> Any:
+    def _writer(self, path: Path | Storage) -> Any:
+        if isinstance(path, FsspecStorage):  # an object store (checkpoint.dir=s3://...): uploaded, hashed on the way
+            assert self._reports is None, "checkpoint.async_mode=process writes local files only"
+            return HashingFsspecWriter(path, thread_count=WRITE_THREADS)
+        assert isinstance(path, Path), path  # Saver.start hands a local folder over as a Path
         if self._reports is not None:  # checksummed as written, in the checkpoint process
             return writer_process.writer(path, report=self._reports / f"{path.name}.json", thread_count=WRITE_THREADS)
         # Files are fsynced before the manifest can count them, and checksummed as written.
@@ -220,7 +225,7 @@ class Saver:
         if pending is not None:
             pending.result()
 
-    def start(self, path: Path, *, parts: Parts, trainer_state: dict[str, Any], header: dict[str, Any],
+    def start(self, path: Path | Storage, *, parts: Parts, trainer_state: dict[str, Any], header: dict[str, Any],
               replace_committed: bool = False) -> float:
         """Begin saving; returns the seconds training was blocked (including the wait for
         the previous save). A folder of the same step left by a killed save is replaced; a
@@ -231,14 +236,15 @@ class Saver:
         t0 = time.perf_counter()
         self.wait()
         rank = self.comm.rank
+        path = path.path if isinstance(path, LocalStorage) else path
+        store = path if isinstance(path, Storage) else LocalStorage(path)
 
         def prepare() -> None:
             if rank == 0:
-                if (path / mf.MANIFEST).exists() and not replace_committed:
-                    raise FileExistsError(f"{path} is a committed checkpoint; no save replaces it")
-                if path.exists():  # left by a save that was killed before its manifest
-                    shutil.rmtree(path)
-                path.mkdir(parents=True)
+                if store.exists(mf.MANIFEST) and not replace_committed:
+                    raise FileExistsError(f"{store.url} is a committed checkpoint; no save replaces it")
+                store.delete()  # left by a save that was killed before its manifest
+                store.create()
 
         self._agree(prepare, everyone=False)  # also the barrier: the folder exists before anyone writes
         # The small files hold the state of now; the finisher writes them (and fsyncs them) off
@@ -317,16 +323,17 @@ class Saver:
             raise
 
     def _finish(
-        self, path: Path, written: Future, small: dict[str, Any], writer: Any, header: dict[str, Any],
+        self, path: Path | Storage, written: Future, small: dict[str, Any], writer: Any, header: dict[str, Any],
         t0: float, blocked: float,
     ) -> dict[str, Any] | None:
         def small_files_then_shards() -> None:
             try:
+                store = LocalStorage(path) if isinstance(path, Path) else path
                 for name, content in small.items():
                     if name == TRAINER_STATE:
-                        write_json_atomic(path / name, content)
+                        mf.write_json(store, name, content)
                     else:
-                        save_rng(path / name, content)
+                        save_rng_to(store, name, content)
             finally:  # DCP's thread is done with the group before this thread's collectives
                 written.result()
 
@@ -336,12 +343,12 @@ class Saver:
         hashed = writer.hashed() if isinstance(writer, HashingWriter) else {}
         own = [rng_file(self.comm.rank)] + ([TRAINER_STATE] if self.comm.rank == 0 else [])
         files: dict[str, Any] = {}
-        for share in self.comm.all_gather(self._local(lambda: {**hashed, **{n: mf.describe_file(path / n) for n in own}})):
+        for share in self.comm.all_gather(self._local(lambda: {**hashed, **{n: mf.describe(path, n) for n in own}})):
             if isinstance(share, str):
                 raise SaveFailed(share)
             files.update(share)
         # Whatever no rank hashed (a file written out of order) rank 0 reads back.
-        files.update(self._agree(lambda: {n: mf.describe_file(path / n) for n in mf.payload_files(path)
+        files.update(self._agree(lambda: {n: mf.describe(path, n) for n in mf.payload_files(path)
                                           if n not in files}, everyone=False))
         if self.comm.rank == 0 and os.environ.get(COMMIT_DELAY_ENV):  # a test hook: a slow save
             time.sleep(float(os.environ[COMMIT_DELAY_ENV]))

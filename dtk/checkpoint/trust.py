@@ -26,6 +26,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from dtk.checkpoint.storage import LocalStorage, Storage
+
 CHECKSUM = "crc32"
 METADATA = ".metadata"
 
@@ -147,7 +149,12 @@ class MetadataUnpickler(pickle.Unpickler):
         raise Rejected(f"{METADATA} holds a persistent reference, which DCP's metadata never does")
 
 
-def read_checked(folder: Path, name: str, manifest: dict[str, Any], *, limit: int = MAX_SMALL) -> bytes:
+def storage_of(folder: Path | Storage) -> Storage:
+    """A checkpoint folder as a Storage (a Path is a local folder)."""
+    return folder if isinstance(folder, Storage) else LocalStorage(folder)
+
+
+def read_checked(folder: Path | Storage, name: str, manifest: dict[str, Any], *, limit: int = MAX_SMALL) -> bytes:
     """The bytes of a small file of the checkpoint, after their size and CRC matched the
     manifest: nothing parses them before. Rejected otherwise."""
     want = manifest["files"].get(name)
@@ -156,8 +163,7 @@ def read_checked(folder: Path, name: str, manifest: dict[str, Any], *, limit: in
     if not isinstance(want.get("size"), int) or want["size"] > limit:
         raise Rejected(f"{name}: manifest says {want.get('size')} bytes, more than a {name} of dtk's ({limit})")
     try:
-        with open(folder / name, "rb") as fh:
-            data = fh.read(want["size"] + 1)
+        data = storage_of(folder).read_bytes(name, want["size"] + 1)
     except FileNotFoundError:
         raise Rejected(f"{name} is missing") from None
     if len(data) != want["size"]:
@@ -197,7 +203,7 @@ def parse_metadata(data: bytes, manifest: dict[str, Any], *, resolve: bool) -> A
     return metadata
 
 
-def check_metadata(folder: Path, manifest: dict[str, Any]) -> None:
+def check_metadata(folder: Path | Storage, manifest: dict[str, Any]) -> None:
     """Torch-free: Rejected unless `.metadata` matches the manifest and is DCP metadata only."""
     parse_metadata(read_checked(folder, METADATA, manifest), manifest, resolve=False)
 

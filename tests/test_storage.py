@@ -1,0 +1,252 @@
+"""The checkpoint storage seam (dtk.checkpoint.storage) on both backends: local files and an
+S3-compatible object store (moto's server, started on 127.0.0.1 by these tests). Each test
+runs the same checks on both: reads, writes, listing, deletion, the commit by a manifest
+written last, a save without its manifest never counting, a corrupt object refused by its
+CRC, retention. Real saves and loads (DCP, the Saver), no mocks of the store."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from test_checkpoint import make_parts, params, train_step
+
+from dtk.checkpoint import load as loading
+from dtk.checkpoint import manifest as mf
+from dtk.checkpoint import sharded as ckpt
+from dtk.checkpoint.hashing import HashingFileSystem, HashingFsspecFileSystem
+from dtk.checkpoint.retention import prune
+from dtk.checkpoint.storage import (
+    FsspecStorage,
+    LocalStorage,
+    Storage,
+    checkpoint_folder,
+    checkpoint_steps,
+    open_storage,
+)
+from dtk.errors import UserError
+from dtk.rundir import MANIFEST, TRAINER_STATE
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """moto's S3 server on a free port of 127.0.0.1; yields the environment a client needs
+    (set in this process while it runs: the endpoint by AWS_ENDPOINT_URL_S3, any key and
+    secret, as a user points dtk at an S3-compatible store) and stops the server at the end."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def new_bucket() -> str:
+    """A fresh bucket on the server the environment points at."""
+    name = f"dtk-{uuid.uuid4().hex[:12]}"
+    store = open_storage(f"s3://{name}")
+    assert isinstance(store, FsspecStorage)
+    store.fs.mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as env:
+        yield env
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> Storage:
+    if request.param == "local":
+        return LocalStorage(tmp_path / "checkpoints")
+    request.getfixturevalue("s3")
+    return open_storage(f"s3://{new_bucket()}/team/run1")
+
+
+def save(store: Storage, step: int, model, optimizer) -> Storage:
+    """A real synchronous save of one process into `store`'s step folder."""
+    folder = checkpoint_folder(store, step)
+    saver = ckpt.Saver(ckpt.Comm(None), asynchronous=False, on_commit=lambda manifest: None)
+    try:
+        saver.start(folder, parts=[(model, optimizer)], trainer_state={"step": step, "world_size": 1},
+                    header={"step": step, "samples_consumed": 4 * step, "global_batch": 4, "world_size": 1})
+    finally:
+        saver.close()
+    return folder
+
+
+def test_files_are_written_listed_read_and_deleted(store):
+    folder = store.child("step_00000001")
+    assert folder.files() == [] and not folder.exists("a.bin")
+    folder.create()
+    folder.write_bytes("a.bin", b"x" * 1000)
+    folder.write_bytes("b.json", b"{}")
+    folder.write_bytes("a.bin", b"y" * 10)  # replaced whole
+    assert folder.files() == ["a.bin", "b.json"]
+    assert folder.size("a.bin") == 10 and folder.read_bytes("a.bin") == b"y" * 10
+    assert folder.read_bytes("a.bin", 3) == b"yyy"
+    assert store.folders() == ["step_00000001"]
+    with pytest.raises(FileNotFoundError):
+        folder.size("missing")
+    folder.delete()
+    assert folder.files() == [] and store.folders() == []
+    folder.delete()  # deleting what is gone is no error
+
+
+def test_a_saved_checkpoint_commits_verifies_and_loads_bitwise(store):
+    model, optimizer, scheduler = make_parts(0)
+    train_step(model, optimizer, scheduler)
+    folder = save(store, 1, model, optimizer)
+    assert [(step, committed) for step, _, committed in checkpoint_steps(store)] == [(1, True)]
+    [listing] = mf.list_checkpoints(store)
+    assert listing.committed and listing.verified, listing.reason
+    assert set(listing.manifest["files"]) == set(mf.payload_files(folder))
+    assert {TRAINER_STATE, ".metadata", "rng_00000.pt"} <= set(listing.manifest["files"])
+
+    fresh, fresh_optimizer, _ = make_parts(1)
+    assert any(not torch.equal(a, b) for a, b in zip(params(fresh), params(model), strict=True))
+    comm = ckpt.Comm(None)
+    manifest = loading.verify(comm, folder)
+    state, rng_restored = loading.load(folder, parts=[(fresh, fresh_optimizer)], comm=comm, manifest=manifest)
+    assert state["step"] == 1 and rng_restored
+    assert all(torch.equal(a, b) for a, b in zip(params(fresh), params(model), strict=True))
+    exp = optimizer.state_dict()["state"]
+    got = fresh_optimizer.state_dict()["state"]
+    assert all(torch.equal(exp[k]["exp_avg"], got[k]["exp_avg"]) for k in exp)
+
+
+def test_the_manifest_is_the_last_object_written(store, monkeypatch):
+    """The commit point: every shard, .metadata and small file is written before manifest.json
+    (each write recorded as it completes, through the real writers)."""
+    order: list[str] = []
+    write_json, save_rng_to = mf.write_json, ckpt.save_rng_to
+
+    def recorded_json(folder, name, obj):
+        write_json(folder, name, obj)
+        order.append(name)
+
+    def recorded_rng(folder, name, state):
+        save_rng_to(folder, name, state)
+        order.append(name)
+
+    monkeypatch.setattr(mf, "write_json", recorded_json)
+    monkeypatch.setattr(ckpt, "save_rng_to", recorded_rng)
+    for cls in (HashingFileSystem, HashingFsspecFileSystem):  # DCP's shards and .metadata
+        def recorded_stream(self, path, mode, stream=cls.create_stream):
+            with stream(self, path, mode) as fh:
+                yield fh
+            if "w" in mode:
+                order.append(os.path.basename(os.fspath(path)))
+
+        monkeypatch.setattr(cls, "create_stream", contextmanager(recorded_stream))
+    model, optimizer, _ = make_parts(0)
+    folder = save(store, 2, model, optimizer)
+    assert order[-1] == MANIFEST and order.count(MANIFEST) == 1
+    written = set(order[:-1])
+    assert {TRAINER_STATE, "rng_00000.pt"} <= written
+    assert any(name.endswith(".distcp") for name in written) and any(".metadata" in n for n in written)
+    assert set(mf.read_manifest(folder)["files"]) == set(mf.payload_files(folder))
+
+
+def test_a_save_killed_before_its_manifest_never_counts(store, monkeypatch):
+    model, optimizer, _ = make_parts(0)
+    save(store, 1, model, optimizer)
+
+    def killed(folder, manifest):
+        raise OSError("killed before the commit")
+
+    monkeypatch.setattr(mf, "commit", killed)
+    with pytest.raises(ckpt.SaveFailed, match="killed before the commit"):
+        save(store, 2, model, optimizer)
+    monkeypatch.undo()
+    folder = checkpoint_folder(store, 2)
+    assert any(name.endswith(".distcp") for name in folder.files())  # the shards are there
+    assert [(step, committed) for step, _, committed in checkpoint_steps(store)] == [(1, True), (2, False)]
+    with pytest.raises(mf.Rejected, match="no manifest.json"):
+        mf.verify(folder)
+    listed = {c.step: c.verified for c in mf.list_checkpoints(store)}
+    assert listed == {1: True, 2: False}
+    # the next save of step 2 replaces the leftover folder and commits
+    save(store, 2, model, optimizer)
+    assert [c.verified for c in mf.list_checkpoints(store)] == [True, True]
+
+
+def test_a_corrupt_object_is_refused_by_its_crc_before_anything_parses_it(store):
+    model, optimizer, _ = make_parts(0)
+    folder = save(store, 1, model, optimizer)
+    shard = next(name for name in folder.files() if name.endswith(".distcp"))
+    data = bytearray(folder.read_bytes(shard))
+    data[len(data) // 2] ^= 0xFF  # same size: only the CRC can tell
+    folder.write_bytes(shard, bytes(data))
+    assert mf.verify(folder, checksums=False)  # sizes match
+    with pytest.raises(mf.Rejected, match=f"{shard} crc32"):
+        mf.verify(folder)
+    fresh, fresh_optimizer, _ = make_parts(1)
+    before = params(fresh)
+    comm = ckpt.Comm(None)
+    with pytest.raises(mf.Rejected, match="crc32"):
+        loading.load(folder, parts=[(fresh, fresh_optimizer)], comm=comm, manifest=loading.verify(comm, folder))
+    assert all(torch.equal(a, b) for a, b in zip(params(fresh), before, strict=True))  # nothing applied
+    # a changed .metadata is refused before it is unpickled
+    meta = bytearray(folder.read_bytes(".metadata"))
+    meta[-2] ^= 0xFF
+    folder.write_bytes(".metadata", bytes(meta))
+    with pytest.raises(mf.Rejected, match=r"\.metadata crc32"):
+        loading.verify(comm, folder)
+
+
+def test_retention_deletes_old_and_uncommitted_folders(store):
+    model, optimizer, _ = make_parts(0)
+    for step in (1, 2, 3):
+        save(store, step, model, optimizer)
+    checkpoint_folder(store, 4).write_bytes("__0_0.distcp", b"left by a killed save")  # newer, uncommitted
+    deleted = prune(store, keep=2, current_step=3, protect=[3])
+    assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000004"]
+    assert [(s, c) for s, _, c in checkpoint_steps(store)] == [(2, True), (3, True)]
+    assert checkpoint_folder(store, 1).files() == []
+
+
+@pytest.mark.parametrize("url, says", [
+    ("s3://Bad_Bucket/x", "not a valid S3 URL"),
+    ("s3://ab/x", "not a valid S3 URL"),
+    ("s3://bucket/a/../b", "'..'"),
+    ("s3://bucket/x?versionId=1", "not a valid S3 URL"),
+    ("gs://bucket/x", "unknown scheme 'gs'"),
+])
+def test_a_malformed_location_is_one_user_error(url, says):
+    with pytest.raises(UserError, match="checkpoint.dir=") as err:
+        open_storage(url)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_s3_without_s3fs_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs raises ImportError
+    with pytest.raises(UserError, match=r'needs s3fs, which is not installed; pip install "dtk-train\[s3\]"'):
+        open_storage("s3://bucket/prefix")
