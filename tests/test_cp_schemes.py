@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_md_check import assert_plan_md_matches_mesh
 
 from conftest import dtk, losses
 
@@ -84,6 +85,7 @@ def test_cp_matches_one_process(name, reference, runs):
     assert sorted(got) == list(range(1, 11))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=LOSS_RTOL), f"step {step}"
+    assert_plan_md_matches_mesh(run)  # the cp groups the workers built are those plan.md lists
     want_val, got_val = validation(reference), validation(run)
     assert sorted(got_val) == [5, 10]
     for step in want_val:  # evaluation: each cp rank's sum over its tokens, summed over cp
