@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_checkpoint import make_parts, params, train_step
 
+from conftest import run_main
 from dtk.checkpoint import load as loading
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import sharded as ckpt
@@ -250,3 +251,16 @@ def test_s3_without_s3fs_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs raises ImportError
     with pytest.raises(UserError, match=r'needs s3fs, which is not installed; pip install "dtk-train\[s3\]"'):
         open_storage("s3://bucket/prefix")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["checkpoint.dir=s3://Bad_Bucket/x"], "checkpoint.dir=s3://Bad_Bucket/x: not a valid S3 URL"),
+    (["checkpoint.dir=/scratch/ckpts"], "a local folder other than the run directory's is not supported"),
+    (["checkpoint.dir=s3://bucket/x", "checkpoint.async_mode=process"], "checkpoint.async_mode=process writes local"),
+])
+def test_submit_refuses_a_bad_checkpoint_location_with_one_line_and_writes_nothing(tmp_path, extra, says):
+    ran = run_main("dtk.submit", *extra, "train.steps=2", f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], ran.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -81,6 +81,7 @@ def located(path: Path) -> tuple[Path, int | None]:
 
 def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
     from dtk.checkpoint.manifest import list_checkpoints
+    from dtk.checkpoint.storage import LocalStorage, checkpoints_of
     from dtk.rundir import RunDir
 
     if not path.is_dir():
@@ -91,7 +92,9 @@ def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
         raise UserError(f"RUN_DIR {path}: not a run directory (no {run.checkpoints.name}/ folder, no"
                         f" {run.plan_json.name}); give a run's folder (runs/NAME), its {run.checkpoints.name}/ folder,"
                         " or one step folder in it")
-    found = [c for c in list_checkpoints(run, checksums=checksums) if step is None or c.step == step]
+    store = checkpoints_of(run)  # checkpoint.dir: the run's checkpoints/ folder, or an object store
+    where = run if isinstance(store, LocalStorage) else store
+    found = [c for c in list_checkpoints(where, checksums=checksums) if step is None or c.step == step]
     if as_json:
         for c in found:
             m = c.manifest or {}
@@ -100,7 +103,7 @@ def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
                               "scheme": m.get("scheme"), "save_seconds": m.get("save_seconds")}))
         return 0
     if not found:
-        print(f"no checkpoints in {run.checkpoints}")
+        print(f"no checkpoints in {store}")
         return 0
     what = "verified" if checksums else "sizes ok"
     print(f"{'step':>10}  {'size':>9}  {'world':>5}  {what}")

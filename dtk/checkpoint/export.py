@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtk.checkpoint.formats import FORMATS, size_of, write_file, write_hf
 from dtk.checkpoint.manifest import Rejected, verify
+from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
+from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_steps, checkpoints_of
 from dtk.config.convert import model_to_dict
 from dtk.errors import UserError, check_out
 from dtk.plan.plan import Plan
@@ -39,11 +41,13 @@ from dtk.rundir import RunDir, write_json_atomic
 PREFIX = "model."
 
 
-def choose(run: RunDir, step: int | None) -> tuple[int, Path, dict[str, Any]]:
+def choose(run: RunDir, step: int | None) -> tuple[int, Path | Storage, dict[str, Any]]:
     """The newest checkpoint that verifies, or the one of `step` (which must verify)."""
-    found = [(s, p) for s, p, _ in run.checkpoint_steps()]
+    store = checkpoints_of(run)  # checkpoint.dir: the run's checkpoints/ folder, or an object store
+    found: list[tuple[int, Path | Storage]] = [
+        (s, p) for s, p, _ in (run.checkpoint_steps() if isinstance(store, LocalStorage) else checkpoint_steps(store))]
     if not found:
-        raise UserError(f"RUN_DIR {run.path}: no checkpoints in {run.checkpoints}")
+        raise UserError(f"RUN_DIR {run.path}: no checkpoints in {store}")
     if step is not None:
         match = [(s, p) for s, p in found if s == step]
         if not match:
@@ -61,11 +65,12 @@ def choose(run: RunDir, step: int | None) -> tuple[int, Path, dict[str, Any]]:
     raise UserError(f"RUN_DIR {run.path}: no checkpoint verifies ({'; '.join(reasons)})")
 
 
-def load_model_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+def load_model_state(path: Path | Storage, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The full model tensors of a DCP checkpoint, on the CPU, by parameter name. Its
     `.metadata` is checked against `manifest` and parsed as DCP metadata only; Rejected
-    otherwise (dtk.checkpoint.safe)."""
-    reader = SafeReader(path, manifest=manifest)
+    otherwise (dtk.checkpoint.safe). In an object store every read goes through the
+    storage (HashingReader: the same safe loading, and the CRCs of the files it reads whole)."""
+    reader = SafeReader(path, manifest=manifest) if isinstance(path, Path) else HashingReader(path, manifest=manifest)
     metadata = reader.read_metadata()
     model: dict[str, torch.Tensor] = {}
     for key, meta in metadata.state_dict_metadata.items():

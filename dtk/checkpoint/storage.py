@@ -20,6 +20,8 @@ node's `python -m dtk.checkpoint list` of a local run imports neither.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -202,11 +204,9 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache(self.root)
 
 
-def open_storage(location: str | Path, *, key: str = "checkpoint.dir") -> Storage:
-    """The storage of a local path or a URL (`s3://BUCKET/PREFIX`); a UserError naming `key`
-    for a malformed URL, another scheme, or s3fs not installed."""
-    if isinstance(location, Path) or "://" not in location:
-        return LocalStorage(Path(location))
+def _parse(location: str, key: str) -> tuple[str, str, str]:
+    """(scheme, bucket, prefix) of a URL; a UserError naming `key` for a malformed one, another
+    scheme, or s3fs not installed (found without importing it)."""
     parts = urlsplit(location)
     if parts.scheme not in SCHEMES:
         raise UserError(f"{key}={location}: unknown scheme {parts.scheme!r}; use a local path or"
@@ -217,16 +217,37 @@ def open_storage(location: str | Path, *, key: str = "checkpoint.dir") -> Storag
     prefix = parts.path.strip("/")
     if "//" in prefix or any(part in (".", "..") for part in prefix.split("/")):
         raise UserError(f"{key}={location}: the prefix {parts.path!r} has an empty, '.' or '..' part")
-    try:
-        import s3fs
-    except ImportError:
+    if importlib.util.find_spec("s3fs") is None:
         raise UserError(f"{key}={location}: an s3:// location needs s3fs, which is not installed;"
-                        ' pip install "dtk-train[s3]"') from None
+                        ' pip install "dtk-train[s3]"')
+    return parts.scheme, parts.netloc, prefix
+
+
+def check_location(location: str, *, async_save: bool, async_mode: str) -> None:
+    """checkpoint.dir checked at submission (no connection made, s3fs not imported): a
+    UserError for what the workers' `run_storage` would refuse."""
+    if not location:
+        return
+    if "://" not in location:
+        run_storage(RunDir(Path()), location)  # the refusal of a local folder, worded once
+    _parse(location, "checkpoint.dir")
+    if async_save and async_mode == "process":
+        raise UserError(f"checkpoint.async_mode=process writes local files only, not checkpoint.dir={location};"
+                        " use checkpoint.async_mode=thread (the default) with an object store")
+
+
+def open_storage(location: str | Path, *, key: str = "checkpoint.dir") -> Storage:
+    """The storage of a local path or a URL (`s3://BUCKET/PREFIX`); a UserError naming `key`
+    for a malformed URL, another scheme, or s3fs not installed."""
+    if isinstance(location, Path) or "://" not in location:
+        return LocalStorage(Path(location))
+    scheme, bucket, prefix = _parse(location, key)
+    import s3fs
     # No instance or listing cache: several processes write the store, and a listing must
     # see the manifest another rank wrote a moment ago.
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
                            **_endpoint_kwargs())
-    return FsspecStorage(fs, f"{parts.netloc}/{prefix}" if prefix else parts.netloc, scheme=parts.scheme)
+    return FsspecStorage(fs, f"{bucket}/{prefix}" if prefix else bucket, scheme=scheme)
 
 
 def run_storage(run: RunDir, location: str) -> Storage:
@@ -239,6 +260,20 @@ def run_storage(run: RunDir, location: str) -> Storage:
         raise UserError(f"checkpoint.dir={location}: a local folder other than the run directory's is not"
                         " supported; leave checkpoint.dir empty (RUN_DIR/checkpoints) or give s3://BUCKET/PREFIX")
     return open_storage(location).child(run.path.name)
+
+
+def checkpoints_of(run: RunDir) -> Storage:
+    """The checkpoint store of an existing run, for the commands that read it (list, export):
+    the checkpoint.dir its plan.json records (none recorded, as in a run of a dtk before the
+    key or a folder without a plan: its checkpoints/ folder)."""
+    location = ""
+    try:
+        section = json.loads(run.plan_json.read_text())["config"]["checkpoint"]
+        if isinstance(section, dict) and isinstance(section.get("dir"), str):  # plan.json, not a config
+            location = section["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return run_storage(run, location)
 
 
 def _endpoint_kwargs() -> dict[str, Any]:
