@@ -11,9 +11,12 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
     1. pipeline split       the (meta) model -> this rank's stage modules (the planner's cut)
     2. tensor parallel      DTensor-shard the matmuls of each stage (DTensor on the tp axis);
                             a tied weight (embedding and output head) is one DTensor again
+    2b. context parallel    the model's attention gathers the cp group's keys and values, its
+                            positions are the full sequence's (dtk.parallel.cp; only attributes)
     3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
-    5. FSDP                 shard each block over dp_shard (HSDP: replicate over dp_replicate),
+    5. FSDP                 shard each block over dp_shard (x cp: dtk.dist.mesh's dp_shard_cp;
+                            HSDP: replicate over dp_replicate),
                             with the dtypes of step 0 as its mixed-precision policy; with
                             pp > 1 kept gathered through the pipeline step unless
                             scheme.reshard_after_forward says otherwise (the planner's rule,
@@ -130,6 +133,13 @@ def parallelize(
             apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel,
                      loss_parallel=loss_parallel)
             retie(part, tp_ties)
+        # 2b. context parallel
+        if degrees.cp > 1:
+            from dtk.parallel.cp import CpLayout, apply_cp
+
+            layout = CpLayout.of(mesh)
+            assert layout is not None
+            apply_cp(part, layout=layout)
         # 3. activation checkpointing
         if scheme.activation_checkpoint != ActivationCheckpoint.none:
             from dtk.parallel.ac import apply_ac
@@ -146,7 +156,7 @@ def parallelize(
 
             # 1-D when there is nothing to replicate: HSDP with one replica would only add
             # a no-op all-reduce per step.
-            fsdp_mesh = mesh[Axis.dp_shard] if degrees.dp_replicate == 1 or local_replicas else mesh.data_parallel_2d
+            fsdp_mesh = mesh.fsdp_shard if degrees.dp_replicate == 1 or local_replicas else mesh.data_parallel_2d
             apply_fsdp(
                 part,
                 mesh=fsdp_mesh,
