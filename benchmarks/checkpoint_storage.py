@@ -22,6 +22,7 @@ bytes of the checkpoint / seconds; the ratio s3/local of the medians.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import tempfile
@@ -51,12 +52,12 @@ def build(state_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def save(folder: Storage, parts) -> float:
+def save(folder: Storage, step: int, parts) -> float:
     saver = ckpt.Saver(ckpt.Comm(None), asynchronous=False, on_commit=lambda manifest: None)
     t0 = time.perf_counter()
     try:
-        saver.start(folder, parts=parts, trainer_state={"step": 1, "world_size": 1},
-                    header={"step": 1, "samples_consumed": 1, "global_batch": 1, "world_size": 1})
+        saver.start(folder, parts=parts, trainer_state={"step": step, "world_size": 1},
+                    header={"step": step, "samples_consumed": step, "global_batch": 1, "world_size": 1})
     finally:
         saver.close()
     return time.perf_counter() - t0
@@ -75,7 +76,7 @@ def rounds(store: Storage, parts, repeats: int) -> tuple[list[float], list[float
     nbytes = 0
     for i in range(repeats + 1):  # round 0 warms up
         folder = checkpoint_folder(store, i + 1)
-        s = save(folder, parts)
+        s = save(folder, i + 1, parts)
         nbytes = sum(folder.size(name) for name in folder.files())
         t = load(folder, parts)
         folder.delete()
@@ -91,6 +92,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
     torch.manual_seed(0)
     parts = [build(args.state_mb)]
     results = {}
