@@ -62,7 +62,7 @@ def launch(plan: Plan, files: dict[str, str] | None = None) -> Launched:
     from dtk.checkpoint.storage import check_location  # torch-free; s3fs is not imported
 
     ckpt = plan.config.checkpoint
-    check_location(ckpt.dir, async_save=ckpt.async_save, async_mode=ckpt.async_mode)
+    check_location(ckpt.dir, async_save=ckpt.async_save, async_mode=ckpt.async_mode, cluster_kind=plan.cluster_kind)
     check_run_root(run.path.parent)
     audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":

@@ -27,6 +27,7 @@ from dtk.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,
     Storage,
+    check_location,
     checkpoint_folder,
     checkpoint_steps,
     open_storage,
@@ -264,3 +265,10 @@ def test_submit_refuses_a_bad_checkpoint_location_with_one_line_and_writes_nothi
     lines = ran.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], ran.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_slurm_job_with_checkpoints_in_an_object_store_is_refused_until_its_driver_reads_them():
+    check_location("s3://bucket/x", async_save=True, async_mode="thread", cluster_kind="local")
+    with pytest.raises(UserError, match="object store run on the local cluster only"):
+        check_location("s3://bucket/x", async_save=True, async_mode="thread", cluster_kind="slurm")
+    check_location("", async_save=True, async_mode="process", cluster_kind="slurm")  # the default: no check

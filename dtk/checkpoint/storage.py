@@ -223,14 +223,19 @@ def _parse(location: str, key: str) -> tuple[str, str, str]:
     return parts.scheme, parts.netloc, prefix
 
 
-def check_location(location: str, *, async_save: bool, async_mode: str) -> None:
+def check_location(location: str, *, async_save: bool, async_mode: str, cluster_kind: str) -> None:
     """checkpoint.dir checked at submission (no connection made, s3fs not imported): a
-    UserError for what the workers' `run_storage` would refuse."""
+    UserError for what the workers' `run_storage` would refuse, and for a Slurm job, whose
+    driver decides a requeue by the committed checkpoints in RUN_DIR/checkpoints/."""
     if not location:
         return
     if "://" not in location:
         run_storage(RunDir(Path()), location)  # the refusal of a local folder, worded once
     _parse(location, "checkpoint.dir")
+    if cluster_kind == "slurm":
+        raise UserError(f"checkpoint.dir={location}: checkpoints in an object store run on the local cluster only"
+                        " for now (the Slurm driver requeues after a time limit or preemption only when it sees a"
+                        " new checkpoint in RUN_DIR/checkpoints/); leave checkpoint.dir empty for a Slurm job")
     if async_save and async_mode == "process":
         raise UserError(f"checkpoint.async_mode=process writes local files only, not checkpoint.dir={location};"
                         " use checkpoint.async_mode=thread (the default) with an object store")
