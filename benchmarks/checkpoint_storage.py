@@ -40,6 +40,7 @@ from test_storage import new_bucket, s3_server  # noqa: E402
 from dtk.checkpoint import load as loading  # noqa: E402
 from dtk.checkpoint import sharded as ckpt  # noqa: E402
 from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_folder, open_storage  # noqa: E402
+from dtk.rundir import CHECKPOINTS_DIR  # noqa: E402
 
 
 def build(state_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -97,7 +98,7 @@ def main() -> None:
     parts = [build(args.state_mb)]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results["local"] = rounds(LocalStorage(Path(tmp) / "checkpoints"), parts, args.repeats)
+        results["local"] = rounds(LocalStorage(Path(tmp) / CHECKPOINTS_DIR), parts, args.repeats)
     with s3_server():
         results["s3"] = rounds(open_storage(f"s3://{new_bucket()}/bench"), parts, args.repeats)
     print(f"torch {torch.__version__}, state {args.state_mb} MB requested, {args.repeats} rounds (medians)")
