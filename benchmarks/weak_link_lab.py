@@ -20,7 +20,8 @@ The modes run one after the other, interleaved (ddp, diloco, bf16, powersgd, ddp
 change in the machine's load falls on every mode. Per run it reads metrics.jsonl over the
 steps after --skip (the start-up and PowerSGD's 10 plain steps left out): the median and the
 mean step_time_s (the mean counts DiLoCo's synchronizing step once per H steps, the median
-does not see it), and the mean idle_share. Per mode it prints the median over the repeats
+does not see it), and idle_share weighted by each step's time (the idle share of the steps'
+summed time, as `python -m dtk.report` counts it). Per mode it prints the median over the repeats
 of each, and each as a ratio to DDP's.
 """
 
@@ -66,7 +67,14 @@ def wait_for(job: str, *, timeout_s: float) -> None:
 
 def run(name: str, overrides: list[str], *, root: Path, steps: int, skip: int, model: list[str],
         timeout_s: float) -> dict[str, float]:
-    """One lab job; its median and mean step time and mean idle share over the steps after `skip`."""
+    """One lab job; its median and mean step time and its idle share over the steps after `skip`.
+    A run directory that already holds the last step's metrics (--root of an earlier call) is read again."""
+    if steps not in RunDir(root / name).latest_metrics():
+        submit(name, overrides, root=root, steps=steps, model=model, timeout_s=timeout_s)
+    return figures(root / name, steps=steps, skip=skip)
+
+
+def submit(name: str, overrides: list[str], *, root: Path, steps: int, model: list[str], timeout_s: float) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "dtk.submit", *LAB, *overrides, *model, f"train.steps={steps}",
          "checkpoint.every=0", "train.log_every=4", "train.system_every_s=0", f"run.name={name}",
@@ -77,13 +85,16 @@ def run(name: str, overrides: list[str], *, root: Path, steps: int, skip: int, m
     if proc.returncode != 0 or not found:
         raise SystemExit(f"{name}: submit failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     wait_for(found.group(1), timeout_s=timeout_s)
-    records = RunDir(root / name).latest_metrics()
+
+
+def figures(run_dir: Path, *, steps: int, skip: int) -> dict[str, float]:
+    records = RunDir(run_dir).latest_metrics() if run_dir.is_dir() else {}
     window = [records[s] for s in range(skip + 1, steps + 1) if s in records]
     if len(window) != steps - skip:
-        raise SystemExit(f"{name}: {len(window)} of the steps {skip + 1}-{steps} in its metrics ({root / name})")
+        raise SystemExit(f"{run_dir}: {len(window)} of the steps {skip + 1}-{steps} in its metrics")
     times = [r["step_time_s"] for r in window]
-    return {"median_s": statistics.median(times), "mean_s": statistics.fmean(times),
-            "idle_share": statistics.fmean(r["idle_share"] for r in window)}
+    idle = sum(r["idle_share"] * r["step_time_s"] for r in window) / sum(times)  # a share of the time, as dtk.report's
+    return {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "idle_share": idle}
 
 
 def main() -> None:
@@ -96,9 +107,11 @@ def main() -> None:
                         help="overrides of the model and batch, the same for every mode")
     parser.add_argument("--modes", nargs="+", help="these modes only (ddp, the reference, always runs)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one job may take")
+    parser.add_argument("--root", type=Path, help="the runs' folder (default: a new temporary one); runs it"
+                        " already holds to the last step are read again, not run")
     parser.add_argument("--json", type=Path, help="write the figures here (after every run)")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="dtk-weak-link-lab-"))
+    root = args.root or Path(tempfile.mkdtemp(prefix="dtk-weak-link-lab-"))
     chosen = {n: o for n, o in modes(args.every).items() if not args.modes or n == "ddp" or n in args.modes}
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in chosen}
     for rep in range(args.repeats):
@@ -109,7 +122,7 @@ def main() -> None:
             print(f"repeat {rep} {name:<9} median {fig['median_s']:.3f} s  mean {fig['mean_s']:.3f} s"
                   f"  idle {100 * fig['idle_share']:.1f}%", flush=True)
             if args.json:
-                args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs}, indent=2))
+                args.json.write_text(json.dumps({"root": str(root), "runs": runs}, indent=2))
     table = {n: {k: statistics.median(r[k] for r in rs) for k in ("median_s", "mean_s", "idle_share")}
              for n, rs in runs.items()}
     ref = table["ddp"]
@@ -120,8 +133,7 @@ def main() -> None:
         print(f"{name:<9} {t['median_s']:>9.3f} {t['median_s'] / ref['median_s']:>6.3f} {t['mean_s']:>8.3f}"
               f" {t['mean_s'] / ref['mean_s']:>6.3f} {100 * t['idle_share']:>5.1f}%")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": runs,
-                                         "table": table}, indent=2))
+        args.json.write_text(json.dumps({"root": str(root), "runs": runs, "table": table}, indent=2))
 
 
 if __name__ == "__main__":
