@@ -22,6 +22,7 @@ from dtk.checkpoint import load as loading
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.hashing import HashingFileSystem, HashingFsspecFileSystem
+from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import prune
 from dtk.checkpoint.storage import (
     FsspecStorage,
@@ -32,8 +33,10 @@ from dtk.checkpoint.storage import (
     checkpoint_steps,
     open_storage,
 )
+from dtk.config.schema import CheckpointConfig
+from dtk.dist.mesh import ParallelMesh
 from dtk.errors import UserError
-from dtk.rundir import MANIFEST, TRAINER_STATE
+from dtk.rundir import MANIFEST, TRAINER_STATE, RunDir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -272,3 +275,42 @@ def test_a_slurm_job_with_checkpoints_in_an_object_store_is_refused_until_its_dr
     with pytest.raises(UserError, match="object store run on the local cluster only"):
         check_location("s3://bucket/x", async_save=True, async_mode="thread", cluster_kind="slurm")
     check_location("", async_save=True, async_mode="process", cluster_kind="slurm")  # the default: no check
+
+
+def s3_manager(run: RunDir, url: str, parts, *, keep: int = 10):
+    model, optimizer, scheduler = parts
+    return CheckpointManager(
+        run, checkpoint=CheckpointConfig(every=1, keep=keep, async_save=True, dir=url),
+        parts=[(model, optimizer)], scheduler=scheduler, mesh=ParallelMesh.single(), global_batch=4,
+        total_steps=100, identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"})
+
+
+@pytest.mark.slow
+def test_the_manager_saves_to_s3_and_a_resume_skips_a_prefix_without_its_manifest(s3, tmp_path):
+    """checkpoint.dir=s3://...: the worker's CheckpointManager (async saves) writes the bucket,
+    nothing under RUN_DIR/checkpoints; a step whose manifest is gone (a save killed before its
+    commit) is rejected on resume and the one before loads; retention holds in the bucket."""
+    url = f"s3://{new_bucket()}/ckpts"
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    parts = make_parts(0)
+    ckpt = s3_manager(run, url, parts, keep=2)
+    held = {}
+    for step in (1, 2, 3):
+        train_step(*parts)
+        held[step] = params(parts[0])
+        ckpt.save(step)
+    ckpt.close()
+    store = open_storage(url).child(run.path.name)
+    assert [(s, ok) for s, _, ok in checkpoint_steps(store)] == [(2, True), (3, True)]  # keep=2
+    assert not run.checkpoints.exists()
+    store.fs.rm(f"{store.root}/step_00000003/{MANIFEST}")  # the commit undone: as if killed before it
+
+    fresh = make_parts(99)
+    again = s3_manager(run, url, fresh)
+    assert again.resume() == 2
+    again.close()
+    assert all(torch.equal(a, b) for a, b in zip(params(fresh[0]), held[2], strict=True))
+    [rejected] = [e for e in run.events_list() if e["event"] == "checkpoint_rejected"]
+    assert rejected["step"] == 3 and "no manifest" in rejected["reason"]
+    assert rejected["path"] == f"{url}/run/step_00000003"
