@@ -53,7 +53,7 @@ from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model
 from dtk.parallel.precision import resolve_dtype
 from dtk.parallel.stage_ties import StageTie
 from dtk.plan.degrees import Axis
-from dtk.plan.layout import reshards_after_forward, uses_ddp, uses_fsdp
+from dtk.plan.layout import reshards_after_forward, uses_ddp, uses_fsdp, zero1_reduces_gradients
 
 
 @dataclass
@@ -103,6 +103,7 @@ def parallelize(
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32, key="scheme.reduce_dtype")
     # The planner's decisions (dtk.plan.layout), so the budget lays out what runs here.
     use_fsdp, use_ddp = uses_fsdp(scheme, degrees), uses_ddp(scheme, degrees) and not local_replicas
+    use_ddp = use_ddp and not zero1_reduces_gradients(scheme, degrees)  # ZeRO-1 with tp reduces them itself
 
     if degrees.tp > 1:
         from dtk.parallel.tp import check_tp_plan
