@@ -108,7 +108,9 @@ def hiccup_in_the_first_start(model, batch):  # the first start dies at its 4th 
 
 
 def load(path, broken_once):
-    if os.path.exists(broken_once):  # rank 0's progress file: the run has trained
+    # Rank 0's progress file says the run has trained; the first start itself always reads
+    # (on a busy machine rank 1 may load after rank 0 wrote its first progress).
+    if os.environ["DTK_RESTART"] != "0" and os.path.exists(broken_once):
         raise OSError(f"cannot read {path}: the storage went away")
     return np.load(path)
 """
