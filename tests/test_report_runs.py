@@ -99,7 +99,10 @@ def test_killed_and_resumed_run_shows_redone_work_and_restart_time(tmp_path):
     while time.monotonic() < deadline:
         assert driver.poll() is None, "the job ended before it could be killed"
         runs = run_dirs(root) if root.exists() else []
-        if runs and (runs[0] / "metrics.jsonl").exists() and losses(runs[0]) and max(losses(runs[0])) >= 15:
+        # The step-10 save is asynchronous: on a busy machine step 15 can be logged before its
+        # manifest is written, and a kill then leaves nothing to load.
+        committed = runs and (runs[0] / "checkpoints" / "step_00000010" / "manifest.json").exists()
+        if committed and (runs[0] / "metrics.jsonl").exists() and losses(runs[0]) and max(losses(runs[0])) >= 15:
             run = runs[0]
             break
         time.sleep(0.05)
