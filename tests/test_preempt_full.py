@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,20 @@ def unfinished(run: Path) -> set[int]:
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def ended(job: str) -> bool:
-    """The job is over for good: a final state (not the moment of a requeue, when squeue may
-    list it nowhere), or purged."""
+def _final(job: str) -> bool:
     if job_gone(job) and not job_field(job, "JobState"):
         return True  # purged after MinJobAge
     return job_field(job, "JobState") in ENDED
+
+
+def ended(job: str) -> bool:
+    """The job is over for good: a final state (not the moment of a requeue, when squeue may
+    list it nowhere), or purged, and still so a few seconds later (a job the driver requeues
+    after its step ended can show a final state for a moment before it is PENDING again)."""
+    if not _final(job):
+        return False
+    time.sleep(10)
+    return _final(job)
 
 
 def status(run: Path) -> str | None:
