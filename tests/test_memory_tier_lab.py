@@ -33,7 +33,9 @@ def test_node_failure_with_a_spare_restores_the_lost_rank_from_its_replica(lab, 
     (failed,) = named(run, "node_failed")
     loaded = named(run, "checkpoint_loaded")
     assert len(loaded) == 1 and loaded[0]["tier"] == "peer" and loaded[0]["peer_ranks"], loaded
-    assert 0 <= failed["step"] - loaded[0]["step"] <= EVERY, (failed, loaded)
+    # the newest committed snapshot: one taken at the failure may be in flight (not committed), so
+    # at most two intervals back on a busy machine
+    assert 0 <= failed["step"] - loaded[0]["step"] <= 2 * EVERY, (failed, loaded)
     assert losses(run) == reference
 
 
@@ -52,5 +54,7 @@ def test_node_failure_without_a_spare_shrinks_and_reshards_the_snapshot(lab, tmp
     shrunk_end = started[2]["time"] if len(started) > 2 else float("inf")
     loaded = [e for e in named(run, "checkpoint_loaded") if started[1]["time"] <= e["time"] < shrunk_end]
     assert len(loaded) == 1 and loaded[0]["tier"] == "memory" and loaded[0]["from_world_size"] == 2, named(run, "checkpoint_loaded")
-    assert 0 <= failed["step"] - loaded[0]["step"] <= EVERY, (failed, loaded)
+    # the newest committed snapshot: one taken at the failure may be in flight (not committed), so
+    # at most two intervals back on a busy machine
+    assert 0 <= failed["step"] - loaded[0]["step"] <= 2 * EVERY, (failed, loaded)
     assert abs(losses(run)[STEPS] - reference[STEPS]) <= 1e-5 * abs(reference[STEPS])

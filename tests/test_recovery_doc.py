@@ -74,7 +74,7 @@ def job_state(job: str) -> str:
 
 def test_planned_restart_procedure_saves_holds_and_resumes(lab, tmp_path):
     proc = dtk("dtk.submit", "cluster=lab", "nodes=1", "tasks_per_node=1", "train.global_batch=32", "train.steps=300",
-               "checkpoint.every=100", "train.log_every=50", f"run.root={tmp_path}", cwd=tmp_path)
+               "checkpoint.every=250", "train.log_every=10", f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     run = only_run_dir(tmp_path)
@@ -83,7 +83,8 @@ def test_planned_restart_procedure_saves_holds_and_resumes(lab, tmp_path):
         follow("restart-before", JOB=job, RUN_DIR=str(run))
         wait_for(lambda: job_state(job).startswith("PENDING"), 60, "the job back in the queue")
         saved = [e["step"] for e in events(run, "checkpoint_saved")]
-        assert saved and 30 <= saved[-1] < 100, saved  # saved on the signal, not at the interval
+        # Saved on the signal, not at the interval (far off, so a busy machine's late signal is no interval save).
+        assert saved and 30 <= saved[-1] < 250, saved
         held_at = saved[-1]
         time.sleep(3)
         assert job_state(job).startswith("PENDING"), job_state(job)  # held: it does not start by itself
