@@ -103,7 +103,7 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
     _prepare_dir(layout)
     with _locked(layout):
         record = read_record(layout)
-        strangers = ownership.census(layout, record).foreign  # again: another `up` may have run meanwhile
+        strangers = ownership.strangers(layout, record)  # again: another `up` may have run meanwhile
         if strangers:
             raise LabError(ownership.refusal(["processes that the lab did not start are running: "
                                               + ", ".join(ownership.describe(p) for p in strangers)]))

@@ -17,6 +17,7 @@ Nothing is ever chosen by process name alone.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -64,6 +65,19 @@ def census(layout: LabLayout, record: LabRecord | None) -> Census:
         ours=tuple(p for p in alive if p.pid in ours),
         foreign=tuple(p for p in named if p.pid not in steps | ours),
     )
+
+
+def strangers(layout: LabLayout, record: LabRecord | None, *, settle_s: float = 10.0) -> tuple[psutil.Process, ...]:
+    """The census's foreign processes, looked at again while they are only slurmstepds: a
+    job step of the lab that is starting or ending may hold no file under the lab's folder
+    for a moment (and, reparented to init, is no child of a recorded slurmd). One that still
+    holds none after `settle_s` is taken for another cluster's."""
+    deadline = time.monotonic() + settle_s
+    found = census(layout, record).foreign
+    while found and all(p.info["name"] == "slurmstepd" for p in found) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        found = census(layout, record).foreign
+    return found
 
 
 def _subtree(roots: Iterable[int], children: Mapping[int, list[int]]) -> set[int]:
@@ -119,11 +133,11 @@ def foreign_signs(layout: LabLayout, record: LabRecord | None, system: SystemFil
                   environ: Mapping[str, str] | None = None) -> list[str]:
     """Every sign that this machine has a Slurm of its own; empty when the lab may run."""
     signs = config_signs(system, os.environ if environ is None else environ)
-    strangers = census(layout, record).foreign
-    if strangers:
+    found = strangers(layout, record)
+    if found:
         signs.append("processes that the lab did not start are running: "
-                     + ", ".join(describe(p) for p in strangers))
-    if any(p.info["name"] == "munged" for p in strangers):
+                     + ", ".join(describe(p) for p in found))
+    if any(p.info["name"] == "munged" for p in found):
         signs.append("a munged that serves no cluster can be stopped (systemctl stop munge) for the lab "
                      "to start its own")
     return signs
