@@ -183,13 +183,42 @@ class HashingStream:
         self.close()
 
 
+class HashRecords:
+    """name -> {"size", "crc32"} of each file a DCP file system wrote and hashed, shared by the
+    local and the object-store file systems below. DCP may write files from several threads."""
+
+    def __init__(self) -> None:
+        self._hashed: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, name: str, hashing: HashingStream, *, stored_size: int) -> None:
+        """Keep the file's hash when it was written in one pass and is whole where it lies."""
+        ok = hashing.sequential and stored_size == hashing.size
+        with self._lock:
+            if ok:
+                self._hashed[name] = {"size": hashing.size, CHECKSUM: f"{hashing.crc.value:08x}"}
+            else:
+                self._hashed.pop(name, None)
+
+    def renamed(self, name: str, new_name: str) -> None:
+        """DCP writes .metadata under a temporary name, then renames it."""
+        with self._lock:
+            entry = self._hashed.pop(name, None)
+            if entry is not None:
+                self._hashed[new_name] = entry
+
+    def hashed(self) -> dict[str, dict[str, Any]]:
+        """name -> {"size", "crc32"} of each file written and hashed so far."""
+        with self._lock:
+            return dict(self._hashed)
+
+
 class HashingFileSystem(FileSystem):
     """DCP's local file system, with every file it writes checksummed on the way."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._hashed: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()  # DCP may write files from several threads
+        self.records = HashRecords()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -203,25 +232,14 @@ class HashingFileSystem(FileSystem):
                 yield hashing
             finally:
                 hashing.close()  # waits for its write-back kicks before the descriptor closes
-        name = Path(path).name
-        ok = hashing.sequential and os.stat(path).st_size == hashing.size
-        with self._lock:
-            if ok:
-                self._hashed[name] = {"size": hashing.size, CHECKSUM: f"{hashing.crc.value:08x}"}
-            else:
-                self._hashed.pop(name, None)
+        self.records.record(Path(path).name, hashing, stored_size=os.stat(path).st_size)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)  # DCP writes .metadata as a temp file, then renames it
-        with self._lock:
-            entry = self._hashed.pop(Path(path).name, None)
-            if entry is not None:
-                self._hashed[Path(new_path).name] = entry
+        super().rename(path, new_path)
+        self.records.renamed(Path(path).name, Path(new_path).name)
 
     def hashed(self) -> dict[str, dict[str, Any]]:
-        """name -> {"size", "crc32"} of each file written and hashed so far."""
-        with self._lock:
-            return dict(self._hashed)
+        return self.records.hashed()
 
 
 class HashingWriter(FileSystemWriter):
@@ -249,8 +267,7 @@ class HashingFsspecFileSystem(FsspecFileSystem):
     def __init__(self, fs: Any) -> None:
         super().__init__()
         self.fs = fs
-        self._hashed: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
+        self.records = HashRecords()
 
     def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
         return path  # the store is given, with its endpoint and credentials
@@ -264,25 +281,15 @@ class HashingFsspecFileSystem(FsspecFileSystem):
         with super().create_stream(path, mode) as raw:
             hashing = HashingStream(raw, kick=False)
             yield hashing
-        name = os.path.basename(os.fspath(path))
         assert self.fs is not None
-        ok = hashing.sequential and self.fs.size(os.fspath(path)) == hashing.size
-        with self._lock:
-            if ok:
-                self._hashed[name] = {"size": hashing.size, CHECKSUM: f"{hashing.crc.value:08x}"}
-            else:
-                self._hashed.pop(name, None)
+        self.records.record(os.path.basename(os.fspath(path)), hashing, stored_size=self.fs.size(os.fspath(path)))
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # .metadata's temp object: a copy and a delete in a store
-        with self._lock:
-            entry = self._hashed.pop(os.path.basename(os.fspath(path)), None)
-            if entry is not None:
-                self._hashed[os.path.basename(os.fspath(new_path))] = entry
+        self.records.renamed(os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path)))
 
     def hashed(self) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            return dict(self._hashed)
+        return self.records.hashed()
 
 
 class HashingFsspecWriter(FsspecWriter):
