@@ -156,15 +156,21 @@ def sweep(root: Path, *, keep: Path) -> list[Path]:
             run_path = Path(owner["run"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if run_over(run_path):
-            doomed = folder.with_name(f".swept-{folder.name}-{os.getpid()}")
-            try:
-                os.replace(folder, doomed)
-            except OSError:
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
+        if run_over(run_path) and remove_folder(folder, prefix=".swept"):
             removed.append(folder)
     return removed
+
+
+def remove_folder(folder: Path, *, prefix: str) -> bool:
+    """Rename `folder` out of every name a listing looks for (in one step, so no listing sees
+    it half removed), then delete it; False when it could not be renamed (gone, or busy)."""
+    gone = folder.with_name(f"{prefix}-{folder.name}-{os.getpid()}")
+    try:
+        os.replace(folder, gone)
+    except OSError:
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 def sweep_host(run_path: Path) -> list[Path]:

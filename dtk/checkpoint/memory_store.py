@@ -36,12 +36,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtk.checkpoint.memory_root import make_dirs
+from dtk.checkpoint.memory_root import make_dirs, remove_folder
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 COMMIT = "commit.json"
@@ -188,12 +187,7 @@ def remove_after(node_store: Path, step: int) -> list[int]:
 
 def _remove(folder: Path) -> None:
     # Out of the step_NNNNNNNN pattern first, in one rename: no listing sees half a step.
-    gone = folder.with_name(f".removed-{folder.name}-{os.getpid()}")
-    try:
-        os.replace(folder, gone)
-    except OSError:
-        return
-    shutil.rmtree(gone, ignore_errors=True)
+    remove_folder(folder, prefix=".removed")
 
 
 @dataclass
