@@ -74,6 +74,18 @@ class Parallelized:
     """PowerSGD's state of each DDP part (scheme.grad_compression=powersgd, dtk.parallel.compression)."""
 
 
+@dataclass(frozen=True)
+class _Decided:
+    """Step 0's decisions, which the later steps only read."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    use_fsdp: bool
+    use_ddp: bool
+    loss_parallel: bool
+    local_replicas: bool
+
+
 def parallelize(
     model: nn.Module,
     *,
@@ -98,6 +110,61 @@ def parallelize(
     dp_replicate replicas step on their own and synchronize every few steps (dtk.train.sync):
     no DDP, and FSDP shards over dp_shard inside a replica only."""
     # 0. decide
+    decided = _decide(model, mesh=mesh, scheme=scheme, spec=spec, device=device,
+                      sharded_logits=sharded_logits, local_replicas=local_replicas)
+    degrees = mesh.degrees
+
+    # 1. pipeline split
+    parts, stage_ids, ties = [model], [0], list[StageTie]()
+    if degrees.pp > 1:
+        parts, stage_ids, ties = split_model(
+            model,
+            split_points=spec.split_points,
+            pp_rank=mesh.rank(Axis.pp),
+            pp=degrees.pp,
+            virtual=scheme.pp_virtual_stages,
+        )
+    # 2-5. tensor parallel, context parallel, activation checkpointing, compile, FSDP
+    for part in parts:
+        _shard_part(part, mesh=mesh, scheme=scheme, spec=spec, device=device, decided=decided)
+
+    # 6. materialize (with CPU offload, FSDP's shards on the host)
+    if decided.use_fsdp and scheme.cpu_offload:
+        from dtk.parallel.fsdp import materialize_offloaded
+
+        materialize_offloaded(parts, materialize, device=device)
+    else:
+        materialize(parts, device)
+
+    # 7. DDP (needs real weights: it checks and broadcasts them when it wraps)
+    comm_states: list[Any] = []
+    if decided.use_ddp:
+        parts, comm_states = _wrap_ddp(parts, mesh=mesh, scheme=scheme, device=device)
+
+    # 8. autocast (FSDP casts by its policy instead)
+    autocast = decided.param_dtype if decided.param_dtype != torch.float32 and not decided.use_fsdp else None
+    # 9. the pipeline schedule over this rank's stages
+    pipeline = None
+    if degrees.pp > 1:
+        pipeline = _schedule(parts, stage_ids, ties, mesh=mesh, scheme=scheme, device=device, autocast=autocast,
+                             loss_fn=loss_fn, num_microbatches=num_microbatches,
+                             sharded_loss=decided.loss_parallel)
+    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast,
+                        loss_parallel=decided.loss_parallel, comm_states=comm_states)
+
+
+def _decide(
+    model: nn.Module,
+    *,
+    mesh: ParallelMesh,
+    scheme: SchemeConfig,
+    spec: ParallelSpec,
+    device: torch.device,
+    sharded_logits: bool,
+    local_replicas: bool,
+) -> _Decided:
+    """Step 0: the dtypes, FSDP or DDP, the TP plan checked on the whole model, and whether
+    logits stay sharded."""
     degrees = mesh.degrees
     param_dtype = resolve_dtype(scheme.param_dtype, device, auto=torch.bfloat16, key="scheme.param_dtype")
     reduce_dtype = resolve_dtype(scheme.reduce_dtype, device, auto=torch.float32, key="scheme.reduce_dtype")
@@ -112,111 +179,117 @@ def parallelize(
     # Sharded logits need a task whose loss computes on shards (`sharded_logits`); a
     # pipeline's last stage computes it on them too, inside the schedule.
     loss_parallel = degrees.tp > 1 and sharded_logits
+    return _Decided(param_dtype=param_dtype, reduce_dtype=reduce_dtype, use_fsdp=use_fsdp, use_ddp=use_ddp,
+                    loss_parallel=loss_parallel, local_replicas=local_replicas)
 
-    # 1. pipeline split
-    parts, stage_ids, ties = [model], [0], list[StageTie]()
-    num_stages = degrees.pp * scheme.pp_virtual_stages
-    if degrees.pp > 1:
-        parts, stage_ids, ties = split_model(
-            model,
-            split_points=spec.split_points,
-            pp_rank=mesh.rank(Axis.pp),
-            pp=degrees.pp,
-            virtual=scheme.pp_virtual_stages,
-        )
 
-    for part in parts:
-        # 2. tensor parallel
-        if degrees.tp > 1:
-            from dtk.parallel.tp import apply_tp
+def _shard_part(
+    part: nn.Module,
+    *,
+    mesh: ParallelMesh,
+    scheme: SchemeConfig,
+    spec: ParallelSpec,
+    device: torch.device,
+    decided: _Decided,
+) -> None:
+    """Steps 2-5 on one part (a stage, or the whole model), in place."""
+    degrees = mesh.degrees
+    # 2. tensor parallel
+    if degrees.tp > 1:
+        from dtk.parallel.tp import apply_tp
 
-            tp_ties = tied_groups(part)  # each module's weight becomes its own DTensor: tie them again
-            apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel,
-                     loss_parallel=loss_parallel)
-            retie(part, tp_ties)
-        # 2b. context parallel
-        if degrees.cp > 1:
-            from dtk.parallel.cp import CpLayout, apply_cp
+        tp_ties = tied_groups(part)  # each module's weight becomes its own DTensor: tie them again
+        apply_tp(part, mesh=mesh[Axis.tp], tp_plan=spec.tp_plan, sequence_parallel=scheme.sequence_parallel,
+                 loss_parallel=decided.loss_parallel)
+        retie(part, tp_ties)
+    # 2b. context parallel
+    if degrees.cp > 1:
+        from dtk.parallel.cp import CpLayout, apply_cp
 
-            layout = CpLayout.of(mesh)
-            assert layout is not None
-            apply_cp(part, layout=layout)
-        # 3. activation checkpointing
-        if scheme.activation_checkpoint != ActivationCheckpoint.none:
-            from dtk.parallel.ac import apply_ac
+        layout = CpLayout.of(mesh)
+        assert layout is not None
+        apply_cp(part, layout=layout)
+    # 3. activation checkpointing
+    if scheme.activation_checkpoint != ActivationCheckpoint.none:
+        from dtk.parallel.ac import apply_ac
 
-            apply_ac(part, mode=scheme.activation_checkpoint, wrap_classes=spec.wrap_classes)
-        # 4. compile
-        if scheme.compile:
-            from dtk.parallel.compile import apply_compile
+        apply_ac(part, mode=scheme.activation_checkpoint, wrap_classes=spec.wrap_classes)
+    # 4. compile
+    if scheme.compile:
+        from dtk.parallel.compile import apply_compile
 
-            apply_compile(part, wrap_classes=spec.wrap_classes, fullgraph=scheme.compile_fullgraph)
-        # 5. FSDP (on the meta device: shards are allocated by materialize)
-        if use_fsdp:
-            from dtk.parallel.fsdp import apply_fsdp
+        apply_compile(part, wrap_classes=spec.wrap_classes, fullgraph=scheme.compile_fullgraph)
+    # 5. FSDP (on the meta device: shards are allocated by materialize)
+    if decided.use_fsdp:
+        from dtk.parallel.fsdp import apply_fsdp
 
-            # 1-D when there is nothing to replicate: HSDP with one replica would only add
-            # a no-op all-reduce per step.
-            fsdp_mesh = mesh.fsdp_shard if degrees.dp_replicate == 1 or local_replicas else mesh.data_parallel_2d
-            apply_fsdp(
-                part,
-                mesh=fsdp_mesh,
-                wrap_classes=spec.wrap_classes,
-                reshard_after_forward=reshards_after_forward(scheme, degrees),
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
-                cpu_offload=scheme.cpu_offload,
-                device=device,
-            )
-
-    # 6. materialize (with CPU offload, FSDP's shards on the host)
-    if use_fsdp and scheme.cpu_offload:
-        from dtk.parallel.fsdp import materialize_offloaded
-
-        materialize_offloaded(parts, materialize, device=device)
-    else:
-        materialize(parts, device)
-
-    # 7. DDP (needs real weights: it checks and broadcasts them when it wraps)
-    comm_states: list[Any] = []
-    if use_ddp:
-        from dtk.parallel.ddp import apply_ddp
-
-        parts = [
-            apply_ddp(part, device=device, bucket_cap_mb=scheme.bucket_cap_mb, process_group=mesh.dp_group)
-            for part in parts
-        ]
-        from dtk.parallel.compression import apply_compression  # scheme.grad_compression: a comm hook
-
-        states = [apply_compression(part, compression=scheme.grad_compression,  # type: ignore[arg-type]
-                                    powersgd_rank=scheme.powersgd_rank, group=mesh.dp_group) for part in parts]
-        comm_states = [s for s in states if s is not None]
-
-    # 8. autocast (FSDP casts by its policy instead)
-    autocast = param_dtype if param_dtype != torch.float32 and not use_fsdp else None
-    # 9. the pipeline schedule over this rank's stages
-    pipeline = None
-    if degrees.pp > 1:
-        if autocast is not None:  # each stage's forward under autocast, sending in the compute dtype
-            from dtk.parallel.pipeline import autocast_stage
-
-            for part, stage_id in zip(parts, stage_ids, strict=True):
-                autocast_stage(part, device_type=device.type, dtype=autocast, sends=stage_id < num_stages - 1)
-        pipeline = build_pipeline(
-            parts,
-            stage_ids,
-            num_stages=num_stages,
-            schedule=scheme.pp_schedule,
-            num_microbatches=num_microbatches,
-            loss_fn=loss_fn,
+        # 1-D when there is nothing to replicate: HSDP with one replica would only add
+        # a no-op all-reduce per step.
+        replicated = degrees.dp_replicate > 1 and not decided.local_replicas
+        apply_fsdp(
+            part,
+            mesh=mesh.data_parallel_2d if replicated else mesh.fsdp_shard,
+            wrap_classes=spec.wrap_classes,
+            reshard_after_forward=reshards_after_forward(scheme, degrees),
+            param_dtype=decided.param_dtype,
+            reduce_dtype=decided.reduce_dtype,
+            cpu_offload=scheme.cpu_offload,
             device=device,
-            group=mesh.pp_group,
-            sharded_loss=loss_parallel,
         )
-        if ties:  # a weight tied across stages (embedding and head): its copies' gradients summed
-            from dtk.parallel.stage_ties import embedding_groups, grad_sync, mark_copies
 
-            mark_copies(parts)
-            pipeline.after_step(grad_sync(parts, ties, embedding_groups(mesh.world, ties)))
-    return Parallelized(parts=parts, pipeline=pipeline, autocast_dtype=autocast, loss_parallel=loss_parallel,
-                        comm_states=comm_states)
+
+def _wrap_ddp(
+    parts: list[nn.Module], *, mesh: ParallelMesh, scheme: SchemeConfig, device: torch.device
+) -> tuple[list[nn.Module], list[Any]]:
+    """Step 7: each part under DDP, with scheme.grad_compression's comm hook; the parts and
+    the hooks' states."""
+    from dtk.parallel.ddp import apply_ddp
+
+    parts = [
+        apply_ddp(part, device=device, bucket_cap_mb=scheme.bucket_cap_mb, process_group=mesh.dp_group)
+        for part in parts
+    ]
+    from dtk.parallel.compression import apply_compression  # scheme.grad_compression: a comm hook
+
+    states = [apply_compression(part, compression=scheme.grad_compression,  # type: ignore[arg-type]
+                                powersgd_rank=scheme.powersgd_rank, group=mesh.dp_group) for part in parts]
+    return parts, [s for s in states if s is not None]
+
+
+def _schedule(
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    ties: list[StageTie],
+    *,
+    mesh: ParallelMesh,
+    scheme: SchemeConfig,
+    device: torch.device,
+    autocast: torch.dtype | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    num_microbatches: int,
+    sharded_loss: bool,
+) -> Pipeline:
+    """Step 9: the pipeline schedule over this rank's stages."""
+    num_stages = mesh.degrees.pp * scheme.pp_virtual_stages
+    if autocast is not None:  # each stage's forward under autocast, sending in the compute dtype
+        from dtk.parallel.pipeline import autocast_stage
+
+        for part, stage_id in zip(parts, stage_ids, strict=True):
+            autocast_stage(part, device_type=device.type, dtype=autocast, sends=stage_id < num_stages - 1)
+    pipeline = build_pipeline(
+        parts,
+        stage_ids,
+        num_stages=num_stages,
+        schedule=scheme.pp_schedule,
+        num_microbatches=num_microbatches,
+        loss_fn=loss_fn,
+        device=device,
+        group=mesh.pp_group,
+        sharded_loss=sharded_loss,
+    )
+    if ties:  # a weight tied across stages (embedding and head): its copies' gradients summed
+        from dtk.parallel.stage_ties import embedding_groups, grad_sync, mark_copies
+
+        mark_copies(parts)
+        pipeline.after_step(grad_sync(parts, ties, embedding_groups(mesh.world, ties)))
+    return pipeline
