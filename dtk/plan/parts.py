@@ -21,7 +21,7 @@ from dtk.plan.shape import ModelShape
 BUILTIN_ARGUMENTS = {
     "dtk.models.transformer.build": (
         (), ("vocab_size", "dim", "num_layers", "num_heads", "ffn_hidden", "seq_len", "norm_eps", "dropout",
-             "tie_embeddings"),
+             "tie_embeddings", "num_experts", "top_k", "aux_loss_weight", "capacity_factor"),
     ),
     "dtk.models.hf.build": (
         ("seq_len",), ("config", "init_from", "vocab_size", "attn_implementation", "config_overrides"),
