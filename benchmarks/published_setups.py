@@ -134,12 +134,6 @@ def _llama3(gpus: int, dp: int, tflops: float) -> Setup:
 FP8 = ("torchtitan ran it with Float8 matmuls and torch.compile (up to 2x the bf16 peak on H100); dtk has"
        " neither, so its bf16 prediction is slower")
 TITAN_H100 = "500 W H100 with 96 GB HBM2e (Grand Teton): planned with the H100 SXM peak and 96 GB"
-SELECTIVE = (TITAN_H100 + ". Does not fit in dtk: its selective checkpointing keeps every matmul output of a"
-             " block (torchtitan's op-level policy every second one), and it holds the fp32 loss gradient of the"
-             " whole vocabulary; dtk's recommendation (one sample per micro-batch) fits")
-NO_LOSS_PARALLEL = (". Does not fit in dtk's plan: its budget counts the whole logits and their fp32 gradient"
-                    " on every tp rank, 16 x 8192 x 128256 of them here (the workers' loss parallel keeps 1/tp of"
-                    " them, as torchtitan's does; the budget does not model it yet)")
 LLAMA3_NOTE = ("Planned with interleaved 1F1B of 2 virtual stages and full recompute (Table 4 gives neither); the"
                " H100 efficiency (0.40) is torchtitan's 500 W bf16 runs, where Llama 3's 700 W H100s reached 43% MFU,"
                " so dtk predicts about 2x their step")
@@ -147,15 +141,15 @@ SETUPS = (
     Setup("Llama 3.1 8B, FSDP", TORCHTITAN.format(1), _llama(8.03e9, 32, 4096, 32), "h100-80gb", 8,
           ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], 16,
           titan_step(batch=16, seq=8192, gpus=8, tps_per_gpu=5762), "5,762 tokens/s per GPU (no compile)",
-          SELECTIVE, 96, 82.4),
+          TITAN_H100, 96, 82.4),
     Setup("Llama 3.1 8B, FSDP", TORCHTITAN.format(3), _llama(8.03e9, 32, 4096, 32), "h100-80gb", 128,
           ["+scheme=fsdp", "scheme.activation_checkpoint=selective", "train.micro_batch=2"], 256,
           titan_step(batch=256, seq=8192, gpus=128, tps_per_gpu=5605), "5,605 tokens/s per GPU (no compile)",
-          SELECTIVE, 96, 67.0),
+          TITAN_H100, 96, 67.0),
     Setup("Llama 3.1 70B, FSDP 32 x TP 8", TORCHTITAN.format(4), _llama(70.6e9, 80, 8192, 64), "h100-80gb", 256,
           ["+scheme=tp", "scheme.sequence_parallel=true", "scheme.activation_checkpoint=full", "train.micro_batch=16"],
           512, titan_step(batch=512, seq=8192, gpus=256, tps_per_gpu=829), "829 tokens/s per GPU (Float8, compile)",
-          FP8 + NO_LOSS_PARALLEL, 96, 71.9),
+          FP8, 96, 71.9),
     Setup("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8", TORCHTITAN.format(5), _llama(405.9e9, 126, 16384, 128), "h100-80gb",
           512, ["+scheme=hybrid", "scheme.dp_replicate=1", "scheme.dp_shard=8", "scheme.tp=8", "scheme.pp=8",
                 "scheme.sequence_parallel=true", "scheme.activation_checkpoint=full",

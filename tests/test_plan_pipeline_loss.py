@@ -10,7 +10,9 @@ import dataclasses
 from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import (
     LOSS_BYTES,
+    LOSS_CHUNK_ELEMENTS,
     Dims,
+    chunked_loss,
     head_bytes,
     last_stage_head_bytes,
     last_stage_working_bytes,
@@ -38,9 +40,29 @@ def test_the_last_stage_keeps_its_micro_batches_in_flight_and_one_micro_batchs_l
     assert before == head_bytes(D) + 32 * logits_bytes(D) and before > 60 * one
     assert last_stage_working_bytes(D, "full", pp=8, per_micro_batch=True) < last_stage_working_bytes(
         D, "full", pp=8, per_micro_batch=False)
-    # without a pipeline one micro-batch's logits, whichever way
-    assert (last_stage_head_bytes(D, ends=1, num_micro=32, pp=1, per_micro_batch=True)
-            == head_bytes(D) + logits_bytes(D))
+    # without a pipeline one micro-batch's logits, whichever way, split over tp too: the
+    # workers' loss is vocabulary-parallel there as well (dtk.parallel.parallelize)
+    for per_micro_batch in (True, False):
+        assert last_stage_head_bytes(D, ends=1, num_micro=32, pp=1, per_micro_batch=per_micro_batch) == one
+        assert (last_stage_working_bytes(D, "full", pp=1, per_micro_batch=per_micro_batch)
+                == last_stage_working_bytes(D, "full", pp=8, per_micro_batch=True))
+    # fp32 logits without tp: the whole log-softmax is kept
+    whole = dataclasses.replace(D, tp=1, sp=False, a=4)
+    assert last_stage_head_bytes(whole, ends=1, num_micro=1, pp=1, per_micro_batch=True) == head_bytes(
+        whole) + logits_bytes(whole)
+
+
+def test_plain_bf16_logits_are_reduced_chunk_by_chunk_as_the_loss_does():
+    from dtk.train import loss
+
+    assert LOSS_CHUNK_ELEMENTS == loss.LOSS_CHUNK_ELEMENTS  # the budget's copy of the runtime's chunk
+    plain = dataclasses.replace(D, tp=1, sp=False)  # bf16 logits, 1 x 8192 x 128256: larger than a chunk
+    assert chunked_loss(plain) and not chunked_loss(D) and not chunked_loss(dataclasses.replace(plain, a=4))
+    # no fp32 log-softmax kept; backward holds the logits' gradient in bf16 and one chunk in fp32
+    assert last_stage_head_bytes(plain, ends=1, num_micro=1, pp=1, per_micro_batch=True) == (
+        head_bytes(plain) - LOSS_BYTES * plain.b * plain.s * plain.vocab + logits_bytes(plain))
+    assert last_stage_working_bytes(plain, "none", pp=1, per_micro_batch=True) == (
+        logits_bytes(plain) + 3 * LOSS_BYTES * LOSS_CHUNK_ELEMENTS)
 
 
 def test_receive_buffers_of_the_micro_batches_in_flight():

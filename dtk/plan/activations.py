@@ -13,7 +13,8 @@ s tokens, width h, feed-forward width f, H heads, vocabulary V, activations of a
     full           block input                                               bsh
 
 Outside the blocks: the final norm (3 bsh), log-softmax of the logits (bsV, fp32), the
-logits the training loop holds until backward ends (bsV in a bytes), token positions.
+logits the training loop holds until backward ends (bsV in a bytes), token positions; under
+tp the last two are split over the vocabulary (the loss is vocabulary-parallel there).
 Tensor parallelism divides the head and feed-forward parts by tp; sequence parallelism
 also the norms and residual stream, and adds the gathered block inputs.
 Context parallelism (scheme.cp) gives a rank s = seq_len / cp tokens of each sample, and
@@ -119,18 +120,37 @@ PIPELINE_RECV_IN_FLIGHT = True
 flight; False: one of each per micro-batch for the whole step, as before it."""
 
 
+LOSS_CHUNK_ELEMENTS = 2**26
+"""dtk.train.loss.LOSS_CHUNK_ELEMENTS (tests/test_plan_pipeline_loss.py holds them equal):
+plain low-precision logits larger than this are cast to fp32 and reduced this many elements
+at a time, each chunk recomputed in backward, so no whole fp32 log-softmax is kept."""
+
+
+def chunked_loss(d: Dims) -> bool:
+    """Whether the loss casts the logits chunk by chunk (dtk.train.loss.TokenCrossEntropy):
+    plain (not vocabulary-sharded) logits in a low-precision dtype, larger than one chunk."""
+    return d.tp == 1 and d.a < LOSS_BYTES and d.b * d.s * d.vocab > LOSS_CHUNK_ELEMENTS
+
+
+def log_softmax_bytes(d: Dims) -> int:
+    """The loss's fp32 log-softmax of one micro-batch, kept for backward: split over tp (the
+    loss is vocabulary-parallel, torch's loss_parallel, dtk.parallel.parallelize), none when
+    the loss is chunked (recomputed chunk by chunk in backward)."""
+    return 0 if chunked_loss(d) else LOSS_BYTES * d.b * d.s * d.vocab // d.tp
+
+
 def last_stage_head_bytes(d: Dims, *, ends: int, num_micro: int, pp: int, per_micro_batch: bool) -> int:
     """What the model's last stage keeps outside its blocks for the `ends` micro-batches in
-    flight there (1 under 1F1B, all of them under GPipe): their final norm and the loss's
-    fp32 log-softmax, and logits. Without a pipeline one micro-batch's logits. With one and
-    the loss per micro-batch, the log-softmax split over tp (vocabulary-parallel) and one
-    micro-batch's logits at a time; with the loss at the step's end (per_micro_batch
-    false), every micro-batch's logits until the step ends."""
-    log_softmax = LOSS_BYTES * d.b * d.s * d.vocab
-    if pp > 1 and per_micro_batch:
-        norms = head_bytes(d) - log_softmax
-        return ends * (norms + log_softmax // d.tp) + logits_bytes(d) // d.tp
-    return ends * head_bytes(d) + (num_micro if pp > 1 else 1) * logits_bytes(d)
+    flight there (1 under 1F1B and without a pipeline, all of them under GPipe): their final
+    norm and the loss's fp32 log-softmax (log_softmax_bytes), and one micro-batch's logits.
+    Under tp the head's logits stay sharded over the vocabulary and the loss runs on the
+    shards, with or without a pipeline: both are split over tp. The pipeline runtime before
+    the loss per micro-batch (per_micro_batch false) gathered every micro-batch's logits
+    until the step ended."""
+    norms = head_bytes(d) - LOSS_BYTES * d.b * d.s * d.vocab
+    if pp > 1 and not per_micro_batch:
+        return ends * head_bytes(d) + num_micro * logits_bytes(d)
+    return ends * (norms + log_softmax_bytes(d)) + logits_bytes(d) // d.tp
 
 
 def recv_buffer_bytes(per: int, *, chunks: int, stages: int, first: bool, last: bool, num_micro: int) -> int:
@@ -146,21 +166,17 @@ def recv_buffer_bytes(per: int, *, chunks: int, stages: int, first: bool, last: 
 
 
 def last_stage_working_bytes(d: Dims, ac: str, *, pp: int, per_micro_batch: bool) -> int:
-    """Backward's largest transient on the last stage (backward_working_bytes); a
-    vocabulary-parallel loss per micro-batch splits its loss gradient over tp."""
-    if pp > 1 and per_micro_batch:
-        loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab // d.tp
-        recompute = block_bytes(d, "none") - block_bytes(d, ac) if ac != "none" else 0
-        return max(loss, recompute)
-    return backward_working_bytes(d, ac)
-
-
-def backward_working_bytes(d: Dims, ac: str) -> int:
-    """The largest transient of backward: the loss gradient, or one block recomputed."""
-    loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab
-    recompute = 0
-    if ac != "none":
-        recompute = block_bytes(d, "none") - block_bytes(d, ac)
+    """Backward's largest transient on the last stage: the loss gradient, or one block
+    recomputed. The loss gradient is the fp32 gradient of the log-softmax and of the logits'
+    fp32 cast, split over tp (except under the pipeline runtime before the loss per
+    micro-batch); a chunked loss holds the logits' gradient in their dtype and one chunk's
+    fp32 cast, log-softmax and gradient."""
+    if chunked_loss(d):
+        loss = d.a * d.b * d.s * d.vocab + 3 * LOSS_BYTES * LOSS_CHUNK_ELEMENTS
+    else:
+        vocab_parallel = pp == 1 or per_micro_batch
+        loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab // (d.tp if vocab_parallel else 1)
+    recompute = block_bytes(d, "none") - block_bytes(d, ac) if ac != "none" else 0
     return max(loss, recompute)
 
 
