@@ -54,7 +54,8 @@ def test_hdf5_evaluation_and_verification_keep_the_name():
 # Every identity field of the schema, by section; a marker dropped or added fails here.
 IDENTITY_FIELDS = {
     schema.TransformerConfig: {"_target_", "vocab_size", "dim", "num_layers", "num_heads", "ffn_hidden", "seq_len",
-                               "norm_eps", "dropout", "tie_embeddings"},
+                               "norm_eps", "dropout", "tie_embeddings", "num_experts", "top_k", "aux_loss_weight",
+                               "capacity_factor"},
     schema.OptimConfig: {"name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio",
                          "grad_clip"},
     schema.TrainConfig: {"steps", "global_batch", "seed"},

@@ -29,14 +29,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtk.dist.groups import give_world_timeout
-from dtk.plan.degrees import DATA_AXES, DP, Axis, Degrees
+from dtk.plan.degrees import CARVED_FROM, DATA_AXES, DP, Axis, CarvedAxis, Degrees
 
 SHARD_CP = "dp_shard_cp"
 """The flattened (dp_shard, cp) mesh: FSDP's shard dimension."""
+EP_SHARD = "dp_shard_mod_ep"
+"""The expert mesh's other dimension: the ranks of dp_shard x cp holding the same experts, which
+FSDP shards the experts' parameters over."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class ParallelMesh:
     degrees: Degrees
     world: DeviceMesh | None
     dp: DeviceMesh | None
+    experts: DeviceMesh | None = None
+    """With ep > 1: (dp_replicate, pp, dp_shard_mod_ep, ep, tp), the same ranks as `world` with
+    dp_shard x cp flattened and cut into ep-sized blocks of consecutive ranks (`expert_mesh`)."""
 
     @staticmethod
     def single() -> ParallelMesh:
@@ -135,6 +142,23 @@ def build_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     groups = [world.get_group(name) for name in names] + [dp.get_group()]
     if degrees.cp > 1:
         groups.append(world[(Axis.dp_shard.value, Axis.cp.value)]._flatten(SHARD_CP).get_group())
+    experts = expert_mesh(degrees, device_type) if degrees.ep > 1 else None
+    if experts is not None:
+        groups += [experts.get_group(name) for name in experts.mesh_dim_names or ()]
     # The axes' groups come from new_group/split_group: without this, torch's default timeouts.
     give_world_timeout(groups)
-    return ParallelMesh(degrees=degrees, world=world, dp=dp)
+    return ParallelMesh(degrees=degrees, world=world, dp=dp, experts=experts)
+
+
+def expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
+    """The grid with the axes ep is carved out of (dp_shard, cp) flattened and split into
+    (dp_shard_mod_ep, ep): an ep group is ep consecutive ranks of dp_shard x cp, inside a node
+    where they fit. A root mesh of its own, so FSDP (over dp_shard_mod_ep) and the experts'
+    DTensors (over ep) share it."""
+    carved = CARVED_FROM[CarvedAxis.ep]
+    outer = [a for a in Axis if Axis.values().index(a.value) < Axis.values().index(carved[0].value)]
+    inner = [a for a in Axis if Axis.values().index(a.value) > Axis.values().index(carved[-1].value)]
+    ep = degrees.ep
+    shape = (*(degrees.of(a) for a in outer), degrees.parent(CarvedAxis.ep) // ep, ep, *(degrees.of(a) for a in inner))
+    names = (*(a.value for a in outer), EP_SHARD, CarvedAxis.ep.value, *(a.value for a in inner))
+    return DeviceMesh(device_type, torch.arange(degrees.world).view(shape), mesh_dim_names=names)

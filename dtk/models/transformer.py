@@ -4,7 +4,8 @@ Module names are chosen for parallelism plans (conf/model/transformer.yaml names
 `layers` is a ModuleDict keyed by the block index, so a pipeline stage can replace the
 blocks it does not own and keep the original parameter names (checkpoints stay loadable
 under any split); the embeddings, final norm and output head are None on stages that do
-not hold them, and `forward` skips them.
+not hold them, and `forward` skips them. With model.num_experts > 0 (model=moe) each block's
+feed-forward is top-k routed experts (dtk.models.moe).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtk.config.schema import TransformerConfig
+from dtk.models.moe import MoE
 from dtk.plan.shape import ffn_hidden_size  # the SwiGLU width: the planner's rule
 
 
@@ -70,12 +72,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, num_heads: int, hidden: int, eps: float, dropout: float) -> None:
+    def __init__(self, dim: int, num_heads: int, hidden: int, eps: float, dropout: float,
+                 moe: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(dim, eps)
         self.attn = Attention(dim, num_heads)
         self.mlp_norm = RMSNorm(dim, eps)
-        self.mlp = FeedForward(dim, hidden)
+        # model=moe: top-k routed experts (dtk.models.moe) instead of the one feed-forward
+        self.mlp: nn.Module = MoE(dim, hidden, **moe) if moe else FeedForward(dim, hidden)
         # Identity at 0, not Dropout(0): a model without dropout draws no random numbers.
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
@@ -97,6 +101,10 @@ class Transformer(nn.Module):
         norm_eps: float,
         dropout: float,
         tie_embeddings: bool,
+        num_experts: int = 0,
+        top_k: int = 2,
+        aux_loss_weight: float = 0.0,
+        capacity_factor: float = 0.0,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len
@@ -104,8 +112,10 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Module | None = nn.Embedding(vocab_size, dim)
         self.pos_embeddings: nn.Module | None = nn.Embedding(seq_len, dim)
         hidden = ffn_hidden_size(dim, ffn_hidden)
+        moe = dict(num_experts=num_experts, top_k=top_k, aux_loss_weight=aux_loss_weight,
+                   capacity_factor=capacity_factor) if num_experts else None
         self.layers = nn.ModuleDict(
-            {str(i): Block(dim, num_heads, hidden, norm_eps, dropout) for i in range(num_layers)}
+            {str(i): Block(dim, num_heads, hidden, norm_eps, dropout, moe) for i in range(num_layers)}
         )
         self.norm: nn.Module | None = RMSNorm(dim, norm_eps)
         self.output: nn.Module | None = nn.Linear(dim, vocab_size, bias=False)
@@ -125,7 +135,7 @@ class Transformer(nn.Module):
         std = 0.02
         if name.endswith("norm.weight"):
             nn.init.ones_(full)
-        elif name.endswith(("wo.weight", "w2.weight")):
+        elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             nn.init.normal_(full, 0.0, std / math.sqrt(2 * self.num_layers), generator=generator)
         else:
             nn.init.normal_(full, 0.0, std, generator=generator)

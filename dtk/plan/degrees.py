@@ -7,6 +7,7 @@ from it. Torch-free, so the login node checks the degrees before anything is que
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -42,6 +43,21 @@ TRAFFIC: dict[Axis, tuple[str, str]] = {
     Axis.tp: ("tensor-parallel activations", "activations: all-reduce / all-gather inside every block, forward and backward"),
 }
 
+class CarvedAxis(Choice):
+    """Axes carved out of grid axes (not a factor of the world size): their ranks are a
+    block of consecutive ranks of the flattened parent axes, innermost first
+    (dtk/dist/mesh.py builds the carved mesh, dtk.plan.layout groups the ranks alike)."""
+
+    ep = "ep"
+
+
+# Per carved axis: the grid axes it is carved out of, in grid order, and its traffic.
+CARVED_FROM: dict[CarvedAxis, tuple[Axis, ...]] = {CarvedAxis.ep: (Axis.dp_shard, Axis.cp)}
+CARVED_TRAFFIC: dict[CarvedAxis, tuple[str, str]] = {
+    CarvedAxis.ep: ("expert-parallel tokens", "activations: all-to-all of routed tokens to their experts and back,"
+                    " forward and backward, in every MoE block"),
+}
+
 DP = "dp"
 """The flattened (dp_replicate, dp_shard) mesh: the ranks that see different samples."""
 DATA_AXES = (Axis.dp_replicate, Axis.dp_shard)
@@ -58,6 +74,8 @@ class Degrees:
     dp_shard: int
     tp: int
     cp: int = 1
+    ep: int = 1
+    """Carved out of dp_shard x cp (CarvedAxis): not a factor of `world`."""
 
     @property
     def dp(self) -> int:
@@ -68,12 +86,17 @@ class Degrees:
     def world(self) -> int:
         return math.prod(self.of(axis) for axis in Axis)
 
-    def of(self, axis: Axis) -> int:
+    def of(self, axis: Axis | CarvedAxis) -> int:
         return getattr(self, axis.value)
 
+    def parent(self, axis: CarvedAxis) -> int:
+        """The size of the grid axes `axis` is carved out of (dp_shard x cp for ep)."""
+        return math.prod(self.of(a) for a in CARVED_FROM[axis])
+
     def describe(self) -> str:
-        """`dp_replicate=2 pp=1 dp_shard=2 cp=1 tp=2`, in grid order."""
-        return " ".join(f"{axis}={self.of(axis)}" for axis in Axis)
+        """`dp_replicate=2 pp=1 dp_shard=2 cp=1 tp=2`, in grid order; a carved axis after, when used."""
+        carved = [f"{axis}={self.of(axis)}" for axis in CarvedAxis if self.of(axis) > 1]
+        return " ".join([f"{axis}={self.of(axis)}" for axis in Axis] + carved)
 
 
 def resolve_degrees(scheme: SchemeConfig, world: int) -> Degrees:
@@ -104,7 +127,26 @@ def resolve_degrees(scheme: SchemeConfig, world: int) -> Degrees:
             f"{formula} = {known}, but the world size (nodes x tasks_per_node) is {world};"
             " make the product equal, or set one degree to -1"
         )
-    return Degrees(**values)
+    return _carve(Degrees(**values), scheme)
+
+
+def _carve(grid: Degrees, scheme: SchemeConfig) -> Degrees:
+    """The carved axes' degrees (scheme.ep), each dividing the grid axes it is carved out of."""
+    carved: dict[str, int] = {}
+    for axis in CarvedAxis:
+        value, parents = getattr(scheme, axis.value), CARVED_FROM[axis]
+        size = math.prod(grid.of(a) for a in parents)
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"scheme.{axis}={value}: expected a positive integer")
+        if size % value:
+            names = " x ".join(f"{a}={grid.of(a)}" for a in parents)
+            ok = [d for d in range(1, size + 1) if size % d == 0]
+            raise UserError(
+                f"scheme.{axis}={value} does not divide {names} = {size}: the {axis} ranks are carved out of"
+                f" those ranks; try scheme.{axis} in {ok}"
+            )
+        carved[axis.value] = value
+    return dataclasses.replace(grid, **carved)
 
 
 def micro_batch_size(scheme: SchemeConfig, *, micro_batch: int | None, global_batch: int, degrees: Degrees) -> int:
@@ -173,6 +215,7 @@ def check_scheme(
         _check_tp(degrees.tp, transformer)
     _check_pp(scheme, degrees.pp, model, transformer, num_microbatches=num_microbatches)
     _check_cp(scheme, degrees, model, transformer)
+    _check_moe(scheme, degrees, model, transformer)
     if degrees.pp > 1 and eval_every:
         raise UserError(
             f"train.eval_every={eval_every} with scheme.pp={degrees.pp}: evaluation runs the whole model's"
@@ -240,6 +283,56 @@ def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, transf
             raise UserError(
                 f"{key}={value} with scheme.cp={cp}: context parallelism does not run with it yet; set {instead}"
                 " or scheme.cp=1"
+            )
+
+
+def _check_moe(scheme: SchemeConfig, degrees: Degrees, model: ModelConfig,
+               transformer: TransformerConfig | None) -> None:
+    """The mixture of experts' keys (model=moe) and expert parallelism as dtk.parallel.ep builds
+    it: the built-in MoE transformer, its experts split evenly, under FSDP."""
+    experts = transformer.num_experts if transformer is not None else 0
+    if transformer is not None and experts:
+        _check_experts(transformer, degrees)
+    ep = degrees.ep
+    if ep == 1:
+        return
+    if not experts:
+        what = "model=hf" if model._target_ == HF_TARGET else f"model._target_={model._target_} without experts"
+        raise UserError(
+            f"scheme.ep={ep} with {what}: expert parallelism splits the experts of the built-in mixture of"
+            " experts (model=moe, model.num_experts > 0); use model=moe or scheme.ep=1"
+        )
+    if experts % ep:
+        ok = [d for d in range(1, experts + 1) if experts % d == 0 and degrees.parent(CarvedAxis.ep) % d == 0]
+        raise UserError(
+            f"scheme.ep={ep} does not divide model.num_experts={experts}: each ep rank holds num_experts / ep"
+            f" experts; try scheme.ep in {ok}"
+        )
+    if scheme.data_parallel != DataParallel.fsdp or scheme.cpu_offload:
+        raise UserError(
+            f"scheme.ep={ep} with scheme.data_parallel={scheme.data_parallel}"
+            f"{' and scheme.cpu_offload=true' if scheme.cpu_offload else ''}: expert parallelism runs under FSDP"
+            " over dp_shard x cp without offload; use scheme.data_parallel=fsdp scheme.cpu_offload=false"
+        )
+
+
+def _check_experts(model: TransformerConfig, degrees: Degrees) -> None:
+    if model.num_experts < 0 or model.aux_loss_weight < 0 or model.capacity_factor < 0:
+        raise UserError(
+            f"model.num_experts={model.num_experts}, model.aux_loss_weight={model.aux_loss_weight},"
+            f" model.capacity_factor={model.capacity_factor}: expected values >= 0"
+        )
+    if not 1 <= model.top_k <= model.num_experts:
+        raise UserError(
+            f"model.top_k={model.top_k} with model.num_experts={model.num_experts}: each token goes to top_k"
+            f" different experts; try model.top_k in 1..{model.num_experts}"
+        )
+    for key, degree in (("scheme.tp", degrees.tp), ("scheme.pp", degrees.pp)):
+        if degree > 1:
+            raise UserError(
+                f"{key}={degree} with model.num_experts={model.num_experts}: the mixture of experts does not run"
+                f" with it yet (no tensor-parallel experts, no load-balancing loss on a pipeline's last stage);"
+                f" set {key}=1"
             )
 
 

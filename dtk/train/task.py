@@ -30,6 +30,7 @@ from dtk.config.choices import TaskForm
 from dtk.config.schema import TaskConfig
 from dtk.data.batch import batch_size
 from dtk.errors import UserError
+from dtk.models.moe import aux_loss
 from dtk.parallel.cp import CpLayout
 from dtk.train.loss import Loss
 
@@ -37,7 +38,8 @@ from dtk.train.loss import Loss
 class LmTask:
     """Next-token training on rows of token ids, scored by the run's loss component. Under
     context parallelism (`cp`, dtk.parallel.cp) every cp rank gets the same rows and trains
-    on its slice of each: the loss is the whole sequence's mean."""
+    on its slice of each: the loss is the whole sequence's mean. A mixture of experts'
+    load-balancing loss (model=moe) is added to the training loss, not to the evaluated one."""
 
     def __init__(self, loss: Loss, *, metrics: Mapping[str, Callable[..., torch.Tensor]] | None = None,
                  cp: CpLayout | None = None) -> None:
@@ -60,6 +62,9 @@ class LmTask:
         with autocast:
             logits = model(inputs)
         loss = self.loss(logits, targets)
+        balance = aux_loss(model)  # model=moe: the blocks' load-balancing loss (dtk.models.moe)
+        if balance is not None:
+            loss = loss + balance
         return loss if self.cp is None else self.cp.mean(loss)
 
     def sums(self, model: torch.nn.Module, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
