@@ -15,6 +15,8 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
                             positions are the full sequence's (dtk.parallel.cp; only attributes)
     3. activation ckpt      wrap each block's forward (after TP: the recomputed region is the sharded block)
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
+    4b. experts             MoE blocks count their routing over the step's ranks; with ep > 1
+                            their experts split over ep, FSDP over the rest (dtk.parallel.ep)
     5. FSDP                 shard each block over dp_shard (x cp: dtk.dist.mesh's dp_shard_cp;
                             HSDP: replicate over dp_replicate),
                             with the dtypes of step 0 as its mixed-precision policy; with
@@ -219,6 +221,11 @@ def _shard_part(
         from dtk.parallel.compile import apply_compile
 
         apply_compile(part, wrap_classes=spec.wrap_classes, fullgraph=scheme.compile_fullgraph)
+    # 4b. mixture of experts: routing counted over the step's ranks, experts over ep (dtk.parallel.ep)
+    from dtk.parallel.ep import apply_ep
+
+    apply_ep(part, mesh=mesh, param_dtype=decided.param_dtype, reduce_dtype=decided.reduce_dtype,
+             reshard_after_forward=reshards_after_forward(scheme, degrees), local_replicas=decided.local_replicas)
     # 5. FSDP (on the meta device: shards are allocated by materialize)
     if decided.use_fsdp:
         from dtk.parallel.fsdp import apply_fsdp
