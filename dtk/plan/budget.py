@@ -58,6 +58,12 @@ class Context:
     """+sync's sync.every (0: every step): the replicas' traffic in the step time."""
     sync_bytes: int = 4
     """+sync: bytes per element the replicas all-reduce (sync.dtype)."""
+    sync_mode: str = ""
+    """+sync's mode, empty without (what the synchronizer keeps: memory.exchange_state)."""
+    outer_momentum: float = 0.0
+    """+sync=diloco: sync.outer_momentum."""
+    outer_nesterov: bool = False
+    """+sync=diloco: sync.outer_nesterov."""
 
     def job(self, v: Variant, **changes: Any) -> Job:
         scheme = scheme_config(dict(v.scheme, **changes))
@@ -65,7 +71,8 @@ class Context:
             scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
             split_points=self.split_points, memory_snapshots=self.memory_snapshots, sync_every=self.sync_every,
-            sync_bytes=self.sync_bytes,
+            sync_bytes=self.sync_bytes, sync_mode=self.sync_mode, outer_momentum=self.outer_momentum,
+            outer_nesterov=self.outer_nesterov,
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,

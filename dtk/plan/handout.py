@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from dtk.config.fabric import CHOSEN_KEYS
+from dtk.config.schema import SchemeConfig
 from dtk.errors import UserError
 from dtk.plan.budget import estimate
 from dtk.plan.comm import AXES, axis_groups, bottleneck, crosses_nodes, node_of, traffic
@@ -20,6 +21,7 @@ from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.plan import Plan
 from dtk.plan.report import NUM_ALTERNATIVES, MemoryPlan, gb
 from dtk.plan.search import why_loses
+from dtk.plan.sync import describe_sync
 from dtk.plan.variants import chosen_at
 
 MAX_GROUPS = 64
@@ -218,6 +220,8 @@ def plan_markdown(plan: Plan, mp: MemoryPlan | None, note: str | None = None) ->
         f" {plan.global_batch} = micro {plan.micro_batch} x accumulation {plan.grad_accum} x data-parallel"
         f" {plan.degrees.dp}. Written by python -m dtk.submit; `python -m dtk.plan` with the run's overrides"
         " prints the same budget.",
+        "",
+        f"Synchronization of the data-parallel replicas: {describe_sync(plan.config.sync, plan.config.scheme or SchemeConfig())}.",
         "",
         *mesh_section(plan.degrees, plan.nodes, plan.tasks_per_node),
         "",

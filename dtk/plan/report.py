@@ -21,6 +21,7 @@ from dtk.plan.memory import FRAGMENTATION, RUNTIME_BYTES
 from dtk.plan.plan import Plan
 from dtk.plan.search import Candidate, searched, why_loses
 from dtk.plan.steptime import Hardware, StepTime, hardware_of, step_time
+from dtk.plan.sync import EXCHANGE_DOMINATES, EXCHANGE_TARGET, Option, WeakLink, weak_link
 from dtk.plan.variants import SCHEME_KEYS, Variant, chosen_at, scheme_key
 
 KINDS = ("params", "grads", "optimizer", "activations", "buffers", "margin", "total")
@@ -45,6 +46,8 @@ class MemoryPlan:
     """The job as given: its predicted step (None without a time model or when it does not fit)."""
     ranked: tuple[Candidate, ...] = ()
     """The searched candidates, best first (dtk.plan.search)."""
+    weak: WeakLink | None = None
+    """The replicas' exchange of the job as given and the weak-link advice (dtk.plan.sync); None without a predicted step."""
 
     @property
     def fits(self) -> bool | None:
@@ -52,9 +55,15 @@ class MemoryPlan:
 
     @property
     def checkpoint_bytes(self) -> int:
-        """A checkpoint holds every parameter once with its optimizer state (params + moments)."""
+        """A checkpoint holds every parameter once with its optimizer state (params + moments);
+        under +sync each replica's own (dtk.train.sync), beside the anchor and diloco's outer
+        momentum."""
         p = self.ctx.job(self.chosen.variant).precision
-        return round(self.ctx.shape.params * (p.param_bytes + p.optimizer_bytes))
+        one = round(self.ctx.shape.params * (p.param_bytes + p.optimizer_bytes))
+        if not self.ctx.sync_mode:
+            return one
+        kept = 2 if self.ctx.outer_momentum > 0 else 1
+        return self.chosen.variant.degrees.dp_replicate * one + round(kept * self.ctx.shape.params * p.param_bytes)
 
     def to_json(self) -> dict[str, Any]:
         b = self.chosen.bytes
@@ -83,6 +92,7 @@ class MemoryPlan:
             "predicted_step_s": None if self.predicted is None else round(self.predicted.total_s, 4),
             "predicted": None if self.predicted is None else self.predicted.to_json(),
             "time_model": None if self.hardware is None else self.hardware.source,
+            "weak_link": None if self.weak is None else weak_link_json(self.weak),
             "activations_estimated": self.ctx.shape.has_activation_shape,
             "schemes": {k: _row_json(r) for k, r in self.rows.items()},
         }
@@ -142,6 +152,8 @@ class MemoryPlan:
             lines.append("step time   not predicted: the job as given does not fit")
         else:
             lines.append("step time   not predicted: no sequence length to count tokens by (plan.seq_len)")
+        if self.weak is not None:
+            lines += weak_link_lines(self.weak, self.ctx)
         lines.append(f"checkpoint  {gb(self.checkpoint_bytes)} GB")
         neck = bottleneck(self.traffic)
         for a in self.traffic:
@@ -201,6 +213,65 @@ def _row_json(r: SchemeRow) -> dict[str, Any]:
     }
 
 
+QUALITY = {
+    "diloco": "quality: measured at sync.every=8 on the built-in model, DiLoCo's final loss was within 2% of"
+              " every-step DDP's (local SGD's 1% above); a larger sync.every was not measured and drifts further"
+              " from every-step training: hold its loss against a short every-step run",
+    "bf16": "quality: bfloat16 gradients left the measured loss unchanged to 5 digits (AdamW absorbs the rounding)",
+    "powersgd": "quality: PowerSGD ended 70% (rank 2) and 20% (rank 8) above every-step DDP's loss on the built-in"
+                " model's small matrices; it is made for large ones: hold its loss against every-step DDP's",
+}
+"""The expected quality cost of each option, in words: docs/benchmarks.md's measured figures."""
+MEASURED = ("docs/benchmarks.md, 'A weak link: the loss of exchanging less' (loss) and 'A weak link: step time on"
+            " two throttled lab nodes' (speed)")
+
+
+KEPT = {"diloco": "the anchor, outer momentum and the exchange's copies", "powersgd": "error feedback, P and Q"}
+"""What an option adds to a rank's memory (dtk.plan.memory.exchange_state), in words."""
+
+
+def _option_line(o: Option, as_given: StepTime) -> str:
+    extra = f", +{gb(o.extra_bytes)} GB per device ({KEPT[o.kind]})" if o.extra_bytes > 0 else ""
+    named = " (+scheme=ddp first, if the command names no scheme)" if o.kind != "diloco" else ""
+    return (f"{' '.join(o.overrides)}{named}: exchange {o.share:.0%} of a {o.step.total_s:.3g} s step"
+            f" (x{as_given.total_s / o.step.total_s:.3g} faster){extra}; {QUALITY[o.kind]}")
+
+
+def weak_link_advice(w: WeakLink) -> list[str]:
+    """The advice as sentences (plan.md's hints, the report's lines): empty when none is given."""
+    if not w.options and not w.refused:
+        return []
+    head = (f"the data-parallel exchange takes {w.share:.0%} of the predicted step (>= {EXCHANGE_DOMINATES:.0%}):"
+            f" synchronize less often or compress; sync.every is the smallest that brings DiLoCo's exchange under"
+            f" {EXCHANGE_TARGET:.0%} of the step; measured figures: {MEASURED}")
+    lines = [head, *(_option_line(o, w.step) for o in w.options)]
+    if w.refused:
+        lines.append(f"+sync is not open to this scheme: {w.refused}")
+    return lines
+
+
+def weak_link_lines(w: WeakLink, ctx: Context) -> list[str]:
+    """The `exchange` and `weak link` lines of python -m dtk.plan."""
+    share = f"exchange    data-parallel {w.share:.0%} of the predicted step ({w.exchange_s:.3g} s of {w.step.total_s:.3g} s)"
+    if ctx.sync_every:
+        return [f"{share} under +sync={ctx.sync_mode}, every {ctx.sync_every} steps"]
+    advice = weak_link_advice(w)
+    if not advice:
+        return [f"{share}: under {EXCHANGE_DOMINATES:.0%}, no advice to exchange less"]
+    return [f"{share}", *(f"weak link   {line}" for line in advice)]
+
+
+def weak_link_json(w: WeakLink) -> dict[str, Any]:
+    return {
+        "exchange_share": round(w.share, 4), "exchange_s": round(w.exchange_s, 4),
+        "dominates_from": EXCHANGE_DOMINATES, "target": EXCHANGE_TARGET, "refused": w.refused or None,
+        "options": [{"kind": o.kind, "overrides": list(o.overrides), "predicted_step_s": round(o.step.total_s, 4),
+                     "exchange_share": round(o.share, 4), "extra_bytes": o.extra_bytes, "every": o.every or None,
+                     "quality": QUALITY[o.kind]} for o in w.options],
+        "measured": MEASURED if w.options else None,
+    }
+
+
 def chosen_variant(ctx: Context, plan: Plan) -> Variant:
     return Variant(scheme_key(ctx.chosen), ctx.chosen, plan.degrees, plan.nodes, plan.tasks_per_node,
                    plan.micro_batch, plan.grad_accum)
@@ -220,10 +291,12 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
     hw = hardware_of(plan.config.cluster, device=ctx.device, param_dtype=str(ctx.chosen["param_dtype"]),
                      doctor=plan.config.plan.doctor)
     own = estimate(ctx, chosen)
-    predicted = None
+    predicted = weak = None
     if hw is not None and own.fits is not False:
         predicted = step_time(ctx.shape, ctx.job(chosen), global_batch=ctx.global_batch,
                               tasks_per_node=ctx.tasks_per_node, hw=hw)
+        weak = weak_link(ctx.shape, ctx.job(chosen), global_batch=ctx.global_batch,
+                         tasks_per_node=ctx.tasks_per_node, hw=hw)
     ranked: list[Candidate] = []
     if ctx.capacity is None:
         rec = Recommendation("", f"device memory unknown ({ctx.capacity_source})", [], [])
@@ -234,11 +307,13 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
         rec = _recommendation(ranked, where, hw)
         if ranked and not ctx.shape.has_activation_shape:
             rec = dataclasses.replace(rec, reason=rec.reason + "; activations not estimated: it fits the states alone")
+    if weak is not None and weak_link_advice(weak):
+        rec = dataclasses.replace(rec, hints=[*rec.hints, *(f"the job as given: {h}" for h in weak_link_advice(weak))])
     return MemoryPlan(
         ctx=ctx, key=chosen.key, chosen=own, min_nodes=found.nodes if found else None,
         min_devices=smallest_devices(ctx, make_at), rows=rows, recommended=rec,
         traffic=traffic(ctx.shape, ctx.job(chosen), ctx.tasks_per_node), hardware=hw, predicted=predicted,
-        ranked=tuple(ranked),
+        ranked=tuple(ranked), weak=weak,
     )
 
 

@@ -1,15 +1,37 @@
 """Plan-time checks of the ways replicas exchange less: synchronizing every `sync.every` steps
 (`+sync=local_sgd|diloco`, dtk/train/sync.py) and compressing DDP's every-step gradient
 all-reduce (`scheme.grad_compression`, dtk/parallel/compression.py). Pure, torch-free: a
-mistake stops on the login node with one line."""
+mistake stops on the login node with one line.
+
+And the weak-link advice (`weak_link`): when the replicas' exchange takes at least
+EXCHANGE_DOMINATES of the job's predicted step (dtk.plan.steptime), the plan names the
+`sync.every` at which DiLoCo's exchange, spread over its steps, falls under EXCHANGE_TARGET
+of the step, and each compression DDP can take with the share it leaves. A job already
+under `+sync` gets its share, not the advice again.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
 
 from dtk.config.choices import DataParallel, GradCompression, SyncDtype, SyncMode
 from dtk.config.schema import SchemeConfig, SyncConfig
 from dtk.errors import UserError
 from dtk.plan.degrees import Degrees
 from dtk.plan.layout import uses_ddp
+from dtk.plan.memory import Job, device_bytes
+from dtk.plan.shape import ModelShape
+from dtk.plan.steptime import Hardware, StepTime, step_time
+
+EXCHANGE_DOMINATES = 0.5
+"""Share of the predicted step the data-parallel exchange takes from which the plan advises exchanging less."""
+EXCHANGE_TARGET = 0.10
+"""Share of the step under which the advised sync.every brings the exchange (single digits of idle)."""
+EVERY_CHOICES = (2, 4, 8, 16, 32, 64, 128, 250, 500, 1000, 2000, 4000, 8000)
+"""sync.every values the advice picks from: the smallest that meets EXCHANGE_TARGET."""
 
 
 def check_sync(sync: SyncConfig | None, scheme: SchemeConfig, degrees: Degrees, *, memory_every: int) -> None:
@@ -78,3 +100,116 @@ def describe_sync(sync: SyncConfig | None, scheme: SchemeConfig) -> str:
     sent = ", deltas sent in bfloat16" if sync.dtype == SyncDtype.bfloat16 else ""
     return (f"diloco: replicas average their deltas every {sync.every} steps, outer SGD lr {sync.outer_lr}"
             f" momentum {sync.outer_momentum}{nesterov}{sent}")
+
+
+def sync_state(sync: SyncConfig | None) -> dict[str, Any]:
+    """What the memory budget reads of `+sync` (dtk.plan.budget.Context's fields): the mode
+    and diloco's outer momentum, which the synchronizer keeps a buffer for."""
+    if sync is None:
+        return {}
+    diloco = sync.mode == SyncMode.diloco
+    return {"sync_mode": str(sync.mode), "outer_momentum": sync.outer_momentum if diloco else 0.0,
+            "outer_nesterov": diloco and sync.outer_nesterov}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to exchange less, at the job's size."""
+
+    kind: str
+    """`diloco`, `bf16` or `powersgd`."""
+    overrides: tuple[str, ...]
+    step: StepTime
+    share: float
+    """The replicas' exchange as a share of that step."""
+    extra_bytes: int
+    """Device bytes it adds to the largest rank (the anchor and momentum of +sync)."""
+    every: int = 0
+    """diloco: the sync.every advised."""
+
+
+@dataclass(frozen=True)
+class WeakLink:
+    """The replicas' exchange of the job as given, and what would shrink it."""
+
+    step: StepTime
+    exchange_s: float
+    """Exposed seconds per step of the data-parallel axes (DATA_AXES)."""
+    options: tuple[Option, ...]
+    """Empty when the exchange does not dominate, or the job exchanges less already."""
+    refused: str = ""
+    """Why `+sync` is not among the options though the exchange dominates (check_sync's line)."""
+
+    @property
+    def share(self) -> float:
+        return self.exchange_s / self.step.total_s
+
+
+DATA_AXES = ("dp_replicate", "dp_shard")
+"""The data-parallel exchange: the replicas' all-reduce, and FSDP's collectives (which +sync leaves inside a replica)."""
+
+
+def exchange_s(t: StepTime) -> float:
+    """The data-parallel axes' exposed seconds of a predicted step."""
+    return sum(t.axes.get(a, 0.0) for a in DATA_AXES)
+
+
+def exchange_share(t: StepTime) -> float:
+    """The data-parallel exchange as a share of the predicted step."""
+    return exchange_s(t) / t.total_s
+
+
+def weak_link(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node: int,
+              hw: Hardware) -> WeakLink | None:
+    """The weak-link advice for `job` (module doc); None without a predicted step."""
+    def timed(j: Job) -> StepTime:
+        t = step_time(shape, j, global_batch=global_batch, tasks_per_node=tasks_per_node, hw=hw)
+        assert t is not None  # the job's own step was predicted: the same model and batch
+        return t
+
+    t = step_time(shape, job, global_batch=global_batch, tasks_per_node=tasks_per_node, hw=hw)
+    if t is None:
+        return None
+    advice = WeakLink(t, exchange_s(t), ())
+    if job.sync_every or advice.share < EXCHANGE_DOMINATES:
+        return advice
+    base = device_bytes(shape, job).total
+    options: list[Option] = []
+    refused = ""
+    try:
+        options.append(_diloco(job, timed, base, lambda j: device_bytes(shape, j).total))
+    except UserError as exc:
+        refused = str(exc)
+    if uses_ddp(job.scheme, job.degrees):
+        for kind in (GradCompression.bf16, GradCompression.powersgd):
+            if kind == job.scheme.grad_compression:
+                continue
+            compressed = dataclasses.replace(job, scheme=dataclasses.replace(job.scheme, grad_compression=kind))
+            c = timed(compressed)
+            options.append(Option(str(kind), (f"scheme.grad_compression={kind}",), c, exchange_share(c),
+                                  device_bytes(shape, compressed).total - base))
+    return dataclasses.replace(advice, options=tuple(options), refused=refused)
+
+
+def _diloco(job: Job, timed, base: int, total_bytes) -> Option:
+    """+sync=diloco at the smallest EVERY_CHOICES whose exchange is under EXCHANGE_TARGET of
+    the step (the largest when none is). UserError when the job's scheme cannot take +sync."""
+    overrides: tuple[str, ...] = ("+sync=diloco",)
+    scheme = job.scheme
+    if scheme.grad_compression != GradCompression.none:
+        scheme = dataclasses.replace(scheme, grad_compression=GradCompression.none)
+        overrides += ("scheme.grad_compression=none",)
+    check_sync(SyncConfig(mode=SyncMode.diloco), scheme, job.degrees, memory_every=int(job.memory_snapshots))
+
+    def at(every: int) -> Job:
+        sync = SyncConfig(mode=SyncMode.diloco, every=every)
+        return dataclasses.replace(job, scheme=scheme, sync_every=every, sync_bytes=4, **sync_state(sync))
+
+    once = timed(at(1))  # the whole exchange in every step: per sync, the same seconds
+    per_sync = once.axes["dp_replicate"] if "dp_replicate" in once.axes else 0.0  # what sync.every divides
+    rest = once.total_s - per_sync
+    wanted = math.ceil(per_sync * (1 - EXCHANGE_TARGET) / (EXCHANGE_TARGET * rest)) if rest > 0 else EVERY_CHOICES[-1]
+    every = next((h for h in EVERY_CHOICES if h >= wanted), EVERY_CHOICES[-1])
+    t = timed(at(every))
+    return Option("diloco", (*overrides, f"sync.every={every}"), t, exchange_share(t),
+                  total_bytes(at(every)) - base, every)
