@@ -6,6 +6,11 @@
   planning and are not the model that ran), against the median `step_time_s` of
   metrics.jsonl. Predicted on a GPU of known peak only (cluster.accelerator or
   cluster.peak_tflops); a user's model is not counted here (that would build it).
+  A `+sync` run's prediction spreads one synchronization over sync.every steps, and its
+  median step leaves the synchronizing steps out: it is held against the mean step over
+  whole synchronization periods (`sync_periods`: steps kH+1 .. (k+1)H, the last the
+  synchronizing one; the first period, which holds the start-up, left out when there are
+  others), and the synchronizing step is shown apart.
 - memory: summary.json's `memory`, which every worker measured against its own rank's
   prediction (dtk.plan.predict): the largest rank's figures.
 
@@ -60,8 +65,44 @@ def _step(run: RunData, measured: float | None) -> dict[str, Any]:
             "predicted": t.to_json()}
 
 
+def sync_periods(records: dict[int, dict[str, Any]], every: int) -> dict[str, Any] | None:
+    """A +sync run's steps in whole synchronization periods of `every` steps (module doc):
+    their mean step, the synchronizing steps' median and the other steps' median; None
+    before a whole period is logged."""
+    import statistics
+
+    times = {s: float(r["step_time_s"]) for s, r in records.items() if r.get("step_time_s")}
+    last = max(times, default=0) // every
+    periods = [k for k in range(last) if all(k * every + i in times for i in range(1, every + 1))]
+    if len(periods) > 1 and periods[0] == 0:
+        periods = periods[1:]  # the start-up's period
+    if not periods:
+        return None
+    syncing = [times[(k + 1) * every] for k in periods]
+    between = [times[k * every + i] for k in periods for i in range(1, every)]
+    return {
+        "every": every, "periods": len(periods), "first_step": periods[0] * every + 1,
+        "last_step": (periods[-1] + 1) * every,
+        "mean_s": round((sum(syncing) + sum(between)) / (len(syncing) + len(between)), 6),
+        "sync_step_s": round(statistics.median(syncing), 6),
+        "between_s": round(statistics.median(between), 6) if between else None,
+    }
+
+
+def _sync_every(run: RunData) -> int:
+    """The run's sync.every (0: it synchronizes every step)."""
+    from dtk.plan.plan import Plan
+
+    try:
+        sync = Plan.from_json(json.dumps(run.plan)).config.sync
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return sync.every if sync is not None else 0
+
+
 def planned(run: RunData, numbers: dict[str, Any]) -> dict[str, Any]:
-    """The run's measured step time and memory against the plan's."""
+    """The run's measured step time and memory against the plan's; a +sync run's step as the
+    mean over whole synchronization periods (`sync_periods`)."""
     memory = (run.summary or {}).get("memory")
     mem = None
     if memory and memory.get("predicted_bytes"):
@@ -69,7 +110,13 @@ def planned(run: RunData, numbers: dict[str, Any]) -> dict[str, Any]:
         mem = {"predicted_bytes": memory["predicted_bytes"], "measured_bytes": measured,
                "ratio": None if not measured else round(measured / memory["predicted_bytes"], 3),
                "basis": memory.get("basis"), "mismatch_ranks": memory.get("mismatch_ranks", [])}
-    return {"run": run.name, "step": _step(run, numbers.get("step_time_s_median")), "memory": mem}
+    every = _sync_every(run)
+    periods = sync_periods(run.latest, every) if every else None
+    measured = periods["mean_s"] if periods else numbers.get("step_time_s_median")
+    step = _step(run, measured)
+    if every:
+        step["sync"] = periods or {"every": every, "periods": 0}
+    return {"run": run.name, "step": step, "memory": mem}
 
 
 def planned_lines(p: dict[str, Any]) -> list[str]:
@@ -80,8 +127,10 @@ def planned_lines(p: dict[str, Any]) -> list[str]:
     elif s["measured_s"] is None:
         lines = [f"plan         step {s['predicted_s']:.4g} s predicted, none measured yet"]
     else:
-        lines = [f"plan         step {s['measured_s']:.4g} s measured against {s['predicted_s']:.4g} s predicted"
+        basis = " (mean over whole sync periods)" if "sync" in s and s["sync"]["periods"] else ""
+        lines = [f"plan         step {s['measured_s']:.4g} s measured{basis} against {s['predicted_s']:.4g} s predicted"
                  f" (x{s['ratio']:.2f}) [{s['time_model']}]"]
+    lines += _sync_lines(s["sync"] if "sync" in s else None)
     if m is None:
         lines.append("             memory: no prediction recorded (summary.json is written at the end)")
     elif m["measured_bytes"] is None:
@@ -91,3 +140,15 @@ def planned_lines(p: dict[str, Any]) -> list[str]:
         lines.append(f"             memory {m['measured_bytes'] / 1e9:.3f} GB per device measured against"
                      f" {m['predicted_bytes'] / 1e9:.3f} GB planned (x{m['ratio']:.2f}, {m['basis']}){off}")
     return lines
+
+
+def _sync_lines(sync: dict[str, Any] | None) -> list[str]:
+    """A +sync run's synchronizing step apart from the others."""
+    if sync is None:
+        return []
+    if not sync["periods"]:
+        return [f"             sync every {sync['every']} steps: no whole period logged yet"]
+    between = f", the other steps {sync['between_s']:.4g} s (median)" if sync["between_s"] is not None else ""
+    return [f"             sync every {sync['every']} steps: the synchronizing step {sync['sync_step_s']:.4g} s (median)"
+            f"{between}; mean {sync['mean_s']:.4g} s over {sync['periods']} whole period(s), steps"
+            f" {sync['first_step']}-{sync['last_step']}"]
