@@ -62,7 +62,8 @@ def test_the_slowest_node_sets_each_width_and_narrow_slices_compute_slower(tmp_p
     # an eighth of the FLOPs per device under tp=8, whose slices of the 4096 wide matmuls are 512 wide
     assert narrow.compute_s / (wide.compute_s / 8) == pytest.approx(0.95 / 0.4)
     plain = hardware_of(ClusterConfig(accelerator="h100-80gb"), device="cuda", param_dtype="auto")
-    assert plain.speeds.efficiency_at(512) == plain.speeds.efficiency_at(8192) == row.efficiency
+    # without a measurement, the default curve by GEMM width (dtk.plan.accelerators.WIDTH_SHARES)
+    assert plain.speeds.efficiency_at(512, 3000) < plain.speeds.efficiency_at(8192, 20000) == row.efficiency
 
 
 def test_a_file_that_is_not_the_commands_output_is_one_error(tmp_path):

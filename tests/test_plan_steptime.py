@@ -12,7 +12,7 @@ from dtk.config.compose import compose
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import ClusterConfig, SchemeConfig
 from dtk.errors import UserError
-from dtk.plan.accelerators import ACCELERATORS
+from dtk.plan.accelerators import ACCELERATORS, WIDTH_SHARES, gemm_width
 from dtk.plan.comm import traffic
 from dtk.plan.degrees import Degrees
 from dtk.plan.memory import Job, precision_for, scheme_config
@@ -48,8 +48,8 @@ def test_flops_are_dtks_own_count_and_full_checkpointing_adds_a_forward():
 def test_compute_scales_with_devices_and_the_bubble_with_stages_over_micro_batches():
     hw = hardware_of(H100, device="cuda", param_dtype="auto")
     one = step_time(SHAPE, job(Degrees(1, 1, 8, 1), data_parallel="fsdp"), global_batch=64, tasks_per_node=8, hw=hw)
-    assert one.compute_s == pytest.approx(64 * 4096 * flops_per_token(SHAPE, "none")[1] / 8
-                                          / (989.5e12 * ACCELERATORS["h100-80gb"].efficiency))
+    share = hw.speeds.efficiency_at(None, gemm_width(SHAPE.hidden, SHAPE.ffn_hidden, 1))
+    assert one.compute_s == pytest.approx(64 * 4096 * flops_per_token(SHAPE, "none")[1] / 8 / (989.5e12 * share))
     pp = step_time(SHAPE, job(Degrees(1, 4, 2, 1), num_micro=16, data_parallel="fsdp"), global_batch=64,
                    tasks_per_node=8, hw=hw)
     assert pp.compute_s == pytest.approx(one.compute_s)
@@ -90,7 +90,7 @@ def test_links_from_the_doctor_then_the_cluster_then_the_table(tmp_path):
     assert (hw.speeds.intra_gbps, hw.speeds.nic_gbps) == (100.0, 10.0)
     hw = hardware_of(H100, device="cuda", param_dtype="auto")
     row = ACCELERATORS["h100-80gb"]
-    assert hw.speeds == Speeds(row.efficiency, row.nvlink_gbps, row.nic_gbps, 1, row.host_gbps)
+    assert hw.speeds == Speeds(row.efficiency, row.nvlink_gbps, row.nic_gbps, 1, row.host_gbps, (), WIDTH_SHARES)
     assert hardware_of(H100, device="cpu", param_dtype="auto") is None
     assert hardware_of(ClusterConfig(), device="cuda", param_dtype="auto") is None  # peak unknown
     with pytest.raises(UserError, match="plan.doctor="):
@@ -175,3 +175,25 @@ def test_an_accelerators_name_is_written_in_the_accelerator_table_only():
     assert found == {}
     assert {"a100-40gb", "a100-80gb", "a800", "h100-80gb", "h100-pcie", "h100-nvl", "h800", "h200", "gh200",
             "b200", "mi250x", "mi300x"} <= set(ACCELERATORS)
+
+
+def test_narrow_gemms_run_below_the_tables_figure_wide_ones_at_it():
+    """The default curve (dtk.plan.accelerators.WIDTH_SHARES, Megatron-LM's achieved rates by
+    GEMM width): a small model or a thin tp slice computes at a lower share of the peak."""
+    hw = hardware_of(H100, device="cuda", param_dtype="auto")
+    row, sp = ACCELERATORS["h100-80gb"], hw.speeds
+    assert gemm_width(4096, 16384, 1) == pytest.approx(2 / (1 / 4096 + 1 / 16384))
+    assert gemm_width(12288, 49152, 8) < gemm_width(12288, 49152, 1)  # a thinner slice, a narrower GEMM
+    assert sp.efficiency_at(None, 2000) == pytest.approx(row.efficiency * WIDTH_SHARES[0][1])  # held below
+    assert sp.efficiency_at(None, 20000) == pytest.approx(row.efficiency)  # the widest
+    assert sp.efficiency_at(None, 4096) < sp.efficiency_at(None, 8192) < sp.efficiency_at(None, 13653)
+    small = whatif_shape({"layers": 24, "hidden": 2048, "heads": 16, "seq_len": 2048, "vocab_size": 32000})
+    large = whatif_shape({"layers": 24, "hidden": 16384, "heads": 128, "seq_len": 2048, "vocab_size": 32000})
+
+    def rate(shape, tp):  # model FLOPs per second per device
+        t = step_time(shape, job(Degrees(1, 1, 8 // tp, tp), data_parallel="fsdp"), global_batch=8,
+                      tasks_per_node=8, hw=hw)
+        return t.tokens * flops_per_token(shape, "none")[1] / t.compute_s / 8
+
+    assert rate(small, 1) < rate(large, 1)
+    assert rate(large, 8) < rate(large, 1)

@@ -20,8 +20,13 @@ network card of the part's reference node (a DGX / HGX has one 200 Gb/s HDR (A10
 node has). `host_gbps` is host <-> device copies (PCIe).
 
 Efficiency is the share of the dense peak that the matmuls of a large transformer's
-training step sustain (dtk.plan.steptime scales it with the GEMM's width): what the
-published runs of docs/planning.md reach on A100 (Megatron-LM) and H100 (torchtitan, bf16);
+training step sustain at large GEMMs; narrower GEMMs run below it, by WIDTH_SHARES (the
+rate at a GEMM width over the widest's; dtk.plan.steptime multiplies them, unless the
+user's own measurement, `cluster.matmul_rates`, replaces the curve). The width is the
+harmonic mean of a block's two matmul dimensions on a rank: the hidden size h and the
+tensor-parallel slice f / tp of the feed-forward width (`gemm_width`), so both a small
+model and a thin tp slice lower it. The levels are what the published runs of
+docs/planning.md reach on A100 (Megatron-LM) and H100 (torchtitan, bf16, 500 W parts);
 other parts take their generation's and are not checked against a published run.
 """
 
@@ -30,6 +35,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtk.errors import UserError
+
+MEGATRON_RATES = ((3686, 137.0), (4096, 138.3), (5461, 140.9), (6827, 147.5), (8192, 158.8), (10923, 171.1),
+                  (13653, 182.8), (17067, 183.1))
+"""(GEMM width, TFLOP/s per A100) of Megatron-LM's GPT runs: Narayanan et al. 2021, Efficient
+Large-Scale Language Model Training on GPU Clusters (arXiv 2104.04473), Table 1, the
+achieved TFLOP/s per GPU of each row (its eq. 3, full recompute, seq 2048, feed-forward 4h),
+at the row's gemm_width(h, 4h, t): 1.7B (h 2304, t 1) 137; 3.6B, 7.5B and 18.4B (h 3072 /
+4096 / 6144, t 2 / 4 / 8: all at width 4096) 138, 142, 135, their mean 138.3; then with t = 8
+39.1B 138, 76.1B 140, 145.6B 148, 310.1B 155, 529.6B 163, 1008B 163. A pipeline row's figure
+is scaled by 1 + (p - 1) / m, the bubble the paper's own formula gives its p stages and m
+micro-batches per pipeline (batch / data-parallel size: 48, 56, 96, 144, 280, 512), since
+dtk's step time adds the bubble itself."""
+WIDTH_SHARES = tuple((w, round(r / MEGATRON_RATES[-1][1], 3)) for w, r in MEGATRON_RATES)
+"""The matmul rate at a GEMM width over the widest's (MEGATRON_RATES): 0.75 at width 3686
+to 1.0 from 13653 on, held beyond both ends."""
+
+
+def gemm_width(hidden: int, ffn_hidden: int, tp: int) -> float:
+    """A block's matmul width on a rank: the harmonic mean of the hidden size (the dimension
+    tensor parallelism leaves whole) and the feed-forward width's tp slice."""
+    return 2 / (1 / hidden + tp / ffn_hidden)
 
 
 @dataclass(frozen=True)
@@ -48,7 +74,8 @@ class Accelerator:
     """What `torch.cuda.get_device_name` contains for this part (matched as words, the
     longest pattern of the whole table first, so `GH200` is not read as `H200`)."""
     efficiency: float
-    """Share of the dense peak a large transformer's matmuls sustain in a training step."""
+    """Share of the dense peak a large transformer's matmuls sustain in a training step, at
+    the widest GEMMs of WIDTH_SHARES (narrower ones: that share of it)."""
     nvlink_gbps: float
     """Bus bandwidth per device inside a node (NVLink / NVSwitch / Infinity Fabric / PCIe)."""
     nic_gbps: float
@@ -78,12 +105,12 @@ ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         Accelerator("a100-40gb", 40, 312.0, 312.0, 156.0, 19.5, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"),
-                    0.55, 230.0, 22.0, 25.0,
+                    0.61, 230.0, 22.0, 25.0,
                     f"{_A100} (SXM): BF16/FP16 312, TF32 156 dense, FP32 19.5; 40 GB HBM2; NVLink 3 600 GB/s"
                     " (300 each way); DGX A100: one 200 Gb/s HDR card per GPU"),
-        Accelerator("a100-80gb", 80, 312.0, 312.0, 156.0, 19.5, ("A100",), 0.55, 230.0, 22.0, 25.0,
+        Accelerator("a100-80gb", 80, 312.0, 312.0, 156.0, 19.5, ("A100",), 0.61, 230.0, 22.0, 25.0,
                     f"{_A100} (SXM): as the 40 GB part, 80 GB HBM2e"),
-        Accelerator("a800", 80, 312.0, 312.0, 156.0, 19.5, ("A800",), 0.55, 155.0, 22.0, 25.0,
+        Accelerator("a800", 80, 312.0, 312.0, 156.0, 19.5, ("A800",), 0.61, 155.0, 22.0, 25.0,
                     "NVIDIA A800 SXM4 80GB: the A100's compute and memory with NVLink at 400 GB/s (200 each way)"),
         Accelerator("h100-80gb", 80, 989.5, 989.5, 494.5, 67.0, ("H100 80GB HBM3", "H100 SXM", "H100"),
                     0.40, 360.0, 45.0, 50.0,

@@ -3,7 +3,9 @@ not hide, the pipeline bubble, and the host traffic of CPU offload. Pure arithme
 
     step = compute + exposed communication + bubble + offload
 
-- compute: the step's FLOPs on one device at the accelerator's dense peak x EFFICIENCY.
+- compute: the step's FLOPs on one device at the accelerator's dense peak x its efficiency
+  at the job's GEMM width (dtk.plan.accelerators.WIDTH_SHARES, or the user's measured
+  rates, `cluster.matmul_rates`).
   FLOPs per token are dtk's own count (dtk.train.flops: 6 per matmul weight and 12 x layers
   x hidden x seq_len for attention), plus one more forward (a third of it) per block under
   full activation checkpointing; selective checkpointing recomputes elementwise work only.
@@ -35,6 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dtk.plan.accelerators import gemm_width
 from dtk.plan.comm import fsdp_collectives, traffic
 from dtk.plan.layout import rank_layout, uses_fsdp
 from dtk.plan.memory import Job
@@ -55,22 +58,21 @@ class Speeds:
     """Host <-> device copies per device (PCIe)."""
     shares: tuple[tuple[int, float], ...] = ()
     """Measured (GEMM width, matmul rate at it / the widest's) of `python -m dtk.bench
-    matmul` (cluster.matmul_rates); empty: the efficiency is the same at every width."""
+    matmul` (cluster.matmul_rates), at width hidden / tp; replaces `curve`."""
+    curve: tuple[tuple[int, float], ...] = ()
+    """The default (GEMM width, share of the widest's rate): dtk.plan.accelerators.WIDTH_SHARES
+    at gemm_width; empty: the efficiency is the same at every width."""
 
-    def efficiency_at(self, width: int | None) -> float:
-        """The efficiency of matmuls whose split dimension is `width` (hidden / tp): the
-        table's figure x the measured rate at that width over the widest's, interpolated on
-        log width (the ends held beyond the widths measured)."""
-        if not self.shares or not width:
-            return self.efficiency
-        points = sorted(self.shares)
-        if width <= points[0][0]:
-            return self.efficiency * points[0][1]
-        for (w0, s0), (w1, s1) in zip(points, points[1:], strict=False):
-            if width <= w1:
-                f = math.log(width / w0) / math.log(w1 / w0)
-                return self.efficiency * (s0 + f * (s1 - s0))
-        return self.efficiency * points[-1][1]
+    def efficiency_at(self, width: int | None, gemm: float | None = None) -> float:
+        """The efficiency of matmuls whose split dimension is `width` (hidden / tp) and whose
+        gemm_width is `gemm`: the table's figure x the measured rate at `width` over the
+        widest's where measured, else x the default curve at `gemm`; interpolated on log
+        width, the ends held beyond the widths known."""
+        if self.shares and width:
+            return self.efficiency * _on_log_width(self.shares, width)
+        if self.curve and gemm:
+            return self.efficiency * _on_log_width(self.curve, gemm)
+        return self.efficiency
 
     def across_nodes(self, ranks_per_node: int, tasks_per_node: int) -> float:
         """Bus bandwidth per rank of a collective whose groups cross nodes with
@@ -83,6 +85,16 @@ class Speeds:
         own = min(k, self.nics_per_node) * self.nic_gbps
         shared = self.nics_per_node * self.nic_gbps * k / max(tasks_per_node, 1)
         return min(own, shared, self.intra_gbps)
+
+
+def _on_log_width(points: tuple[tuple[int, float], ...], width: float) -> float:
+    ordered = sorted(points)
+    if width <= ordered[0][0]:
+        return ordered[0][1]
+    for (w0, s0), (w1, s1) in zip(ordered, ordered[1:], strict=False):
+        if width <= w1:
+            return s0 + math.log(width / w0) / math.log(w1 / w0) * (s1 - s0)
+    return ordered[-1][1]
 
 
 OVERLAP = 0.9
@@ -167,7 +179,8 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
     assert shape.seq_len is not None  # flops_per_token counted by it
     tokens = global_batch * shape.seq_len
     width = shape.hidden // d.tp if shape.hidden else None  # the split dimension of each rank's matmuls
-    compute = tokens * hw_fpt / d.world / (hw.peak_tflops * 1e12 * sp.efficiency_at(width))
+    gemm = gemm_width(shape.hidden, shape.ffn_hidden or 4 * shape.hidden, d.tp) if shape.hidden else None
+    compute = tokens * hw_fpt / d.world / (hw.peak_tflops * 1e12 * sp.efficiency_at(width, gemm))
     axes: dict[str, float] = {}
     replicate_window = compute * 2 / 3 / job.num_micro  # the last micro-batch's backward
     for a in traffic(shape, job, tasks_per_node):
@@ -256,7 +269,7 @@ def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = 
     Links, first that applies: the doctor's measured figures (`plan.doctor`), the cluster's
     `intra_node_gbps` / `inter_node_gbps`, the accelerator's row of the table; across nodes
     per network card, `cluster.nics_per_node` of them."""
-    from dtk.plan.accelerators import GENERIC, lookup
+    from dtk.plan.accelerators import GENERIC, WIDTH_SHARES, lookup
 
     if device != "cuda" or not (cluster.peak_tflops or cluster.accelerator):
         return None
@@ -269,7 +282,8 @@ def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = 
         peak = acc.peak_tflops(dtype)
     base = acc or GENERIC
     intra, inter = doctor_links(doctor) if doctor else (None, None)
-    source = f"{acc.name if acc else 'cluster.peak_tflops'} ({peak:g} TFLOP/s dense {dtype} x {base.efficiency:g})"
+    source = (f"{acc.name if acc else 'cluster.peak_tflops'} ({peak:g} TFLOP/s dense {dtype} x {base.efficiency:g}"
+              " at wide GEMMs)")
     if intra or inter:
         source += f", links measured by dtk.doctor ({doctor})"
     nics = cluster.nics_per_node
@@ -278,5 +292,5 @@ def hardware_of(cluster, *, device: str, param_dtype: str, doctor: str | None = 
     if shares:
         source += f", matmul rate by width measured by dtk.bench ({cluster.matmul_rates})"
     speeds = Speeds(base.efficiency, intra or cluster.intra_node_gbps or base.nvlink_gbps,
-                    inter or cluster.inter_node_gbps or base.nic_gbps, nics, base.host_gbps, shares)
+                    inter or cluster.inter_node_gbps or base.nic_gbps, nics, base.host_gbps, shares, WIDTH_SHARES)
     return Hardware(peak, speeds, source)
