@@ -153,7 +153,10 @@ def lab_reference(tmp_path_factory) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def lab():
     """The lab Slurm cluster with 3 nodes, up for the session and down at its end (if this
-    session brought it up)."""
+    session brought it up). The lab is this pytest process's session for as long
+    (dtk.lab.session, `DTK_LAB_SESSION`: its own `python -m dtk.lab` subprocesses are of it):
+    a person's `up` or `down` in the meantime is refused, and a lab another session holds
+    makes the lab's tests skip (fail under CI=true) with that session's name."""
     import lab_support
     from dtk import lab as dtk_lab
 
@@ -162,23 +165,89 @@ def lab():
     yield status
     if not was_up:
         lab_support.lab_down()
+    else:
+        lab_support.lab_release()
 
 
-@pytest.hookimpl(trylast=True)
+LAB_GROUP = "lab"
+GROUPS_KEY = "dtk_groups"  # the folder where each xdist worker writes the lab's test ids
+
+
+def uses_lab(item) -> bool:
+    """Whether a test uses the lab: marked `slurm`, or asking for the `lab` fixture."""
+    return item.get_closest_marker("slurm") is not None or "lab" in getattr(item, "fixturenames", ())
+
+
+def group_of(nodeid: str, lab_ids: set[str]) -> str:
+    """The xdist group a test runs in: every test of the lab in one group, run one after the
+    other (there is one lab on a machine, and its tests restart, drain and fail its nodes);
+    every other test in its file's group, so a module's fixtures (a reference run) are made
+    once. An id that names its group itself (`ID@GROUP`, xdist's own form) keeps it."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[1]
+    if nodeid in lab_ids:
+        return LAB_GROUP
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n N --dist loadgroup`, the README's test command) a worker takes
-    whole groups: every test of the lab is in one group, run one after the other (there is
-    one lab on a machine, and its tests restart, drain and fail its nodes); every other test
-    is in its file's group, so a module's fixtures (a reference run) are made once.
+    """The lab's tests carry `xdist_group("lab")`, and under `--dist loadgroup` each xdist
+    worker writes their ids where the controller's scheduler (LabGroupScheduling) reads them.
 
-    xdist names a grouped test `ID@GROUP` through `item._nodeid`, which pytest 9 no longer
-    reads (it keeps the id in `item._id`), so the grouping is done here, after xdist's hook."""
-    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
-        return
-    from _pytest.nodeid import NodeId
-
+    xdist 3.8 names a marked test `ID@GROUP` through `item._nodeid`, which pytest 9 no longer
+    reads, so the marker alone does not group: the scheduler does, from the ids."""
+    lab_ids = [item.nodeid for item in items if uses_lab(item)]
     for item in items:
-        lab = item.get_closest_marker("slurm") is not None or "lab" in getattr(item, "fixturenames", ())
-        group = "lab" if lab else item.nodeid.split("::", 1)[0]
-        if "@" not in item.nodeid.rsplit("]", 1)[-1]:
-            item._id = NodeId.parse(f"{item.nodeid}@{group}")
+        if item.nodeid in lab_ids:
+            item.add_marker(pytest.mark.xdist_group(LAB_GROUP))
+    folder = getattr(config, "workerinput", {}).get(GROUPS_KEY)
+    if folder:
+        worker = config.workerinput["workerid"]
+        (Path(folder) / f"{worker}.json").write_text(json.dumps(lab_ids))
+
+
+class XdistGroups:
+    """Registered in the xdist controller under `--dist loadgroup`: hands each worker the
+    folder for its lab ids (xdist's public `pytest_configure_node`) and schedules by
+    `group_of` (xdist's public `pytest_xdist_make_scheduler`)."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="dtk-xdist-groups-"))
+
+    def pytest_configure_node(self, node) -> None:
+        node.workerinput[GROUPS_KEY] = str(self.folder)
+
+    def pytest_xdist_make_scheduler(self, config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        folder = self.folder
+
+        class LabGroupScheduling(LoadScopeScheduling):
+            """xdist's loadscope scheduling, with the scope of a test its `group_of`.
+            Called only once every worker has collected, so every worker's ids are written."""
+
+            lab_ids: set[str] | None = None
+
+            def _split_scope(self, nodeid: str) -> str:
+                if self.lab_ids is None:
+                    self.lab_ids = set()
+                    for path in folder.glob("*.json"):
+                        self.lab_ids.update(json.loads(path.read_text()))
+                return group_of(nodeid, self.lab_ids)
+
+        return LabGroupScheduling(config, log)
+
+    def pytest_unconfigure(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def pytest_configure(config):
+    """In the xdist controller under `--dist loadgroup`, schedule by group (XdistGroups)."""
+    controller = config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+    if controller and config.getoption("dist", "no") == "loadgroup" and config.getoption("numprocesses", None):
+        config.pluginmanager.register(XdistGroups(), "dtk-xdist-groups")

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 
 from dtk import lab
+from dtk.lab import session
+from dtk.lab.files import LabLayout
 
 REPO = Path(__file__).resolve().parents[1]
 END = "<!-- end procedure -->"
@@ -56,21 +58,35 @@ def unavailable_reason() -> str | None:
 
 def ensure_lab(nodes: int = 3, *, gpus_per_node: int = 0) -> lab.LabStatus:
     """The lab up with `nodes` idle nodes: a no-op when it already is, a restart when it
-    runs another node count. Never installs packages from a test. A restart ends any job
-    left on the lab (forced): tests use the lab only while they hold its lock
-    (/tmp/dtk-lab.lock), so such a job is a leftover of an earlier test."""
+    runs another node count. Never installs packages from a test. The lab is this test
+    session's (dtk.lab.session; conftest's `lab` fixture names the session): while another
+    session holds it the test skips (fails under CI=true) naming that session. A restart
+    ends any job left on the lab (forced): a job there is a leftover of this session's
+    earlier tests, since no other session may use the lab meanwhile."""
     # Imported here, not at the top: conftest imports this module.
     from conftest import require
 
     reason = unavailable_reason()
     require(reason is None, f"the Slurm lab cannot run here: {reason}")
+    os.environ.setdefault(session.SESSION_ENV, str(os.getpid()))
+    held = session.holder(LabLayout(lab.lab_dir()))
+    require(held is None or session.is_in(held), f"the lab is in use by another session: {held and held.line()}")
     return lab.up(nodes, install=False, force=True, gpus_per_node=gpus_per_node, log=lambda _line: None)
 
 
 def lab_down() -> None:
-    """Stop the lab if it is up; nothing to do on a machine that cannot run it."""
+    """Stop the lab if it is up, and end this session's hold on it; nothing to do on a
+    machine that cannot run it."""
     if unavailable_reason() is None and lab.status().record is not None:
         lab.down(force=True, log=lambda _line: None)
+
+
+def lab_release() -> None:
+    """End this session's hold on the lab and leave the lab up (it was up before the session)."""
+    layout = LabLayout(lab.lab_dir())
+    held = session.holder(layout)
+    if held is not None and session.is_in(held):
+        session.release(layout)
 
 
 def named_process(folder: Path, name: str, *, stdout=None, script: str | None = None) -> subprocess.Popen:

@@ -40,11 +40,11 @@ FROZEN: dict[str, list[str]] = {
                   "run_dir"],
     "dtk.handover": ["--out", "RUN_DIR"],
     "dtk.init": ["--name", "DIR"],
-    "dtk.lab down": ["--force"],
+    "dtk.lab down": ["--force", "--take"],
     "dtk.lab slow": ["NODE", "RATE"],
     "dtk.lab status": [],
     "dtk.lab up": ["--access", "--force", "--gpus-per-node", "--netns", "--no-install", "--nodes", "--preempt-mode {cancel,requeue}",
-                   "--timeout"],
+                   "--take", "--timeout"],
     "dtk.nodes": ["--json", "--readmit", "RUN_DIR|RUN_ROOT"],
     "dtk.parallel.count": ["(no arguments)"],
     "dtk.worker.forkserver": ["(no arguments)"],  # the local driver's worker factory, fed on stdin

@@ -1,4 +1,4 @@
-"""python -m dtk.lab up [--nodes N] [--gpus-per-node G] [--netns] [--preempt-mode {requeue,cancel}] [--no-install] [--force] | status | slow NODE RATE | down [--force]"""
+"""python -m dtk.lab up [--nodes N] [--gpus-per-node G] [--netns] [--preempt-mode {requeue,cancel}] [--no-install] [--force] [--take] | status | slow NODE RATE | down [--force] [--take]"""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import time
 
 from dtk.errors import ArgumentParser, run_cli
 from dtk.lab import access as lab_access
-from dtk.lab import cluster, files, netns
+from dtk.lab import cluster, files, netns, session
 from dtk.lab.daemons import DaemonError
 from dtk.lab.programs import LabError
+
+TAKE_HELP = ("take the lab over from another session that holds it (one whose process has ended is taken over"
+             " without it); that session's jobs and tests then run on a lab that may change under them")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long to wait for every node to be idle (default 60)")
     start.add_argument("--force", action="store_true",
                        help="restart with another node count even though jobs are on the lab (they end)")
+    start.add_argument("--take", action="store_true", help=TAKE_HELP)
     start.add_argument("--access", metavar="FILE", default=None,
                        help="an access policy (conf/access/NAME.yaml, or its NAME): partitions admit its submitter "
                             "group only (AllowGroups), and its account only, with accounting, when it names one; "
@@ -53,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop = commands.add_parser("down", help="stop every process the lab started (root); refused while jobs "
                                             "are on the lab")
     stop.add_argument("--force", action="store_true", help="stop it even though jobs are on the lab (they end)")
+    stop.add_argument("--take", action="store_true", help=TAKE_HELP)
     return parser
 
 
@@ -68,6 +73,8 @@ def describe(status: cluster.LabStatus) -> str:
     if record.started_by:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started_at))
         lines.append(f"started by {record.started_by} on {record.host} at {since}")
+    held = session.holder(status.layout)
+    lines.append(f"session: {held.line()}" if held else "session: none (the next up takes the lab)")
     if status.jobs is None:
         lines.append("jobs: unknown (the controller does not answer)")
     elif not status.jobs:
@@ -104,14 +111,15 @@ def main(argv: list[str]) -> int:
             before = cluster.status()
             state = lab_access.current(before.layout) if before.record is not None else None
             status = cluster.up(args.nodes, install=not args.no_install, timeout_s=args.timeout, force=args.force,
-                                netns=args.netns, gpus_per_node=args.gpus_per_node, preempt_mode=args.preempt_mode)
+                                netns=args.netns, gpus_per_node=args.gpus_per_node, preempt_mode=args.preempt_mode,
+                                take=args.take)
             policy = lab_access.kept(args.access, state=state, log=print)
             lab_access.apply(policy, layout=status.layout, system=files.system_files(),
                              install=not args.no_install, timeout_s=args.timeout, log=print)
         elif args.command == "slow":
             cluster.slow(args.node, None if args.rate == "off" else args.rate)
         else:
-            cluster.down(force=args.force)
+            cluster.down(force=args.force, take=args.take)
     except (DaemonError, OSError) as exc:
         # Files under /etc or the lab folder, or a daemon that would not stop: the
         # message names the path or the pid, which is what the user needs.

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtk.lab import daemons, files, gres, netns, ownership
+from dtk.lab import daemons, files, gres, netns, ownership, session
 from dtk.lab.daemons import Daemon, DaemonError
 from dtk.lab.files import LabLayout, SystemFiles
 from dtk.lab.jobs import LabJob, lab_jobs
@@ -83,11 +83,12 @@ def status(*, root: Path | None = None) -> LabStatus:
 
 def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, timeout_s: float = 60.0,
        force: bool = False, netns: bool = False, gpus_per_node: int = 0, preempt_mode: str = "requeue",
-       log: Log = print) -> LabStatus:
+       take: bool = False, log: Log = print) -> LabStatus:
     """Bring the lab up with `num_nodes` idle nodes, each in a network namespace of its own
     with `netns` (dtk.lab.netns) and with `gpus_per_node` GPUs that Slurm schedules
     (dtk.lab.gres), and a preemption that requeues or (`preempt_mode="cancel"`) ends a job;
-    see the module doc for what it keeps."""
+    see the module doc for what it keeps. The lab is then this process's session's
+    (dtk.lab.session): refused while another session holds it, unless `take`."""
     if not 1 <= num_nodes <= MAX_NODES:
         raise LabError(f"--nodes={num_nodes} is out of range: the lab runs 1 to {MAX_NODES} nodes")
     try:
@@ -102,11 +103,13 @@ def up(num_nodes: int = 3, *, install: bool = True, root: Path | None = None, ti
         raise LabError(ownership.refusal(signs))
     _prepare_dir(layout)
     with _locked(layout):
+        session.check(layout, doing="python -m dtk.lab up", take=take)
         record = read_record(layout)
         strangers = ownership.strangers(layout, record)  # again: another `up` may have run meanwhile
         if strangers:
             raise LabError(ownership.refusal(["processes that the lab did not start are running: "
                                               + ", ".join(ownership.describe(p) for p in strangers)]))
+        session.claim(layout, doing="python -m dtk.lab up", take=take)
         if record is not None:
             dead = [d for d in record.daemons if not daemons.is_alive(d)]
             same = (record.num_nodes, record.netns, record.num_gpus) == (num_nodes, netns, gpus_per_node)
@@ -148,22 +151,26 @@ def _gpus(gpus_per_node: int) -> str:
     return f", {gpus_per_node} GPUs each (GRES, on two sockets)" if gpus_per_node else ""
 
 
-def down(*, root: Path | None = None, force: bool = False, log: Log = print) -> None:
-    """Stop every process of the lab: its job steps, its daemons. Refused while jobs are
-    on the lab, unless `force`."""
+def down(*, root: Path | None = None, force: bool = False, take: bool = False, log: Log = print) -> None:
+    """Stop every process of the lab: its job steps, its daemons, and end its session.
+    Refused while jobs are on the lab, unless `force`, and while another session holds it
+    (dtk.lab.session), unless `take`."""
     require_root("down")
     layout = LabLayout(root or lab_dir())
     if not layout.marker.exists():
         log(f"lab is not up (no lab in {layout.root})")
         return
     with _locked(layout):
+        session.check(layout, doing="python -m dtk.lab down" + " --force" * force, take=take)
         record = read_record(layout)
         census = ownership.census(layout, record)
         if record is None and not (census.ours or census.steps) and netns.owner() != str(layout.root):
+            session.release(layout)
             log(f"lab is not up ({layout.root})")
             return
         _refuse_busy(layout, files.system_files(), record, force, "stopping the lab")
         _stop_all(layout, record or LabRecord(0), log)
+        session.release(layout)
         log("lab is down")
 
 
@@ -175,6 +182,7 @@ def slow(node: str, rate: str | None, *, root: Path | None = None, log: Log = pr
     if read_record(layout) is None:
         raise LabError(f"no lab is running from {layout.root}; start one with python -m dtk.lab up --netns")
     with _locked(layout):
+        session.check(layout, doing=f"python -m dtk.lab slow {node}")
         record = read_record(layout)
         if record is None or not record.netns:
             raise LabError("`python -m dtk.lab slow` needs a lab whose nodes have network namespaces of their own"

@@ -99,6 +99,11 @@ class LabLayout:
         return self.root / "lock"
 
     @property
+    def session(self) -> Path:
+        """Who is using the lab (dtk.lab.session): `up` records it, `down` ends it."""
+        return self.root / "session.json"
+
+    @property
     def state_dir(self) -> Path:
         return self.root / "state"
 
