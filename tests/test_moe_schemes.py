@@ -1,0 +1,114 @@
+"""The mixture of experts (model=moe) end to end (real `python -m dtk.submit` runs on CPU gloo
+workers) against one process: under plain DDP on 2 ranks, ep=2 x dp_shard=2, ep=2 x
+dp_shard=4 (losses per step, validation losses, final parameters); and a checkpoint written
+under ep=2 resumes under ep=1 and one written under ep=1 resumes under ep=2, each
+continuing the one-process losses, with ep in the checkpoint's layout record.
+
+Tolerances: the loss per step within 1e-4 absolute (issue 34), measured far below (see the
+report of the largest difference on failure); parameters after 8 steps within rtol 1e-5,
+atol 5e-5 (Adam turns a rounding difference of a near-zero gradient into a visible step).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_cp_schemes import validation
+from test_schemes import assert_parameters_close, final_parameters
+
+from conftest import dtk, losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+JOB = [
+    "model=moe",
+    "train.steps=8",
+    "train.global_batch=8",
+    "optim.warmup_steps=2",
+    "checkpoint.every=4",
+    "train.eval_every=4",
+]
+LOSS_ATOL, PARAM_ATOL = 1e-4, 5e-5
+
+CASES = {
+    "moe_ddp": ["tasks_per_node=2", "+scheme=ddp"],
+    "ep2_dp2": ["tasks_per_node=2", "+scheme=ep", "scheme.ep=2"],
+    "ep2_dp4": ["tasks_per_node=4", "+scheme=ep", "scheme.ep=2"],
+}
+
+
+def train(root: Path, *overrides: str) -> Path:
+    proc = dtk("dtk.submit", *JOB, *overrides, f"run.root={root}", "run.name=run", cwd=root)
+    assert proc.returncode == 0, f"{overrides}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    return train(tmp_path_factory.mktemp("reference"), "tasks_per_node=1")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            done[name] = train(tmp_path_factory.mktemp(name), *CASES[name])
+        return done[name]
+
+    return get
+
+
+def _close(got: dict[int, float], want: dict[int, float]) -> None:
+    worst = max(abs(got[s] - want[s]) for s in want)
+    assert worst <= LOSS_ATOL, f"largest loss difference {worst:.2e} over steps {sorted(want)}"
+    print(f"largest loss difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_matches_one_process(name, reference, runs):
+    run = runs(name)
+    want, got = losses(reference), losses(run)
+    assert sorted(got) == list(range(1, 9))
+    _close(got, want)
+    want_val, got_val = validation(reference), validation(run)
+    assert sorted(got_val) == [4, 8]
+    _close(got_val, want_val)
+    assert_parameters_close(final_parameters(run), final_parameters(reference), PARAM_ATOL)
+
+
+def _continue(source: Path, tmp_path: Path, *overrides: str) -> dict[int, float]:
+    """The source run's checkpoint of step 4 continued to step 8 under `overrides`."""
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000008")
+    (run / "summary.json").unlink()
+    before = len((run / "metrics.jsonl").read_text().splitlines())
+    proc = dtk("dtk.submit", *JOB, *overrides, f"run.root={tmp_path}", "run.name=run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+              if e["event"] == "checkpoint_loaded"]
+    assert loaded and loaded[-1]["step"] == 4
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[before:]]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _layout_record(run: Path, step: int) -> dict:
+    manifest = json.loads((run / "checkpoints" / f"step_{step:08d}" / "manifest.json").read_text())
+    return manifest["mesh"]
+
+
+def test_an_ep_checkpoint_continues_without_ep_and_back(reference, runs, tmp_path):
+    source = runs("ep2_dp2")
+    assert _layout_record(source, 4)["ep"] == 2
+    continued = _continue(source, tmp_path / "to_ep1", "tasks_per_node=2", "+scheme=fsdp")
+    assert sorted(continued) == [5, 6, 7, 8]
+    _close(continued, {s: v for s, v in losses(reference).items() if s > 4})
+    assert _layout_record(tmp_path / "to_ep1" / "run", 8)["ep"] == 1
+    back = _continue(runs("moe_ddp"), tmp_path / "to_ep2", *CASES["ep2_dp4"])
+    assert sorted(back) == [5, 6, 7, 8]
+    _close(back, {s: v for s, v in losses(reference).items() if s > 4})
