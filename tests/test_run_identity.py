@@ -65,7 +65,7 @@ IDENTITY_FIELDS = {
     schema.TaskConfig: {"_target_", "form", "inputs"},
     schema.ModelConfig: {"_target_", "kwargs"},
     schema.SchemeConfig: {"grad_compression", "powersgd_rank"},
-    schema.SyncConfig: {"mode", "every", "outer_lr", "outer_momentum", "outer_nesterov", "dtype"},
+    schema.SyncConfig: {"mode", "every", "outer_lr", "outer_momentum", "outer_nesterov", "dtype", "fragments"},
 }
 
 

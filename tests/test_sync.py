@@ -128,3 +128,79 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_replicas_differ
     assert torch.equal(bf16_0[-1], bf16_1[-1]) and not torch.equal(bf16_0[-1], nesterov0[-1])
     torch.testing.assert_close(bf16_0[-1], nesterov0[-1], rtol=0, atol=1e-3)
 
+
+
+def _reference_diloco(rank: int, world: int, every: int, fragments: list[list[int]]) -> list[torch.Tensor]:
+    """DiLoCo written out plainly: after step s, each fragment f with s % every == f x every/F
+    all-reduces its own deltas and one Nesterov SGD per fragment steps its anchors."""
+    model = _model()
+    params = list(model.parameters())
+    anchors = [p.detach().clone().requires_grad_(True) for p in params]
+    outers = [torch.optim.SGD([anchors[i] for i in frag], lr=0.7, momentum=0.9, nesterov=True) for frag in fragments]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stride = every // len(fragments)
+    after = []
+    for index, (x, y) in enumerate(_batches(world)):
+        _step(model, opt, _share(x, rank, world), _share(y, rank, world))
+        step = index + 1
+        for f, frag in enumerate(fragments):
+            if step % every != f * stride:
+                continue
+            with torch.no_grad():
+                flat = torch.cat([(anchors[i] - params[i]).reshape(-1) for i in frag])
+                dist.all_reduce(flat)
+                flat.div_(world)
+                offset = 0
+                for i in frag:
+                    n = anchors[i].numel()
+                    anchors[i].grad = flat[offset:offset + n].view_as(anchors[i]).clone()
+                    offset += n
+                outers[f].step()
+                outers[f].zero_grad(set_to_none=True)
+                for i in frag:
+                    params[i].copy_(anchors[i])
+        after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return after
+
+
+def _fragments(rank: int, world: int) -> tuple:
+    from dtk.train.sync import fragments_of
+
+    whole = _inner_steps(rank, world, SyncConfig(mode=SyncMode.diloco, every=3))
+    one = _reference_diloco(rank, world, 3, [[0, 1, 2, 3]])
+    cut = fragments_of([p.numel() for p in _model().parameters()], 2)
+    two = _inner_steps(rank, world, SyncConfig(mode=SyncMode.diloco, every=2, fragments=2))
+    two_reference = _reference_diloco(rank, world, 2, cut)
+    return whole, one, cut, two, two_reference
+
+
+def test_fragments_are_synchronized_in_turn_and_one_fragment_is_the_whole_model(tmp_path):
+    ranks = run_on_ranks(_fragments, 2, tmp_path)
+    (whole0, _), one0, cut, (two0, syncs), two_reference0 = ranks[0]
+    (_, _), _, _, (two1, _), _ = ranks[1]
+    # sync.fragments=1 (the default) is the whole model at once, bit for bit the plain algorithm
+    assert all(torch.equal(a, b) for a, b in zip(whole0, one0, strict=True))
+    # two fragments of the 6x16, 16, 16x3, 3 model: whole tensors, in order; the first closes at
+    # the tensor where the running total reaches half the elements (96 of 163)
+    assert cut == [[0], [1, 2, 3]]
+    assert syncs == STEPS  # every step one fragment: 0 after even steps, 1 after odd ones
+    assert all(torch.equal(a, b) for a, b in zip(two0, two_reference0, strict=True))
+    first = 96
+    for step, (p0, p1) in enumerate(zip(two0, two1, strict=True), start=1):
+        synced, own = (p0[:first], p1[:first]), (p0[first:], p1[first:])
+        if step % 2:  # fragment 1 synchronized, fragment 0 has one inner step of its own
+            synced, own = own, synced
+        assert torch.equal(*synced), step
+        assert not torch.equal(*own), step
+
+
+def test_the_fragment_cut_takes_whole_tensors_and_refuses_more_fragments_than_tensors():
+    from dtk.errors import UserError
+    from dtk.train.sync import fragments_of
+
+    assert fragments_of([10, 10, 10, 10], 1) == [[0, 1, 2, 3]]
+    assert fragments_of([10, 10, 10, 10], 4) == [[0], [1], [2], [3]]
+    assert fragments_of([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert fragments_of([1, 1, 1, 100], 3) == [[0, 1], [2], [3]]  # each later fragment keeps one tensor
+    with pytest.raises(UserError, match=r"sync.fragments=5: the model has 4 trainable tensors"):
+        fragments_of([10, 10, 10, 10], 5)

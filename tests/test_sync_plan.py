@@ -25,6 +25,10 @@ from tests.conftest import run_main
     (["+sync=diloco", "+scheme=ddp", "scheme.grad_compression=bf16"], "exchange no gradients every step"),
     (["+sync=diloco", "checkpoint.memory_every=5"], "checkpoint.memory_every=5"),
     (["+sync=local_sgd", "sync.dtype=bfloat16"], "sync.dtype=bfloat16 with +sync=local_sgd"),
+    (["+sync=diloco", "sync.fragments=0"], "sync.fragments=0: expected a number of fragments >= 1"),
+    (["+sync=diloco", "sync.every=8", "sync.fragments=3"],
+     "sync.fragments=3 does not divide sync.every=8: fragments are synchronized every/fragments steps apart;"
+     " try sync.fragments in [1, 2, 4, 8]"),
     (["+scheme=fsdp", "scheme.grad_compression=bf16"], "scheme.grad_compression=bf16 compresses DDP"),
     (["+scheme=ddp", "tasks_per_node=1", "scheme.grad_compression=powersgd"], "one data-parallel rank"),
     (["+scheme=ddp", "scheme.grad_compression=powersgd", "scheme.powersgd_rank=0"], "scheme.powersgd_rank=0"),

@@ -1,8 +1,9 @@
 """`+sync` runs end to end (real `python -m dtk.submit`, gloo workers, DCP checkpoints):
 two identical runs give identical losses, and a run killed between two synchronizations
-(its newest checkpoint holds replicas that differ) resumes bit for bit; the same run on
-another number of replicas is refused with one line. The same for DDP with PowerSGD
+(its newest checkpoint holds replicas that differ) resumes bit for bit, also between two
+fragments' synchronizations (sync.fragments). The same for DDP with PowerSGD
 (scheme.grad_compression=powersgd), killed after its warm-up: its error feedback resumes.
+On another number of replicas a run continues from the last synchronized parameters.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ CASES = {  # name -> overrides, the step to kill after
     "local_sgd": (["+sync=local_sgd", *SYNC, "tasks_per_node=2"], 7),
     "diloco": (["+sync=diloco", *SYNC, "tasks_per_node=2"], 7),
     "diloco_fsdp_inside": (["+sync=diloco", *SYNC, "+scheme=hsdp", "scheme.dp_replicate=2", "tasks_per_node=4"], 7),
+    # two fragments: one synchronizes after each even step (0 at 4, 8, ...; 1 at 2, 6, ...), saves at odd ones
+    "diloco_fragments": (["+sync=diloco", *SYNC, "sync.fragments=2", "tasks_per_node=2"], 7),
     # PowerSGD compresses after its warm-up: killed after the save of step 15, its state is in use
     "powersgd": (["+scheme=ddp", "scheme.grad_compression=powersgd", "train.steps=20", "tasks_per_node=2"], 16),
 }
@@ -110,15 +113,62 @@ def test_identical_runs_are_identical_and_a_kill_between_syncs_resumes_bitwise(c
 
     run = tmp_path / "r"
     kill_after(job(case, tmp_path, "r"), tmp_path, run, step=CASES[case][1])
-    if case == "diloco":  # the same run on 4 replicas: one line, nothing trained
-        more = [a if a != "tasks_per_node=2" else "tasks_per_node=4" for a in job(case, tmp_path, "r")]
-        proc = dtk("dtk.submit", *more, cwd=tmp_path, timeout=300)
-        assert proc.returncode != 0
-        assert "written by 2 data-parallel replicas and this job has 4" in proc.stdout + proc.stderr
     finish(job(case, tmp_path, "r"), tmp_path)
     loaded = events(run, "checkpoint_loaded")
     if case == "powersgd":
         assert loaded and all(e["step"] > POWERSGD_WARMUP for e in loaded), loaded
-    else:
-        assert loaded and all(e["step"] % EVERY for e in loaded), loaded  # resumed between two synchronizations
+    else:  # resumed between two synchronizations (of the model, or of each fragment)
+        assert loaded and all(e["step"] % (EVERY // 2 if case == "diloco_fragments" else EVERY) for e in loaded), loaded
     assert losses(run) == reference
+    assert not events(run, "sync_replicas_changed")
+
+
+def replicas(args: list[str], count: int) -> list[str]:
+    return [a if not a.startswith("tasks_per_node=") else f"tasks_per_node={count}" for a in args]
+
+
+def test_another_replica_count_continues_from_the_last_synchronized_parameters(tmp_path):
+    """4 -> 2 replicas from a checkpoint at a synchronization: every replica held the
+    synchronized parameters, so the first step after the resume has the loss the 4 replicas
+    had there (the same parameters on the same global batch). 2 -> 4 between two fragments'
+    synchronizations: the replicas' inner steps since the oldest fragment's last
+    synchronization are dropped, said in an event and a line; the run ends with one model."""
+    at_sync = ["+sync=diloco", "sync.every=4", "train.steps=12", "checkpoint.every=4", "tasks_per_node=4",
+               "train.global_batch=32", "train.micro_batch=8", "train.log_every=1000", "fault.max_restarts=0",
+               f"run.root={tmp_path}"]
+    finish([*at_sync, "run.name=four"], tmp_path)
+    reference = losses(tmp_path / "four")
+    run = tmp_path / "shrunk"
+    kill_after([*at_sync, "run.name=shrunk"], tmp_path, run, step=9)
+    finish(replicas([*at_sync, "run.name=shrunk"], 2), tmp_path)
+    (loaded,) = events(run, "checkpoint_loaded")
+    step = loaded["step"]
+    assert step % 4 == 0 and loaded["from_world_size"] == 4
+    (changed,) = events(run, "sync_replicas_changed")
+    assert changed == {**changed, "step": step, "from_replicas": 4, "replicas": 2, "synced_at": step,
+                       "inner_steps_dropped": 0}
+    after = losses(run)
+    assert after[step + 1][1] == reference[step + 1][1]  # the same samples
+    assert abs(after[step + 1][0] - reference[step + 1][0]) <= 1e-5 * reference[step + 1][0]
+    assert sorted(after) == list(range(1, 13))
+
+    between = ["+sync=diloco", "sync.every=4", "sync.fragments=2", *JOB, "train.steps=18", "tasks_per_node=2",
+               "run.name=grown", f"run.root={tmp_path}"]
+    run = tmp_path / "grown"
+    kill_after(between, tmp_path, run, step=7)
+    proc = dtk("dtk.submit", *replicas(between, 4), cwd=tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (loaded,) = events(run, "checkpoint_loaded")
+    step = loaded["step"]
+    assert step % 2 == 1, loaded  # saves at 5, 10, 15: 5 or 15 lie between two fragments' synchronizations
+    (changed,) = events(run, "sync_replicas_changed")
+    # fragment 0 synchronizes after the steps 4, 8, ..., fragment 1 after 2, 6, ...: the older one counts
+    synced_at = min(step - step % 4, step - (step - 2) % 4)
+    assert changed == {**changed, "step": step, "from_replicas": 2, "replicas": 4, "synced_at": synced_at,
+                       "inner_steps_dropped": step - synced_at}
+    log = (sorted((run / "logs").glob("start_*"))[-1] / "rank_0.log").read_text()
+    assert "written by 2 replicas and this job has 4: every replica continues from the last synchronized" in log
+    path = run / "checkpoints" / "step_00000018"
+    saved = load_model_state(path, json.loads((path / "manifest.json").read_text()))
+    for name, tensor in synchronized(saved).items():
+        assert all(torch.equal(saved[f"replica{r}.{name}"], tensor) for r in range(4)), name

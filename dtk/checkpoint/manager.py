@@ -146,6 +146,9 @@ class CheckpointManager:
                     self._rejected.add(step)  # a save of this step may replace it
                 continue
             self.scheduler.load_state_dict(state["scheduler"])
+            for module, _ in self.parts:  # told the step it resumed (+sync: another replica count)
+                if (after_load := getattr(module, "after_load", None)) is not None:
+                    after_load(state["step"], self.run if self.rank == 0 else None)
             assert state["samples_consumed"] == state["step"] * self.global_batch, "data position and step disagree"
             self.verified_step = self._last_step = step
             self._last_save_t = time.monotonic()
@@ -216,13 +219,9 @@ class CheckpointManager:
                 f"train.global_batch={self.global_batch}: checkpoint {path.name} was written with"
                 f" global batch {manifest['global_batch']}; the data position would not match"
             )
-        replicas = self.identity.get("sync_replicas")  # +sync: one state per replica (dtk.train.sync)
-        if replicas is not None and manifest.get("sync_replicas") != replicas:
-            raise UserError(
-                f"checkpoint {path.name} of this +sync run was written by {manifest.get('sync_replicas')} data-parallel"
-                f" replicas and this job has {replicas}: each replica's parameters and optimizer state since the last"
-                " synchronization are its own; run on as many replicas as wrote it, or start a new run (another run.name)"
-            )
+        for module, _ in self.parts:  # a part that adapts its keys to the checkpoint (+sync: dtk.train.sync.Anchor)
+            if (before_load := getattr(module, "before_load", None)) is not None:
+                before_load(manifest)
 
     def _reject(self, step: int, path, reason: str) -> None:
         if self.rank == 0:

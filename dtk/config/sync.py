@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dtk.config.choices import SyncDtype, SyncMode
 from dtk.config.fields import IDENTITY
+from dtk.errors import UserError
 
 
 @dataclass
@@ -26,3 +27,19 @@ class SyncConfig:
     """diloco: Nesterov momentum in the outer SGD (the DiLoCo paper's). Needs outer_momentum > 0."""
     dtype: SyncDtype = field(default=SyncDtype.float32, metadata=IDENTITY)
     """diloco: what the replicas all-reduce of their deltas: `float32`, or `bfloat16` (half the bytes; the sum is taken in bfloat16). local_sgd averages the parameters themselves and takes float32 only."""
+    fragments: int = field(default=1, metadata=IDENTITY)
+    """Streaming: the parameters cut into this many fragments (whole tensors, in the model's order, about equal in elements), synchronized in turn: fragment f after the steps s with s % every == f x every/fragments, each every `every` steps, so one all-reduce of 1/fragments of the model every every/fragments steps. Must divide `every`, and be at most the model's number of trainable tensors. 1: the whole model at once."""
+
+
+def check_fragments(sync: SyncConfig | None) -> None:
+    """sync.fragments on its own and against sync.every (the cut against the model's tensors
+    is the worker's check: dtk.train.sync.fragments_of)."""
+    if sync is None:
+        return
+    if sync.fragments < 1:
+        raise UserError(f"sync.fragments={sync.fragments}: expected a number of fragments >= 1, like 2 (1: the whole"
+                        " model synchronizes at once)")
+    if sync.every % sync.fragments:
+        fits = [f for f in range(1, sync.every + 1) if sync.every % f == 0]
+        raise UserError(f"sync.fragments={sync.fragments} does not divide sync.every={sync.every}: fragments are"
+                        f" synchronized every/fragments steps apart; try sync.fragments in {fits}")

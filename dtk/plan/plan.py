@@ -18,6 +18,7 @@ from dtk.config.convert import builtin_transformer, from_dict, to_dict
 from dtk.config.fabric import PlanConfig
 from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig, SchemeConfig
+from dtk.config.sync import check_fragments
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES
 from dtk.plan.degrees import Degrees, check_cp_task, check_scheme, micro_batch_size, resolve_degrees
@@ -208,6 +209,7 @@ def make_plan(
     check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
     check_compression(scheme, degrees)
     check_sync(cfg.sync, scheme, degrees, memory_every=ckpt.memory_every)
+    check_fragments(cfg.sync)
     if whatif:
         check_whatif(degrees, whatif, virtual_stages=scheme.pp_virtual_stages)
     if degrees.pp > 1 and cfg.model._target_ == HF_TARGET:
