@@ -89,9 +89,11 @@ def lab_release() -> None:
         session.release(layout)
 
 
-def named_process(folder: Path, name: str, *, stdout=None, script: str | None = None) -> subprocess.Popen:
+def named_process(folder: Path, name: str, *, stdout=None, script: str | None = None,
+                  cwd: Path | None = None) -> subprocess.Popen:
     """A real process named `name` (say `slurmstepd`): a link to sleep 300, or a shell
-    script, in `folder`/bin. The kernel names a process after the file it executes."""
+    script, in `folder`/bin, working in `cwd` (default: this process's folder). The kernel
+    names a process after the file it executes."""
     bin_dir = folder / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     path = bin_dir / name
@@ -102,7 +104,7 @@ def named_process(folder: Path, name: str, *, stdout=None, script: str | None = 
         path.write_text("#!/bin/sh\n" + script)
         path.chmod(0o755)
         argv = [str(path)]
-    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL, cwd=cwd)
     for _ in range(200):  # until exec has renamed it
         if psutil.Process(proc.pid).name() == name:
             return proc

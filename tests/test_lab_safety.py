@@ -219,6 +219,34 @@ def test_down_stops_the_labs_processes_and_leaves_a_namesake_alone(tmp_path, rea
     assert namesake.poll() is None
 
 
+def test_a_job_step_holding_no_file_yet_is_the_labs_by_its_working_folder(tmp_path, reaper):
+    """A slurmstepd that is starting (or ending) holds no file under the lab's folder, and,
+    reparented to init, is no child of a slurmd; it works in its slurmd's folder (the lab's
+    log folder), which is what makes it the lab's. Before, such a step made `up` refuse as
+    a stranger unless it opened its log within 10 s."""
+    require(os.geteuid() == 0, "reading another process's working folder needs root")
+    layout = files.LabLayout(tmp_path / "lab")
+    layout.log_dir.mkdir(parents=True)
+    layout.marker.touch()
+    starting = named_process(tmp_path, "slurmstepd", cwd=layout.log_dir)
+    (tmp_path / "elsewhere").mkdir()
+    namesake = named_process(tmp_path / "elsewhere", "slurmstepd", cwd=tmp_path / "elsewhere")
+    reaper += [starting, namesake]
+    assert not ownership.holds_file_under(psutil.Process(starting.pid), layout.root)
+    census = ownership.census(layout, None)
+    assert starting.pid in {p.pid for p in census.steps}
+    assert {p.pid for p in ownership.strangers(layout, None)} & {starting.pid, namesake.pid} == {namesake.pid}
+
+
+def test_a_process_that_is_gone_or_exiting_has_no_working_folder(tmp_path):
+    proc = subprocess.Popen(["sleep", "300"], cwd=tmp_path)
+    found = psutil.Process(proc.pid)
+    assert ownership.working_folder(found) == tmp_path
+    proc.kill()
+    proc.wait()
+    assert ownership.working_folder(found) is None
+
+
 def test_hosts_is_replaced_whole_keeping_its_mode(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n")

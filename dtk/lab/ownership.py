@@ -7,9 +7,14 @@ sign it saw), and whatever it does, it signals only its own processes:
 
 - the daemons it started, by the pid and start time in its record;
 - the job steps of its nodes: a slurmstepd is forked twice by its slurmd and so is not
-  its descendant, but it keeps its node's log open, and that log lives in the lab
-  directory;
+  its descendant, but it works in its slurmd's folder (slurmd changes into its log's
+  folder, and a slurmstepd, forked from it, starts there and stays), which is under the
+  lab directory, from its fork to its exit; it also keeps its node's log there open,
+  though not yet while it starts nor any more while it ends;
 - everything that descends from those two.
+
+A Slurm process that is exiting (its working folder already released, not yet a zombie)
+is nobody's: it is neither stopped nor taken for another cluster's.
 
 Nothing is ever chosen by process name alone.
 """
@@ -17,7 +22,6 @@ Nothing is ever chosen by process name alone.
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -53,9 +57,12 @@ def census(layout: LabLayout, record: LabRecord | None) -> Census:
     for proc in psutil.process_iter(["name", "ppid"]):
         table[proc.pid] = proc
         children[proc.info["ppid"]].append(proc.pid)
-    named = [p for p in table.values() if p.info["name"] in CLUSTER_PROGRAMS and daemons.running(p)]
+    folders = {p.pid: working_folder(p) for p in table.values()
+               if p.info["name"] in CLUSTER_PROGRAMS and daemons.running(p)}
+    named = [table[pid] for pid, folder in folders.items() if folder is not None]  # not those exiting
     recorded = {p.pid for d in (record.daemons if record else ()) if (p := daemons.find_process(d))}
-    holders = {p.pid for p in named if p.pid not in recorded and holds_file_under(p, layout.root)}
+    holders = {p.pid for p in named if p.pid not in recorded
+               and (_under(folders[p.pid], layout.root) or holds_file_under(p, layout.root))}
     step_roots = {pid for pid in holders if table[pid].info["name"] == "slurmstepd"}
     steps = _subtree(step_roots, children)
     ours = _subtree(recorded | holders, children) - steps
@@ -67,17 +74,27 @@ def census(layout: LabLayout, record: LabRecord | None) -> Census:
     )
 
 
-def strangers(layout: LabLayout, record: LabRecord | None, *, settle_s: float = 10.0) -> tuple[psutil.Process, ...]:
-    """The census's foreign processes, looked at again while they are only slurmstepds: a
-    job step of the lab that is starting or ending may hold no file under the lab's folder
-    for a moment (and, reparented to init, is no child of a recorded slurmd). One that still
-    holds none after `settle_s` is taken for another cluster's."""
-    deadline = time.monotonic() + settle_s
-    found = census(layout, record).foreign
-    while found and all(p.info["name"] == "slurmstepd" for p in found) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        found = census(layout, record).foreign
-    return found
+def strangers(layout: LabLayout, record: LabRecord | None) -> tuple[psutil.Process, ...]:
+    """The Slurm and munge processes that are not the lab's (the census's foreign). A job
+    step of the lab that is starting or ending, holding no file under the lab's folder yet
+    or any more, is the lab's by its working folder, so none is taken for a stranger."""
+    return census(layout, record).foreign
+
+
+def working_folder(proc: psutil.Process) -> Path | None:
+    """The process's working folder; None while it exits (the kernel has released it) or
+    when it is gone. A process whose folder cannot be read (not root) counts as in `/`."""
+    try:
+        folder = proc.cwd()
+    except psutil.AccessDenied:
+        return Path("/")
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, FileNotFoundError, ProcessLookupError):
+        return None
+    return Path(folder) if folder else None
+
+
+def _under(folder: Path | None, root: Path) -> bool:
+    return folder is not None and folder.is_relative_to(root)
 
 
 def _subtree(roots: Iterable[int], children: Mapping[int, list[int]]) -> set[int]:
