@@ -137,6 +137,17 @@ def test_a_1gbit_link_gets_the_advice_to_synchronize_less_or_compress(tmp_path):
     assert "quality: measured at sync.every=8" in text
 
 
+def test_an_option_that_does_not_fit_says_so(tmp_path):
+    out = _plan_json(tmp_path, ONE_GBIT)
+    diloco = next(o for o in out["weak_link"]["options"] if o["kind"] == "diloco")
+    tight = (out["per_device_bytes"]["total"] + diloco["extra_bytes"] // 2) / 1e9  # room for half of what it adds
+    text = run_main("dtk.plan", *WEAK, ONE_GBIT, f"cluster.device_memory_gb={tight}", cwd=tmp_path).stdout
+    line = next(line for line in text.splitlines() if line.startswith("weak link   +sync=diloco"))
+    assert "which does NOT fit" in line
+    roomy = run_main("dtk.plan", *WEAK, ONE_GBIT, cwd=tmp_path).stdout
+    assert "does NOT fit" not in roomy
+
+
 def test_a_fast_link_and_a_sync_run_get_no_advice(tmp_path):
     fast = _plan_json(tmp_path, INFINIBAND)
     assert fast["weak_link"]["options"] == [] and fast["weak_link"]["exchange_share"] < 0.5
@@ -229,3 +240,20 @@ def test_report_holds_a_real_sync_run_against_the_plans_amortised_step(tmp_path)
     out = dtk("dtk.report", str(run.path), "--no-plots", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "sync every 4 steps: the synchronizing step" in out.stdout
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["+sync=diloco", "sync.every=0"], "sync.every=0: expected optimizer steps between synchronizations >= 1"),
+    (["+sync=diloco", "tasks_per_node=1"], "+sync=diloco with scheme.dp_replicate=1: there is one data-parallel"),
+    (["+sync=local_sgd", "+scheme=fsdp"], "+sync=local_sgd with scheme.dp_replicate=1"),
+    (["+sync=diloco", "+scheme=hsdp", "tasks_per_node=4", "scheme.dp_replicate=1"],
+     "+sync=diloco with scheme.dp_replicate=1"),
+    (["sync.outer_lr=0.5"], "sync.outer_lr=0.5: sync.* keys need a sync chosen first"),
+])
+@pytest.mark.parametrize("command", ["dtk.plan", "dtk.submit"])
+def test_a_sync_without_replicas_is_one_error_line_from_plan_and_submit(tmp_path, command, overrides, says):
+    proc = run_main(command, "tasks_per_node=2", *overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()

@@ -65,6 +65,11 @@ class MemoryPlan:
         kept = 2 if self.ctx.outer_momentum > 0 else 1
         return self.chosen.variant.degrees.dp_replicate * one + round(kept * self.ctx.shape.params * p.param_bytes)
 
+    @property
+    def room(self) -> int | None:
+        """Device bytes the job as given leaves free; None when the device's memory is unknown."""
+        return None if self.ctx.capacity is None else self.ctx.capacity - self.chosen.bytes.total
+
     def to_json(self) -> dict[str, Any]:
         b = self.chosen.bytes
         neck = bottleneck(self.traffic)
@@ -153,7 +158,7 @@ class MemoryPlan:
         else:
             lines.append("step time   not predicted: no sequence length to count tokens by (plan.seq_len)")
         if self.weak is not None:
-            lines += weak_link_lines(self.weak, self.ctx)
+            lines += weak_link_lines(self.weak, self.ctx, self.room)
         lines.append(f"checkpoint  {gb(self.checkpoint_bytes)} GB")
         neck = bottleneck(self.traffic)
         for a in self.traffic:
@@ -230,32 +235,35 @@ KEPT = {"diloco": "the anchor, outer momentum and the exchange's copies", "power
 """What an option adds to a rank's memory (dtk.plan.memory.exchange_state), in words."""
 
 
-def _option_line(o: Option, as_given: StepTime) -> str:
+def _option_line(o: Option, as_given: StepTime, room: int | None) -> str:
     extra = f", +{gb(o.extra_bytes)} GB per device ({KEPT[o.kind]})" if o.extra_bytes > 0 else ""
+    if room is not None and o.extra_bytes > room:
+        extra += f", which does NOT fit ({gb(room)} GB to spare)"
     named = " (+scheme=ddp first, if the command names no scheme)" if o.kind != "diloco" else ""
     return (f"{' '.join(o.overrides)}{named}: exchange {o.share:.0%} of a {o.step.total_s:.3g} s step"
             f" (x{as_given.total_s / o.step.total_s:.3g} faster){extra}; {QUALITY[o.kind]}")
 
 
-def weak_link_advice(w: WeakLink) -> list[str]:
-    """The advice as sentences (plan.md's hints, the report's lines): empty when none is given."""
+def weak_link_advice(w: WeakLink, room: int | None = None) -> list[str]:
+    """The advice as sentences (plan.md's hints, the plan's lines): empty when none is given.
+    `room`: device bytes the job as given leaves free (None: unknown)."""
     if not w.options and not w.refused:
         return []
     head = (f"the data-parallel exchange takes {w.share:.0%} of the predicted step (>= {EXCHANGE_DOMINATES:.0%}):"
             f" synchronize less often or compress; sync.every is the smallest that brings DiLoCo's exchange under"
             f" {EXCHANGE_TARGET:.0%} of the step; measured figures: {MEASURED}")
-    lines = [head, *(_option_line(o, w.step) for o in w.options)]
+    lines = [head, *(_option_line(o, w.step, room) for o in w.options)]
     if w.refused:
         lines.append(f"+sync is not open to this scheme: {w.refused}")
     return lines
 
 
-def weak_link_lines(w: WeakLink, ctx: Context) -> list[str]:
+def weak_link_lines(w: WeakLink, ctx: Context, room: int | None) -> list[str]:
     """The `exchange` and `weak link` lines of python -m dtk.plan."""
     share = f"exchange    data-parallel {w.share:.0%} of the predicted step ({w.exchange_s:.3g} s of {w.step.total_s:.3g} s)"
     if ctx.sync_every:
         return [f"{share} under +sync={ctx.sync_mode}, every {ctx.sync_every} steps"]
-    advice = weak_link_advice(w)
+    advice = weak_link_advice(w, room)
     if not advice:
         return [f"{share}: under {EXCHANGE_DOMINATES:.0%}, no advice to exchange less"]
     return [f"{share}", *(f"weak link   {line}" for line in advice)]
@@ -307,8 +315,9 @@ def memory_plan(ctx: Context, plan: Plan) -> MemoryPlan:
         rec = _recommendation(ranked, where, hw)
         if ranked and not ctx.shape.has_activation_shape:
             rec = dataclasses.replace(rec, reason=rec.reason + "; activations not estimated: it fits the states alone")
-    if weak is not None and weak_link_advice(weak):
-        rec = dataclasses.replace(rec, hints=[*rec.hints, *(f"the job as given: {h}" for h in weak_link_advice(weak))])
+    room = None if ctx.capacity is None else ctx.capacity - own.bytes.total
+    if weak is not None and weak_link_advice(weak, room):
+        rec = dataclasses.replace(rec, hints=[*rec.hints, *(f"the job as given: {h}" for h in weak_link_advice(weak, room))])
     return MemoryPlan(
         ctx=ctx, key=chosen.key, chosen=own, min_nodes=found.nodes if found else None,
         min_devices=smallest_devices(ctx, make_at), rows=rows, recommended=rec,
