@@ -110,3 +110,47 @@ def test_what_ep_cannot_run_is_one_error_line_with_exit_2(case, command, tmp_pat
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert message in lines[0], lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_planner_sees_the_moe_model_the_workers_build():
+    from dtk.config.schema import TransformerConfig
+    from dtk.plan.shape import builtin_shape
+
+    keys = dict(vocab_size=32, dim=24, num_layers=2, num_heads=2, seq_len=16, num_experts=4, top_k=2)
+    from dtk.models.transformer import build
+
+    with torch.device("meta"):
+        model = build(**keys)
+    shape = builtin_shape(TransformerConfig(**keys))
+    assert [(t.name, t.shape) for t in shape.tensors] == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert [m[0] for m in shape.modules] == [n for n, _ in model.named_modules()]
+    assert [m[1] for m in shape.modules] == [type(m).__name__ for _, m in model.named_modules()]
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert shape.params == sum(p.numel() for p in model.parameters())  # memory: every expert
+    assert shape.active_params == shape.params - experts + experts * 2 / 4  # FLOPs: top_k of them
+
+
+def test_flops_count_active_experts_alike_in_the_planner_and_the_mfu():
+    from dtk.config.schema import TransformerConfig
+    from dtk.plan.shape import builtin_shape
+    from dtk.plan.steptime import flops_per_token as planned
+    from dtk.train.flops import flops_per_token
+
+    cfg = compose(["model=moe", "model.num_experts=8", "model.top_k=2"])
+    dim, layers, hidden, vocab, seq = 64, 2, 176, 256, 64
+    by_hand = 6 * (layers * (4 * dim * dim + 2 * 3 * dim * hidden + dim * 8) + vocab * dim) + 12 * layers * dim * seq
+    assert flops_per_token(cfg.model) == by_hand
+    shape = builtin_shape(TransformerConfig(**cfg.model.kwargs, tp_plan={}))
+    assert planned(shape, "none") == (by_hand, by_hand)
+    dense = flops_per_token(compose([]).model)
+    assert by_hand == dense + 6 * layers * (3 * dim * hidden + dim * 8)  # one more active expert, the router
+
+
+def test_ep_groups_are_consecutive_ranks_of_dp_shard_x_cp():
+    from dtk.plan.degrees import Degrees
+    from dtk.plan.layout import axis_groups
+
+    d = Degrees(dp_replicate=1, pp=1, dp_shard=2, cp=2, tp=2, ep=2)  # rank = (dp_shard*2 + cp)*2 + tp
+    assert axis_groups(d, "ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    d4 = Degrees(dp_replicate=2, pp=1, dp_shard=4, tp=1, ep=4)
+    assert axis_groups(d4, "ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]

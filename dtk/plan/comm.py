@@ -145,6 +145,17 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         add("cp", d.cp, job.num_micro * blocks * per_block,
             "context-parallel all-gather of keys and values per block and micro-batch (again in a full-checkpoint"
             " recompute) + reduce-scatter of their gradients; not overlapped with compute")
+    if dims is not None and d.ep > 1:
+        experts = [t for t in shape.tensors if t.expert]
+        blocks = len({t.unit for t in experts})
+        top_k = round(sum(t.active * t.shape[0] for t in experts[:1]))  # active share x experts
+        forward_passes = 2 if scheme.activation_checkpoint == ActivationCheckpoint.full else 1
+        # each token to its top_k experts and back (two all-to-alls) in every forward, the
+        # gradients the same way in backward; an even routing leaves (ep-1)/ep of it this rank
+        per_block = (2 * forward_passes + 2) * _ring(d.ep) * top_k * dims.bsh * dims.a
+        add("ep", d.ep, job.num_micro * blocks * per_block,
+            "expert-parallel all-to-all of routed tokens to their experts and back per MoE block and micro-batch"
+            " (forward and backward; again in a full-checkpoint recompute); not overlapped with compute")
     if dims is not None and d.pp > 1:
         chunks = len(layout.stage_ids)
         add("pp", d.pp, job.num_micro * chunks * 2 * dims.bsh * dims.a / (d.tp if dims.sp else 1),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from dtk.config.choices import DataParallel
 from dtk.config.schema import SchemeConfig
-from dtk.plan.degrees import Axis, Degrees
+from dtk.plan.degrees import CARVED_FROM, Axis, CarvedAxis, Degrees
 from dtk.plan.shape import ModelShape, ParamTensor
 
 Coords = Degrees
@@ -53,6 +53,8 @@ def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
     in the order of that coordinate (DeviceMesh's groups on the same grid; dtk.topology's
     placement report asks the same)."""
     sizes = dataclasses.asdict(d)
+    if axis in CarvedAxis.values():
+        return _carved_groups(d, CarvedAxis(axis))
     stride = 1
     for name in reversed(Axis.values()):
         if name == axis:
@@ -64,6 +66,16 @@ def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
         if (rank // stride) % size == 0:
             groups.append([rank + k * stride for k in range(size)])
     return groups
+
+
+def _carved_groups(d: Degrees, axis: CarvedAxis) -> list[list[int]]:
+    """A carved axis's groups (expert parallelism): blocks of d.ep consecutive ranks of the
+    flattened parent axes (dp_shard x cp), as dtk.dist.mesh.expert_mesh lays them out."""
+    names = Axis.values()
+    stride = math.prod(d.of(Axis(n)) for n in names[names.index(CARVED_FROM[axis][-1].value) + 1:])
+    size, span = d.of(axis), d.parent(axis)
+    return [[rank + k * stride for k in range(size)] for rank in range(d.world)
+            if (rank // stride) % span % size == 0]
 
 
 def chunk(n: int, parts: int, index: int) -> int:

@@ -46,6 +46,11 @@ class ParamTensor:
     embedding: bool = False
     """Weight of an Embedding: split by rows under tensor parallelism, but its gradient comes
     back whole (DTensor's embedding backward), unless FSDP reduce-scatters it."""
+    active: float = 1.0
+    """Share of the tensor one token computes with: top_k / num_experts for a mixture of
+    experts' stacked expert weights (FLOPs count it; memory counts the whole tensor)."""
+    expert: bool = False
+    """Stacked expert weights (model=moe): split over ep by their first dimension."""
 
     @property
     def numel(self) -> int:
@@ -79,6 +84,11 @@ class ModelShape:
     @property
     def params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token computes with (a mixture of experts: top_k of its experts)."""
+        return sum(t.numel * t.active for t in self.tensors)
 
     @functools.cached_property
     def layouts(self) -> dict:
@@ -134,6 +144,8 @@ _BUILTIN_CLASSES = {
     "norm": ("RMSNorm", "dtk.models.transformer.RMSNorm"),
     "attn": ("Attention", "dtk.models.transformer.Attention"),
     "mlp": ("FeedForward", "dtk.models.transformer.FeedForward"),
+    "moe": ("MoE", "dtk.models.moe.MoE"),
+    "experts": ("Experts", "dtk.models.moe.Experts"),
     "linear": ("Linear", f"{_TORCH}.linear.Linear"),
     "Dropout": ("Dropout", f"{_TORCH}.dropout.Dropout"),
     "Identity": ("Identity", f"{_TORCH}.linear.Identity"),
@@ -152,8 +164,12 @@ def builtin_modules(model: TransformerConfig) -> tuple[tuple[str, str, str], ...
         unit = f"layers.{i}"
         rows += [row(unit, "block"), row(f"{unit}.attn_norm", "attn_norm"), row(f"{unit}.attn", "attn")]
         rows += [row(f"{unit}.attn.{w}", "linear") for w in ("wq", "wk", "wv", "wo")]
-        rows += [row(f"{unit}.mlp_norm", "mlp_norm"), row(f"{unit}.mlp", "mlp")]
-        rows += [row(f"{unit}.mlp.{w}", "linear") for w in ("w1", "w3", "w2")]
+        if model.num_experts:
+            rows += [row(f"{unit}.mlp_norm", "mlp_norm"), row(f"{unit}.mlp", "moe"),
+                     row(f"{unit}.mlp.router", "linear"), row(f"{unit}.mlp.experts", "experts")]
+        else:
+            rows += [row(f"{unit}.mlp_norm", "mlp_norm"), row(f"{unit}.mlp", "mlp")]
+            rows += [row(f"{unit}.mlp.{w}", "linear") for w in ("w1", "w3", "w2")]
         rows.append(row(f"{unit}.drop", "Dropout" if model.dropout > 0 else "Identity"))
     rows += [row("norm", "norm"), row("output", "linear")]
     return tuple(rows)
@@ -181,6 +197,9 @@ def builtin_shape(model: TransformerConfig) -> ModelShape:
         for name in ("wq", "wk", "wv", "wo"):
             add(f"{unit}.attn.{name}", (dim, dim), unit, True, matmul=True)
         add(f"{unit}.mlp_norm", (dim,), unit, True)
+        if model.num_experts:
+            tensors.extend(_moe_tensors(model, unit, hidden))
+            continue
         add(f"{unit}.mlp.w1", (hidden, dim), unit, True, matmul=True)
         add(f"{unit}.mlp.w3", (hidden, dim), unit, True, matmul=True)
         add(f"{unit}.mlp.w2", (dim, hidden), unit, True, matmul=True)
@@ -199,6 +218,17 @@ def builtin_shape(model: TransformerConfig) -> ModelShape:
         layers=layers, hidden=dim, heads=heads, seq_len=seq, vocab=vocab, ffn_hidden=hidden,
         modules=builtin_modules(model),
     )
+
+
+def _moe_tensors(model: TransformerConfig, unit: str, hidden: int) -> list[ParamTensor]:
+    """A mixture of experts' router and stacked experts (dtk.models.moe): each token computes
+    with top_k of the num_experts experts."""
+    experts, dim = model.num_experts, model.dim
+    share = model.top_k / experts
+    router = ParamTensor(f"{unit}.mlp.router.weight", (experts, dim), unit, True, matmul=True)
+    return [router, *(ParamTensor(f"{unit}.mlp.experts.{w}", shape, unit, True, matmul=True, active=share, expert=True)
+                      for w, shape in (("w1", (experts, hidden, dim)), ("w3", (experts, hidden, dim)),
+                                       ("w2", (experts, dim, hidden))))]
 
 
 def whatif_shape(plan: dict[str, Any]) -> ModelShape:

@@ -14,7 +14,9 @@ not hide, the pipeline bubble, and the host traffic of CPU offload. Pure arithme
   links: the intra-node figure when the axis stays inside a node, the inter-node one when
   it crosses nodes. Tensor-parallel and pipeline traffic is on the critical path; FSDP's
   all-gathers and reduce-scatters run ahead of / behind the blocks' compute and are exposed
-  only where they exceed OVERLAP of it; a once-per-step gradient all-reduce (DDP, HSDP's
+  only where they exceed OVERLAP of it; context parallelism's key/value gathers (cp) and
+  expert parallelism's token all-to-alls (ep) run inside the blocks, between the matmuls
+  that need their results, and count whole (not overlapped); a once-per-step gradient all-reduce (DDP, HSDP's
   replicas) overlaps only the last micro-batch's backward; `+sync`'s parameter all-reduce
   every sync.every steps overlaps nothing (1/H of it per step).
 - bubble: a pipeline of pp stages idles (pp - 1) / (virtual stages x micro-batches) of its
@@ -161,8 +163,9 @@ def flops_per_token(shape: ModelShape, activation_checkpoint: str) -> tuple[floa
     sequence length. Hardware FLOPs add full checkpointing's second forward of the blocks."""
     if not shape.seq_len:
         return None
-    matmul = sum(t.numel for t in shape.tensors if t.matmul)
-    block = sum(t.numel for t in shape.tensors if t.matmul and t.block)
+    # A mixture of experts' weights count for the share a token computes with (top_k / experts).
+    matmul = sum(t.numel * t.active for t in shape.tensors if t.matmul)
+    block = sum(t.numel * t.active for t in shape.tensors if t.matmul and t.block)
     attention = 12 * (shape.layers or 0) * (shape.hidden or 0) * shape.seq_len
     model = 6.0 * matmul + attention
     extra = (2.0 * block + attention / 3) if activation_checkpoint == "full" else 0.0

@@ -23,11 +23,14 @@ from dtk.plan.shape import ffn_hidden_size
 BUILTIN_TARGET = TransformerConfig._target_
 
 
-def transformer_flops_per_token(*, vocab_size: int, dim: int, num_layers: int, ffn_hidden: int, seq_len: int) -> float:
+def transformer_flops_per_token(*, vocab_size: int, dim: int, num_layers: int, ffn_hidden: int, seq_len: int,
+                                num_experts: int = 0, top_k: int = 1) -> float:
     hidden = ffn_hidden_size(dim, ffn_hidden)
     # q, k, v, o projections and the three SwiGLU matrices per block, and the output head;
-    # the embeddings are lookups, the norms elementwise.
-    matmul_weights = num_layers * (4 * dim * dim + 3 * dim * hidden) + vocab_size * dim
+    # the embeddings are lookups, the norms elementwise. A mixture of experts: the router,
+    # and the SwiGLU matrices of the top_k experts a token goes to (active, not total).
+    mlp = 3 * dim * hidden * (top_k if num_experts else 1) + dim * num_experts
+    matmul_weights = num_layers * (4 * dim * dim + mlp) + vocab_size * dim
     return float(6 * matmul_weights + 12 * num_layers * dim * seq_len)
 
 
@@ -54,6 +57,7 @@ def flops_per_token(model_cfg: ModelConfig) -> float | None:
         return transformer_flops_per_token(
             vocab_size=transformer.vocab_size, dim=transformer.dim, num_layers=transformer.num_layers,
             ffn_hidden=transformer.ffn_hidden, seq_len=transformer.seq_len,
+            num_experts=transformer.num_experts, top_k=transformer.top_k,
         )
     seq_len, vocab = model_cfg.seq_len, model_cfg.vocab_size
     if not seq_len or not vocab:
