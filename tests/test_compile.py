@@ -13,6 +13,7 @@ from dtk.models.transformer import build
 from dtk.parallel.compile import apply_compile
 
 
+@pytest.mark.slow
 def test_the_builtin_blocks_compile_to_one_graph_each():
     torch._dynamo.reset()
     torch.manual_seed(0)

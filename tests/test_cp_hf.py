@@ -75,6 +75,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.slow
 def test_hf_model_under_cp_gives_the_one_process_loss_and_gradients(results, name):
     for rank, r in enumerate(results):
         got = r[name]

@@ -129,6 +129,7 @@ def test_the_handover_folder_is_a_baseline_and_its_config_folder_is_not_one(tmp_
     assert len(proc.stderr.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_run_of_the_users_own_project_is_repeated_from_the_handover_folder(tmp_path):
     """The project (python -m dtk.init), a git checkout; its run handed over; the overrides
     composed with the handover folder's conf/ from elsewhere give the run's hash and name."""
@@ -156,6 +157,7 @@ def test_a_run_of_the_users_own_project_is_repeated_from_the_handover_folder(tmp
     assert (again.config_hash, again.run_name) == (plan.config_hash, plan.run_name)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_run_is_repeated_from_the_handover_folder(tmp_path):
     from dtk.config.compose import SearchPath
 
@@ -187,6 +189,7 @@ def _user_data_project(tmp_path):
     return project
 
 
+@pytest.mark.slow
 def test_a_run_of_a_project_with_its_own_data_gets_its_overrides_and_says_where_its_data_is(tmp_path):
     from dtk.config.compose import search_path
 
@@ -223,6 +226,7 @@ def test_the_handover_of_a_prepared_dataset_names_its_folder_and_version(tmp_pat
     assert "val_00000.h5" in data
 
 
+@pytest.mark.slow
 def test_a_data_function_named_on_the_command_line_is_repeated_with_its_arguments(tmp_path):
     from dtk.config.compose import search_path
 

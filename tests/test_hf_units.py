@@ -41,6 +41,7 @@ def model_cfg(**keys):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_meta_build_materializes_to_the_seeded_weights_and_returns_logits(family, tmp_path):
     from dtk.models.build import build_model, materialize
 

@@ -194,6 +194,7 @@ def test_a_batch_the_default_layout_cannot_split_is_no_reason_to_refuse_the_sear
     assert named.returncode == 2 and named.stderr.startswith("error: train.global_batch=1792")
 
 
+@pytest.mark.slow
 def test_the_search_tries_zero1_with_tp_and_pp_and_its_layouts_type():
     """ZeRO-1 with tp and pp (+scheme=zero_tp_pp) is among the searched structures, at 1F1B
     and without sequence parallelism, the layout its runtime runs (tests/test_schemes_zero_tp_pp.py)."""

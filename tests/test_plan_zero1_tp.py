@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from conftest import run_main
 from dtk.plan.degrees import Degrees
 
@@ -24,6 +26,7 @@ def _plan(tmp_path, *extra: str) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_the_plan_budgets_zero1_with_tp_and_pp_its_optimizer_state_sharded_over_dp(tmp_path):
     replicas, zero1 = _plan(tmp_path), _plan(tmp_path, *ZERO1)
     before, after = replicas["per_device_bytes"], zero1["per_device_bytes"]

@@ -107,6 +107,7 @@ def test_baseline_says_better_or_worse_by_how_much(tmp_path):
     assert rows["step_time_s_median"]["verdict"] == "worse"
 
 
+@pytest.mark.slow
 def test_figures_have_one_curve_per_run_phase_and_rank(tmp_path):
     a = load_run(write_run(tmp_path / "a", {1: 5.0, 2: 4.0, 3: 3.5}))
     b = load_run(write_run(tmp_path / "b", {1: 5.0, 2: 4.2, 3: 3.9}))
@@ -141,6 +142,7 @@ def _png(path: Path):
         return img.size, img.text.get("Description", "")
 
 
+@pytest.mark.slow
 def test_report_command_two_runs_text_json_and_pngs(tmp_path):
     a = write_run(tmp_path / "a", {1: 5.0, 2: 4.0, 3: 3.5})
     b = write_run(tmp_path / "b", {1: 5.0, 2: 4.2, 3: 3.9}, ranks=True)

@@ -30,6 +30,7 @@ def run_of(tmp_path, overrides, *, step_time, memory=None):
     return path
 
 
+@pytest.mark.slow
 def test_gpu_run_step_against_the_plans_prediction(tmp_path):
     proc = dtk("dtk.plan", *GPU_JOB, "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -156,6 +156,7 @@ def test_a_pipeline_refuses_a_task_other_than_the_token_lm():
         make_plan(compose(["+scheme=pp", "tasks_per_node=2", "task._target_=test_task.ce"]))
 
 
+@pytest.mark.slow
 def test_a_user_task_trains_and_evaluates_with_its_metric():
     cfg = compose(USER_JOB)
     train, val = build_splits(cfg.data, model=cfg.model)

@@ -114,6 +114,7 @@ def test_a_pipeline_gives_the_last_stage_a_copy_that_starts_as_the_embedding():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_tied_pipeline_sums_its_copies_gradients_and_counts_the_norm_once(reference, tmp_path):
     """2 stages on gloo ranks against one process: the same losses, gradient norms (the
     tie counted once; step 1's norm is above optim.grad_clip, so clipping acts) and weights;
