@@ -110,7 +110,7 @@ def test_plan_json_has_the_recommendation_and_its_alternatives(tmp_path):
     assert out["predicted_step_s"] is None  # the job as given (ddp) does not fit
     rec = out["recommended"]
     assert isinstance(rec["overrides"], list) and all(isinstance(o, str) and " " not in o for o in rec["overrides"])
-    assert set(rec["degrees"]) == {"dp_replicate", "dp_shard", "cp", "tp", "pp"}
+    assert set(rec["degrees"]) == {"dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"}
     assert rec["predicted_step_s"] > 0 and rec["reason"]
     assert len(out["alternatives"]) == 3
     for alt in out["alternatives"]:
