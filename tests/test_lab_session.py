@@ -142,6 +142,7 @@ def from_another_session(tmp_path, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_the_labs_up_and_down_from_another_session_are_refused_and_change_nothing(lab, tmp_path):
     layout = lab.layout
     held = session.holder(layout)
