@@ -58,6 +58,10 @@ CARVED_TRAFFIC: dict[CarvedAxis, tuple[str, str]] = {
                     " forward and backward, in every MoE block"),
 }
 
+WHATIF_TARGET = "(what-if: plan.*)"
+"""The model the checks see for a what-if job (plan.params, plan.layers, ...): a stand-in of a
+transformer, which every scheme may split."""
+
 DP = "dp"
 """The flattened (dp_replicate, dp_shard) mesh: the ranks that see different samples."""
 DATA_AXES = (Axis.dp_replicate, Axis.dp_shard)
@@ -257,7 +261,7 @@ def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, transf
     cp = degrees.cp
     if cp == 1:
         return
-    if transformer is None and model._target_ != HF_TARGET:
+    if transformer is None and model._target_ not in (HF_TARGET, WHATIF_TARGET):
         raise UserError(
             f"scheme.cp={cp}: context parallelism runs the built-in transformer and model=hf; the attention of"
             f" model._target_={model._target_} does not gather the other ranks' keys; use scheme.cp=1"

@@ -21,7 +21,7 @@ from dtk.config.schema import Config, ModelConfig, SchemeConfig
 from dtk.config.sync import check_fragments
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES
-from dtk.plan.degrees import Degrees, check_cp_task, check_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.degrees import WHATIF_TARGET, Degrees, check_cp_task, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.identity import run_identity
 from dtk.plan.parts import check_builtin_arguments
 from dtk.plan.sync import check_compression, check_sync, describe_sync
@@ -205,7 +205,7 @@ def make_plan(
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
     whatif = whatif_of(cfg)  # a what-if model is checked by its own dimensions, not the config's model
-    checked_model = ModelConfig(_target_="(what-if: plan.*)") if whatif else cfg.model
+    checked_model = ModelConfig(_target_=WHATIF_TARGET) if whatif else cfg.model
     check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
     check_compression(scheme, degrees)
     check_sync(cfg.sync, scheme, degrees, memory_every=ckpt.memory_every)
