@@ -31,8 +31,8 @@ from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.resubmit import preempted_cancels, resubmit, signal_lead_of
 from dtk.driver.timeleft import TimeLeft
-from dtk.launch.sbatch import gpu_step_flags
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
+from dtk.plan.binding import gpu_step_flags
 from dtk.plan.plan import Plan
 from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_STOPPED

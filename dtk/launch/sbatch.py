@@ -137,20 +137,6 @@ def sbatch_flags(plan: Plan, inputs: SubmitInputs = SubmitInputs()) -> dict[str,
     return {**flags, **parse_extra(c.sbatch_extra)}
 
 
-def gpu_step_flags(plan: Plan) -> list[str]:
-    """srun flags that bind GPUs to the worker step's tasks: `cluster.gpu_bind` where the
-    site file names one, else one GPU per task wherever each task can have its own
-    (Slurm then shows each task only its GPU). The worker takes the GPU at its position
-    among the tasks given the same GPUs (dtk.worker.placement), so a binding that shows a
-    task several GPUs (closest: its socket's) works too."""
-    cluster = plan.config.cluster
-    if cluster.gpu_bind:
-        return [f"--gpu-bind={cluster.gpu_bind}"]
-    if 0 < plan.tasks_per_node <= cluster.gpus_per_node:
-        return ["--gpus-per-task=1"]
-    return []
-
-
 def submit_command(folder: Path, python: str = sys.executable) -> str:
     """The command at the end of the script: submitit's entry point unpickles and runs the
     driver (`dtk.driver.supervisor.drive`), once, on the batch host."""

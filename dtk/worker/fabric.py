@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dtk.config.choices import Backend, ClusterKind, DeviceKind
 from dtk.errors import UserError
-from dtk.launch.sbatch import gpu_step_flags
+from dtk.plan.binding import gpu_step_flags
 from dtk.plan.plan import Plan
 from dtk.rundir import TOPOLOGY_JSON, RunDir
 from dtk.topology.choose import FabricChoice
