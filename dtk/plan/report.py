@@ -232,7 +232,7 @@ MEASURED = ("docs/benchmarks.md, 'A weak link: the loss of exchanging less' (los
 
 
 KEPT = {"diloco": "the anchor, outer momentum and the exchange's copies", "powersgd": "error feedback, P and Q"}
-"""What an option adds to a rank's memory (dtk.plan.memory.exchange_state), in words."""
+"""What an option adds to a rank's memory (dtk.plan.exchange.exchange_state), in words."""
 
 
 def _option_line(o: Option, as_given: StepTime, room: int | None) -> str:

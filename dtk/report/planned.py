@@ -65,10 +65,11 @@ def _step(run: RunData, measured: float | None) -> dict[str, Any]:
             "predicted": t.to_json()}
 
 
-def sync_periods(records: dict[int, dict[str, Any]], every: int) -> dict[str, Any] | None:
+def sync_periods(records: dict[int, dict[str, Any]], every: int, fragments: int = 1) -> dict[str, Any] | None:
     """A +sync run's steps in whole synchronization periods of `every` steps (module doc):
-    their mean step, the synchronizing steps' median and the other steps' median; None
-    before a whole period is logged."""
+    their mean step, the synchronizing steps' median (with sync.fragments=F, every
+    every/F-th step synchronizes a fragment) and the other steps' median; None before a
+    whole period is logged."""
     import statistics
 
     times = {s: float(r["step_time_s"]) for s, r in records.items() if r.get("step_time_s")}
@@ -78,10 +79,12 @@ def sync_periods(records: dict[int, dict[str, Any]], every: int) -> dict[str, An
         periods = periods[1:]  # the start-up's period
     if not periods:
         return None
-    syncing = [times[(k + 1) * every] for k in periods]
-    between = [times[k * every + i] for k in periods for i in range(1, every)]
+    stride = every // fragments
+    steps = [k * every + i for k in periods for i in range(1, every + 1)]
+    syncing = [times[s] for s in steps if s % stride == 0]
+    between = [times[s] for s in steps if s % stride]
     return {
-        "every": every, "periods": len(periods), "first_step": periods[0] * every + 1,
+        "every": every, "fragments": fragments, "periods": len(periods), "first_step": periods[0] * every + 1,
         "last_step": (periods[-1] + 1) * every,
         "mean_s": round((sum(syncing) + sum(between)) / (len(syncing) + len(between)), 6),
         "sync_step_s": round(statistics.median(syncing), 6),
@@ -89,15 +92,15 @@ def sync_periods(records: dict[int, dict[str, Any]], every: int) -> dict[str, An
     }
 
 
-def _sync_every(run: RunData) -> int:
-    """The run's sync.every (0: it synchronizes every step)."""
+def _sync_of(run: RunData) -> tuple[int, int]:
+    """The run's sync.every and sync.fragments ((0, 1): it synchronizes every step)."""
     from dtk.plan.plan import Plan
 
     try:
         sync = Plan.from_json(json.dumps(run.plan)).config.sync
     except (KeyError, TypeError, ValueError):
-        return 0
-    return sync.every if sync is not None else 0
+        return 0, 1
+    return (sync.every, sync.fragments) if sync is not None else (0, 1)
 
 
 def planned(run: RunData, numbers: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +113,8 @@ def planned(run: RunData, numbers: dict[str, Any]) -> dict[str, Any]:
         mem = {"predicted_bytes": memory["predicted_bytes"], "measured_bytes": measured,
                "ratio": None if not measured else round(measured / memory["predicted_bytes"], 3),
                "basis": memory.get("basis"), "mismatch_ranks": memory.get("mismatch_ranks", [])}
-    every = _sync_every(run)
-    periods = sync_periods(run.latest, every) if every else None
+    every, fragments = _sync_of(run)
+    periods = sync_periods(run.latest, every, fragments) if every else None
     measured = periods["mean_s"] if periods else numbers.get("step_time_s_median")
     step = _step(run, measured)
     if every:
@@ -149,6 +152,8 @@ def _sync_lines(sync: dict[str, Any] | None) -> list[str]:
     if not sync["periods"]:
         return [f"             sync every {sync['every']} steps: no whole period logged yet"]
     between = f", the other steps {sync['between_s']:.4g} s (median)" if sync["between_s"] is not None else ""
-    return [f"             sync every {sync['every']} steps: the synchronizing step {sync['sync_step_s']:.4g} s (median)"
+    streamed = f" in {sync['fragments']} fragments" if sync["fragments"] > 1 else ""
+    return [f"             sync every {sync['every']} steps{streamed}: the synchronizing step {sync['sync_step_s']:.4g} s"
+            " (median)"
             f"{between}; mean {sync['mean_s']:.4g} s over {sync['periods']} whole period(s), steps"
             f" {sync['first_step']}-{sync['last_step']}"]
