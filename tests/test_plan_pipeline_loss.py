@@ -86,3 +86,29 @@ def test_a_pipeline_ranks_budget_no_longer_grows_with_the_micro_batch_count():
     for r in (0, 2, last):
         few, many = rank(r, 8), rank(r, 32)
         assert (few.activations, few.detail.get("pipeline_recv")) == (many.activations, many.detail.get("pipeline_recv"))
+
+
+def test_a_tied_weight_split_over_stages_is_budgeted_twice_as_the_stages_keep_two_copies():
+    """dtk.parallel.stage_ties: the last stage holds, steps and all-reduces its own copy of the
+    output head tied to the first stage's token embedding; the budget counts that copy on
+    the last stage's ranks: as much as the untied model's own head there."""
+    from dtk.config.compose import compose
+    from dtk.config.convert import builtin_transformer
+    from dtk.plan.shape import builtin_shape
+
+    def budget(tie: str, degrees: Degrees, data_parallel: str):
+        model = builtin_transformer(compose(["model.dim=256", "model.num_layers=4", "model.num_heads=4",
+                                             f"model.tie_embeddings={tie}"]).model)
+        scheme = scheme_config(dict(dataclasses.asdict(SchemeConfig()), data_parallel=data_parallel,
+                                    pp_schedule="1f1b"))
+        job = Job(scheme, degrees, micro_batch=1, num_micro=4, device="cpu", precision=precision_for(scheme, "cpu"))
+        return [rank_bytes(builtin_shape(model), job, r) for r in range(degrees.world)]
+
+    for degrees, dp in ((Degrees(dp_replicate=1, pp=2, dp_shard=1, tp=1), "ddp"),
+                        (Degrees(dp_replicate=1, pp=2, dp_shard=2, tp=2), "fsdp")):
+        tied, untied = budget("true", degrees, dp), budget("false", degrees, dp)
+        for t, u in zip(tied, untied, strict=True):
+            assert (t.params, t.grads, t.optimizer) == (u.params, u.grads, u.optimizer)
+    # without a pipeline the tied weight is one tensor: less than the untied model
+    one = Degrees(dp_replicate=1, pp=1, dp_shard=1, tp=1)
+    assert budget("true", one, "ddp")[0].params < budget("false", one, "ddp")[0].params

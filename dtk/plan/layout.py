@@ -239,3 +239,21 @@ def _rank_layout(shape: ModelShape, d: Degrees, rank: int, split_points: tuple[s
         else:  # stand-in tensors: whole-tensor ownership would mean nothing, an even share
             opt_numel = sum(chunk(h.numel, d.dp, dp_index) for h in held)
     return RankLayout(tuple(held), opt_numel, opt_tensors, tuple(ids), num_stages)
+
+
+def tied_copy_numel(shape: ModelShape, scheme: SchemeConfig, d: Degrees, layout: RankLayout) -> int:
+    """Elements of the second copy of a tied weight a rank holds. The shape counts a tied
+    weight once, under its first name (the token embedding, a tensor both `embedding` and
+    `matmul`); under a pipeline the output head tied to it is on the last stage, another
+    pipeline rank's, which holds, steps and all-reduces its own copy (dtk.parallel.stage_ties):
+    its parameters, gradient and optimizer state (dtk.plan.memory counts them). The head is
+    split over tp by the vocabulary and sharded by FSDP like the other weights."""
+    if d.pp == 1 or layout.num_stages - 1 not in layout.stage_ids:
+        return 0
+    held_units = {h.tensor.unit for h in layout.held}
+    copies = 0
+    for t in shape.tensors:
+        if t.embedding and t.matmul and t.unit not in held_units:
+            local = -(-t.numel // d.tp)
+            copies += -(-local // (d.dp_shard * d.cp)) if uses_fsdp(scheme, d) else local
+    return copies

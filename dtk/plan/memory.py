@@ -53,6 +53,7 @@ from dtk.plan.layout import (
     rank_layout,
     rank_of,
     reshards_after_forward,
+    tied_copy_numel,
     uses_ddp,
     uses_fsdp,
     uses_zero1,
@@ -225,6 +226,10 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
     params = round(sum(h.numel for h in layout.held) * p.param_bytes)
     grads = round(sum(h.grad_numel for h in layout.held) * p.grad_bytes)
     optimizer = round(layout.optimizer_numel * p.optimizer_bytes) + p.step_bytes * layout.optimizer_tensors
+    copy = tied_copy_numel(shape, job.scheme, d, layout)  # the last stage's own copy of a tied weight
+    params, grads = params + round(copy * p.param_bytes), grads + round(copy * p.grad_bytes)
+    if copy:  # its optimizer state (ZeRO-1: a 1/dp share, on average)
+        optimizer += round(copy * p.optimizer_bytes / (d.dp if uses_zero1(job.scheme, d) else 1)) + p.step_bytes
     acts = _activations(shape, job, layout, coords(rank, d).pp)
     detail: dict[str, int] = {}
     gathered_whole_step = 0
