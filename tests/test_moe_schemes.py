@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from plan_md_check import assert_plan_md_matches_mesh
 from test_cp_schemes import validation
 from test_schemes import assert_parameters_close, final_parameters
 
@@ -75,6 +76,7 @@ def test_moe_matches_one_process(name, reference, runs):
     want, got = losses(reference), losses(run)
     assert sorted(got) == list(range(1, 9))
     _close(got, want)
+    assert_plan_md_matches_mesh(run)  # the ep groups the workers built are those plan.md lists
     want_val, got_val = validation(reference), validation(run)
     assert sorted(got_val) == [4, 8]
     _close(got_val, want_val)

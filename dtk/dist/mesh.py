@@ -75,13 +75,20 @@ class ParallelMesh:
         """This rank's coordinate on `axis` (or on the flattened `dp`)."""
         return 0 if self.world is None else self[axis].get_local_rank()
 
-    def size(self, axis: Axis | str) -> int:
-        return self.degrees.dp if str(axis) == DP else self.degrees.of(Axis(str(axis)))
+    def size(self, axis: Axis | CarvedAxis | str) -> int:
+        name = str(axis)
+        if name in CarvedAxis.values():
+            return self.degrees.of(CarvedAxis(name))
+        return self.degrees.dp if name == DP else self.degrees.of(Axis(name))
 
-    def group(self, axis: Axis | str) -> dist.ProcessGroup | None:
-        """The process group of `axis`; None when it has one rank (nothing to talk to)."""
+    def group(self, axis: Axis | CarvedAxis | str) -> dist.ProcessGroup | None:
+        """The process group of `axis` (a carved one's from the expert mesh); None when it
+        has one rank (nothing to talk to)."""
         if self.world is None or self.size(axis) == 1:
             return None
+        if str(axis) in CarvedAxis.values():
+            assert self.experts is not None, "build_mesh makes the expert mesh when ep > 1"
+            return self.experts[str(axis)].get_group()
         return self[axis].get_group()
 
     # The questions the stages ask, named once.

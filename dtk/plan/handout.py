@@ -17,7 +17,7 @@ from dtk.config.schema import SchemeConfig
 from dtk.errors import UserError
 from dtk.plan.budget import estimate
 from dtk.plan.comm import AXES, axis_groups, bottleneck, crosses_nodes, node_of, traffic
-from dtk.plan.degrees import Axis, Degrees
+from dtk.plan.degrees import Axis, CarvedAxis, Degrees
 from dtk.plan.plan import Plan
 from dtk.plan.report import NUM_ALTERNATIVES, MemoryPlan, gb
 from dtk.plan.search import why_loses
@@ -43,6 +43,8 @@ def ranges(ranks: list[int]) -> str:
 
 def mesh_section(d: Degrees, nodes: int, tasks_per_node: int) -> list[str]:
     sizes = dataclasses.asdict(d)
+    # the carved axes (expert parallelism: blocks of consecutive ranks of dp_shard x cp), when used
+    drawn = [*AXES, *(a for a in CarvedAxis.values() if sizes[a] > 1)]
     lines = [
         "## Mesh",
         "",
@@ -52,7 +54,7 @@ def mesh_section(d: Degrees, nodes: int, tasks_per_node: int) -> list[str]:
         "| axis | size | groups | stays |",
         "| --- | --- | --- | --- |",
     ]
-    for axis in AXES:
+    for axis in drawn:
         groups = axis_groups(d, axis)
         where = "crosses nodes" if crosses_nodes(d, axis, tasks_per_node) else "inside a node"
         lines.append(f"| {axis} | {sizes[axis]} | {len(groups)} | {where if sizes[axis] > 1 else '-'} |")
@@ -61,7 +63,7 @@ def mesh_section(d: Degrees, nodes: int, tasks_per_node: int) -> list[str]:
         ranks = [r for r in range(d.world) if node_of(r, tasks_per_node) == node]
         lines.append(f"| {node} | {ranks and ranges(ranks)} |")
     lines += ["", "### Groups", ""]
-    for axis in AXES:
+    for axis in drawn:
         if sizes[axis] == 1:
             continue
         groups = axis_groups(d, axis)

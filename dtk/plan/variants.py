@@ -20,7 +20,7 @@ from typing import Any
 from dtk.config.convert import typed
 from dtk.config.schema import ModelConfig, SchemeConfig
 from dtk.errors import UserError
-from dtk.plan.degrees import Axis, Degrees, check_scheme, micro_batch_size, resolve_degrees
+from dtk.plan.degrees import Axis, CarvedAxis, Degrees, check_scheme, micro_batch_size, resolve_degrees
 
 SCHEME_KEYS = ("ddp", "zero", "zero2", "fsdp", "hsdp", "tp", "pp", "hybrid")
 CARRIED = ("activation_checkpoint", "param_dtype", "reduce_dtype", "compile")
@@ -89,8 +89,8 @@ def resolve_scheme(
     return scheme
 
 
-SIZE_KEYS = Axis.values()
-"""The degree keys, one per mesh axis (dtk.plan.degrees.Axis)."""
+SIZE_KEYS = (*Axis.values(), *CarvedAxis.values())
+"""The degree keys, one per mesh axis (dtk.plan.degrees.Axis, and the carved CarvedAxis)."""
 FAST_KEYS = ("data_parallel", "shard_optimizer", "reshard_after_forward", "sequence_parallel", "cpu_offload",
              "activation_checkpoint", "pp_schedule", "pp_virtual_stages", "pp_microbatches")
 """Keys the planner's search varies: set on a typed copy when their value has the field's

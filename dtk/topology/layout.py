@@ -19,15 +19,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dtk.plan.degrees import CARVED_TRAFFIC, Axis, CarvedAxis, Degrees
 from dtk.plan.degrees import TRAFFIC as AXIS_TRAFFIC
-from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.layout import axis_groups as plan_axis_groups
 from dtk.topology.records import NodeTopology, Switch
 
 # The mesh's axes, outermost first, and what travels on each: the axis table of dtk.plan.degrees.
 MESH_ORDER = Axis.values()
-TRAFFIC = {str(axis): text for axis, (_, text) in AXIS_TRAFFIC.items()}
-_CLASS = {str(axis): kind for axis, (kind, _) in AXIS_TRAFFIC.items()}
+# Axes carved out of the grid's (expert parallelism): drawn when used, before the grid's.
+CARVED = CarvedAxis.values()
+_TABLE: dict[str, tuple[str, str]] = {**{str(a): t for a, t in AXIS_TRAFFIC.items()}, **{str(a): t for a, t in CARVED_TRAFFIC.items()}}
+TRAFFIC = {str(axis): text for axis, (_, text) in _TABLE.items()}
+_CLASS = {str(axis): kind for axis, (kind, _) in _TABLE.items()}
 CHECKPOINT = ("checkpoint", "world (gloo)", "state metadata and the save/load plan: a gloo group of its own, "
               "apart from the NCCL communicators")
 
@@ -110,7 +113,8 @@ def plan_layout(nodes: list[NodeTopology], *, degrees: dict[str, int], tasks_per
     rank_nodes = tuple(node for node in order for _ in range(tasks_per_node))
     leaf_of = {node: s.name for s in switches if s.level == 0 for node in s.nodes}
     axes, warnings = [], []
-    for axis in reversed(MESH_ORDER):  # innermost first: the chattiest axis leads
+    carved = [axis for axis in CARVED if degrees.get(axis, 1) > 1]
+    for axis in [*carved, *reversed(MESH_ORDER)]:  # innermost first: the chattiest axis leads
         groups = axis_groups(degrees, axis)
         span = _span(groups, rank_nodes, by_name, tasks_per_node, leaf_of)
         axes.append(AxisSpan(axis, degrees[axis], span, TRAFFIC[axis], groups[0]))

@@ -11,7 +11,7 @@ import socket
 import torch.distributed as dist
 
 from dtk.dist.mesh import ParallelMesh
-from dtk.plan.degrees import Axis
+from dtk.plan.degrees import Axis, CarvedAxis
 from dtk.rundir import MESH_FILE, RunDir, write_json_atomic
 from dtk.worker.env import WorkerEnv
 
@@ -23,7 +23,8 @@ def record_mesh(mesh: ParallelMesh, env: WorkerEnv, run: RunDir) -> None:
         "node_rank": env.node_rank,
         # lab nodes share one hostname: Slurm's name for the node tells them apart
         "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-        "groups": {a.value: dist.get_process_group_ranks(mesh.group(a)) for a in Axis if mesh.group(a) is not None},
+        "groups": {a.value: dist.get_process_group_ranks(mesh.group(a)) for a in (*Axis, *CarvedAxis)
+                   if mesh.group(a) is not None},
     }
     everyone: list[dict[str, object] | None] = [mine]
     if mesh.world is not None:
