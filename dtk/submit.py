@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
     sweep it is skipped with one line and the rest go on."""
     from dtk.data.hdf5 import check_config
     from dtk.launch.launch import check_trackers
-    from dtk.plan.gate import check
+    from dtk.plan.gate import check, planned_memory
 
     search = search_path(config_dirs or [])
     search.activate()
@@ -115,6 +116,7 @@ def plan_points(overrides: list[str], multirun: bool, config_dirs: list[str] | N
             continue
         if checked.note:
             print(f"note: {checked.note}", file=sys.stderr, flush=True)
+        plan = dataclasses.replace(plan, memory=planned_memory(cfg, plan, checked))  # read by the workers
         kept.append(Point(point, plan, checked.budget, checked.note))
     if not kept:
         raise UserError(f"none of the sweep's {len(planned)} points fits; nothing submitted")

@@ -5,8 +5,10 @@ a subprocess, dtk.plan.count_model)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dtk.config.schema import Config
 from dtk.plan.budget import ORDER
@@ -102,3 +104,36 @@ def check(cfg: Config, plan: Plan, config_dirs: tuple[Path, ...] = ()) -> Checke
     if mp.fits is False:
         note = f"submit.force=true: submitting although {refusal(mp).split(';')[0]}"
     return Checked(mp, None, note)
+
+
+def planned_memory(cfg: Config, plan: Plan, checked: Checked) -> dict[str, Any]:
+    """plan.json's `memory` (dtk.plan.planned_memory): every rank's planned bytes of the job
+    as it trains (no plan.* keys), on the device the plan expects and, with dist.device=auto,
+    on the other kind too (a worker takes a GPU when it sees one). Made here once, so the
+    workers compare their measurement with these figures instead of running the budget."""
+    from dtk.plan.memory import rank_bytes
+    from dtk.plan.predict import describe_error, figures
+    from dtk.plan.report import chosen_variant
+
+    mp = checked.budget
+    if mp is None:
+        return {"error": checked.note or "the model could not be counted"}
+    kinds = [mp.ctx.device] + ([k for k in ("cuda", "cpu") if k != mp.ctx.device] if cfg.dist.device == "auto" else [])
+    devices: dict[str, Any] = {}
+    try:
+        for kind in kinds:
+            ctx = dataclasses.replace(mp.ctx, device=kind, plan_keys={})
+            job = ctx.job(chosen_variant(ctx, plan))
+            table: list[dict[str, int]] = []
+            of_rank = []
+            for rank in range(plan.world_size):
+                f = figures(rank_bytes(ctx.shape, job, rank))
+                if f not in table:
+                    table.append(f)
+                of_rank.append(table.index(f))
+            devices[kind] = {"figures": table, "of_rank": of_rank}
+    except Exception as exc:  # a model the budget cannot lay out: the run goes on, the reason recorded
+        return {"error": describe_error(exc)}
+    return {"world": plan.world_size, "tasks_per_node": plan.tasks_per_node,
+            "degrees": dataclasses.asdict(plan.degrees), "activations_estimated": mp.ctx.shape.has_activation_shape,
+            "devices": devices}

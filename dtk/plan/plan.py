@@ -20,11 +20,9 @@ from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import Config, ModelConfig, SchemeConfig
 from dtk.config.sync import check_fragments
 from dtk.errors import UserError
-from dtk.plan.budget import NODE_CANDIDATES
 from dtk.plan.degrees import WHATIF_TARGET, Degrees, check_cp_task, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.identity import run_identity
 from dtk.plan.parts import check_builtin_arguments
-from dtk.plan.sync import check_compression, check_sync, describe_sync
 from dtk.plan.whatif import check_whatif, whatif_of
 from dtk.rundir import RunDir
 
@@ -54,6 +52,10 @@ class Plan:
     spare_nodes: int
     import_path: tuple[str, ...] = ()
     """The user's project folders: workers put them first on their import path (see SearchPath)."""
+    memory: dict[str, Any] | None = None
+    """Every rank's planned bytes (dtk.plan.planned_memory), added at submission by
+    dtk.plan.gate.planned_memory; the workers hold their measurement against them. None: a
+    plan not made by a submission (the driver's plan for other nodes, a test's)."""
 
     def to_json(self) -> str:
         raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -82,6 +84,8 @@ class Plan:
                             f" {exc}); was it written by another version?") from None
 
     def describe(self) -> str:
+        from dtk.plan.sync import describe_sync
+
         d, ckpt = self.degrees, self.config.checkpoint
         lines = [
             f"run         {self.run_dir}",
@@ -204,6 +208,8 @@ def make_plan(
             f" = {micro} x {degrees.dp} = {per_step}; try train.global_batch={per_step * max(1, round(global_batch / per_step))}"
             f" or a train.micro_batch that divides {global_batch // degrees.dp if global_batch % degrees.dp == 0 else global_batch}"
         )
+    from dtk.plan.sync import check_compression, check_sync  # the budget's modules: off the workers' import path
+
     whatif = whatif_of(cfg)  # a what-if model is checked by its own dimensions, not the config's model
     checked_model = ModelConfig(_target_=WHATIF_TARGET) if whatif else cfg.model
     check_scheme(scheme, degrees, checked_model, num_microbatches=global_batch // per_step, eval_every=train.eval_every)
@@ -306,13 +312,15 @@ PLAN_RANGES: dict[str, tuple[bool, str]] = {
     "param_bytes": (False, "a positive byte count per parameter, like 2 (the ZeRO paper) or 4 (dtk's fp32)"),
     "grad_bytes": (False, "a positive byte count per gradient element, like 2 (the ZeRO paper) or 4 (dtk's fp32)"),
     "optimizer_bytes": (True, "0 (an optimizer without state) or more bytes per parameter, like 8 (AdamW) or 12"),
-    "max_nodes": (False, f"a node count from 1 to {NODE_CANDIDATES[-1]} (the most the search tries)"),
+    "max_nodes": (False, "a node count from 1 to {most} (the most the search tries)"),
 }
 
 
 def check_plan_keys(plan: PlanConfig) -> None:
     """The plan.* what-if keys against their ranges, before the budget computes with them: a
     negative byte count would make any model fit, an infinite count end in an overflow."""
+    from dtk.plan.budget import NODE_CANDIDATES
+
     for key, (zero_ok, want) in PLAN_RANGES.items():
         value = getattr(plan, key)
         if value is None:
@@ -321,7 +329,7 @@ def check_plan_keys(plan: PlanConfig) -> None:
         if key == "max_nodes":
             ok = ok and value <= NODE_CANDIDATES[-1]
         if not ok:
-            raise UserError(f"plan.{key}={value}: expected {want}, or leave it unset")
+            raise UserError(f"plan.{key}={value}: expected {want.format(most=NODE_CANDIDATES[-1])}, or leave it unset")
     if plan.doctor is not None:
         from dtk.plan.steptime import doctor_links
 

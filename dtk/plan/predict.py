@@ -16,7 +16,10 @@ are not used here). What is compared is what each device measures:
   kept for backward (`activations_saved`), plus FSDP's gathered parameters when every unit's
   are held at the peak (`gathered_kept`: reshard_after_forward=false, or a pipeline).
 
-A gap above MISMATCH (either way) on any rank is a `plan_mismatch` event.
+A gap above MISMATCH (either way) on any rank is a `plan_mismatch` event. The workers compare
+the figures plan.json hands them (dtk.plan.planned_memory); the functions here are the same
+comparison on the budget's RankBytes, and the budget a worker runs again only for its
+out-of-memory line.
 """
 
 from __future__ import annotations
@@ -25,17 +28,17 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from dtk.errors import UserError
+from dtk.plan import planned_memory
 from dtk.plan.memory import FRAGMENTATION, RUNTIME_BYTES, RankBytes, rank_bytes
+from dtk.plan.planned_memory import MISMATCH as MISMATCH
+from dtk.plan.planned_memory import mismatch_event as mismatch_event
+from dtk.plan.planned_memory import summarize as summarize
 
 if TYPE_CHECKING:
     from dtk.config.schema import Config
     from dtk.plan.plan import Plan
     from dtk.plan.report import MemoryPlan
     from dtk.plan.shape import ModelShape
-
-MISMATCH = 0.10
-"""Largest gap between measured and predicted bytes, as a share of the prediction, that is not an event."""
-
 
 def real_context(cfg: Config, plan: Plan, shape: ModelShape, *, device: str, capacity: int | None = None):
     """The budget's inputs as the worker sees them: its real device kind (and, on a GPU, its
@@ -58,60 +61,21 @@ def rank_prediction(cfg: Config, plan: Plan, shape: ModelShape, *, rank: int, de
     return rank_bytes(shape, ctx.job(chosen_variant(ctx, plan)), rank)
 
 
+def figures(b: RankBytes) -> dict[str, int]:
+    """A rank's bytes as plan.json hands them to the workers (dtk.plan.planned_memory.FIGURES)."""
+    return {**b.as_dict(), "activations_saved": b.activations_saved, "gathered_kept": b.gathered_kept}
+
+
 def comparable(b: RankBytes, device: str) -> int:
     """The part of a prediction that the device's measurement sees (see the module doc)."""
-    states = b.params + b.grads + b.optimizer
-    if device == "cuda":
-        return states + b.activations + b.buffers
-    return states + b.activations_saved + b.gathered_kept
+    return planned_memory.comparable(figures(b), device)
 
 
 def rank_record(b: RankBytes, measured: dict[str, int | None], *, rank: int, device: str,
                 activations_estimated: bool) -> dict[str, Any]:
     """One rank's prediction against its measurement, for summary.json."""
-    predicted = comparable(b, device)
-    total = measured.get("total")
-    return {
-        "rank": rank,
-        "predicted_bytes": predicted,
-        "measured_bytes": total,
-        "gap": None if total is None or not predicted else round(total / predicted - 1, 4),
-        "predicted": {**b.as_dict(), "activations_saved": b.activations_saved},
-        "measured": measured,
-        "activations_estimated": activations_estimated,
-    }
-
-
-def summarize(ranks: list[dict[str, Any]], *, device: str) -> dict[str, Any]:
-    """summary.json's `memory`: the largest rank's figures, every rank's, and the ranks whose
-    gap is above MISMATCH."""
-    worst = max(ranks, key=lambda r: r["measured_bytes"] or 0)
-    off = [r for r in ranks if r["gap"] is not None and abs(r["gap"]) > MISMATCH]
-    return {
-        "device": device,
-        "basis": "max_memory_allocated" if device == "cuda" else "live tensors: states + kept for backward (one step)",
-        "rank": worst["rank"],
-        "predicted_bytes": worst["predicted_bytes"],  # that rank's plan: like against like
-        "measured_bytes": worst["measured_bytes"],
-        "gap": worst["gap"],
-        "mismatch_ranks": [r["rank"] for r in off],
-        "ranks": ranks,
-    }
-
-
-def mismatch_event(memory: dict[str, Any]) -> dict[str, Any] | None:
-    """The `plan_mismatch` event's fields, or None when every rank is within MISMATCH."""
-    off = [r for r in memory["ranks"] if r["rank"] in memory["mismatch_ranks"]]
-    if not off:
-        return None
-    r = max(off, key=lambda x: abs(x["gap"]))
-    why = "" if r["activations_estimated"] else " (activations of this model are not estimated)"
-    return {
-        "rank": r["rank"], "predicted_bytes": r["predicted_bytes"], "measured_bytes": r["measured_bytes"],
-        "gap": r["gap"], "ranks": [x["rank"] for x in off], "limit": MISMATCH,
-        "detail": f"rank {r['rank']} measured {r['measured_bytes'] / 1e9:.3f} GB against {r['predicted_bytes'] / 1e9:.3f}"
-                  f" GB planned ({r['gap']:+.0%}, limit {MISMATCH:.0%}){why}",
-    }
+    return planned_memory.rank_record(figures(b), measured, rank=rank, device=device,
+                                      activations_estimated=activations_estimated)
 
 
 def _gb(n: int | None) -> str:

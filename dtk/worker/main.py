@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
             raise
         # Not a crash to relaunch: the same job runs out again. One line, the driver's to report.
         device = pick_device(plan.config.dist.device, env)
-        print(f"error: {oom_error(plan, None, rank=env.rank, device=device)}", file=sys.stderr, flush=True)
+        print(f"error: {oom_error(plan, rank=env.rank, device=device)}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     finally:
         if dist.is_initialized():

@@ -1,50 +1,39 @@
 """The plan against the worker's real memory (dtk.plan.predict says what is compared):
-each rank's prediction made before the model is parallelized, its measurement
+each rank's planned bytes as plan.json hands them (dtk.plan.planned_memory), its measurement
 (dtk.train.measure.StepMemory), both gathered to rank 0 for summary.json, and the one
 line an out-of-memory error stops the job with."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dtk.parallel.count import real_shape
 from dtk.plan.plan import Plan
-from dtk.plan.predict import (
-    describe_error,
-    mismatch_event,
-    oom_line,
-    rank_prediction,
-    rank_record,
-    summarize,
-)
-from dtk.plan.shape import ModelShape
+from dtk.plan.planned_memory import for_rank, mismatch_event, rank_record, summarize
 from dtk.rundir import RunDir
 from dtk.train.measure import StepMemory
 
 
 class Prediction:
-    """This rank's planned bytes (or why there are none), made from the meta build."""
+    """This rank's planned bytes as the plan hands them (plan.json's `memory`, made at
+    submission), or why there are none."""
 
-    def __init__(self, plan: Plan, *, rank: int, device: torch.device, meta_model: torch.nn.Module) -> None:
-        self.plan, self.rank, self.device = plan, rank, device
-        self.shape: ModelShape | None = None
-        self.error: str | None = None
-        try:
-            self.shape = real_shape(plan.config, meta_model)
-            self.bytes = rank_prediction(plan.config, plan, self.shape, rank=rank, device=device.type)
-        except Exception as exc:  # a model the budget cannot lay out: the run goes on, the reason recorded
-            self.error = describe_error(exc)
+    def __init__(self, plan: Plan, *, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.activations_estimated = bool((plan.memory or {}).get("activations_estimated"))
+        self.figures, self.error = for_rank(plan.memory, rank=rank, device=device.type, world=plan.world_size,
+                                            tasks_per_node=plan.tasks_per_node,
+                                            degrees=dataclasses.asdict(plan.degrees))
 
     def record(self, measured: StepMemory) -> dict[str, Any]:
-        if self.error is not None:
+        if self.figures is None:
             return {"rank": self.rank, "error": self.error}
-        assert self.shape is not None and self.plan.config.scheme is not None, "set when there is no error"
-        return rank_record(self.bytes, measured.result(), rank=self.rank, device=self.device.type,
-                           activations_estimated=self.shape.has_activation_shape)
+        return rank_record(self.figures, measured.result(), rank=self.rank, device=self.device.type,
+                           activations_estimated=self.activations_estimated)
 
 
 def measure_index(start_step: int, total_steps: int) -> int:
@@ -84,12 +73,16 @@ def is_out_of_memory(exc: BaseException | None) -> bool:
     return False
 
 
-def oom_error(plan: Plan, prediction: Prediction | None, *, rank: int, device: torch.device) -> str:
-    """The `error:` line's text for an out-of-memory error on this rank."""
+def oom_error(plan: Plan, *, rank: int, device: torch.device) -> str:
+    """The `error:` line's text for an out-of-memory error on this rank: the budget runs again
+    here (only here, on the way out), for this device's real memory."""
+    from dtk.parallel.count import real_shape
+    from dtk.plan.predict import describe_error, oom_line
+
     host = socket.gethostname()
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     try:
-        shape = prediction.shape if prediction is not None and prediction.shape is not None else real_shape(plan.config)
-        return oom_line(plan.config, plan, shape, rank=rank, host=host, device=device.type, capacity=capacity)
+        return oom_line(plan.config, plan, real_shape(plan.config), rank=rank, host=host, device=device.type,
+                        capacity=capacity)
     except Exception as exc:  # the line must come out whatever the budget does
         return f"out of memory on rank {rank} ({host}); no memory plan for this job: {describe_error(exc)}"

@@ -70,7 +70,7 @@ class Built:
     dataset: Any
     val_dataset: Any
     prediction: Prediction
-    """This rank's planned memory, taken before the model was sharded."""
+    """This rank's planned memory, as plan.json hands it."""
 
 
 def set_threads(requested: int, env: WorkerEnv) -> None:
@@ -110,7 +110,7 @@ def build(w: Worker) -> Built:
     # what a step computes: the trainer and the evaluator run it (on this cp rank's slice of each row)
     task = build_task(cfg.task, loss=loss, cp=CpLayout.of(mesh))
     meta_model = build_model(cfg.model, device="meta", seed=seed)
-    prediction = Prediction(plan, rank=w.env.rank, device=w.device, meta_model=meta_model)  # before it is sharded
+    prediction = Prediction(plan, rank=w.env.rank, device=w.device)  # the figures plan.json hands this rank
     model = parallelize(
         meta_model,
         mesh=mesh,
