@@ -120,7 +120,10 @@ def test_readmit_refuses_a_name_that_is_no_node_name(tmp_path):
     assert invalid_exclusions(run) == [POISON]
 
 
-def test_dtk_nodes_shows_an_invalid_name_escaped_for_the_run_and_the_root(tmp_path):
+def test_dtk_nodes_shows_an_invalid_name_escaped_for_the_run_and_the_root(tmp_path, monkeypatch):
+    # No Slurm asked (a node's state is not what this checks): a Slurm installed here whose
+    # controller is down would be retried for 30 s.
+    monkeypatch.setattr("dtk.nodes._slurm", lambda: None)
     for name in ("a", "b"):
         poison(run_dir(tmp_path, name), POISON, "node2")
     root = run_main("dtk.nodes", str(tmp_path))
@@ -162,7 +165,8 @@ def test_the_resubmission_leaves_invalid_names_out(tmp_path, capsys):
     assert "#SBATCH --exclude=node2,node3\n" in sbatch_text(plan, inputs)
 
 
-def test_dtk_nodes_prints_what_the_file_says_of_a_valid_node_escaped(tmp_path):
+def test_dtk_nodes_prints_what_the_file_says_of_a_valid_node_escaped(tmp_path, monkeypatch):
+    monkeypatch.setattr("dtk.nodes._slurm", lambda: None)  # as above: the escaping is checked, not Slurm
     run = run_dir(tmp_path, "r")
     entry = {"node": "node2", "job_id": "1", "reason": "left\nforged line", "time": time.time()}
     (run.path / "excluded_nodes.json").write_text(json.dumps([entry]))
