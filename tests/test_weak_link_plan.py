@@ -96,6 +96,19 @@ def test_an_hsdp_replica_keeps_its_shard_and_the_sync_copies_go_to_the_checkpoin
     no_momentum = _planned(_job(Degrees(2, 1, 1, 1), dataclasses.replace(sync, outer_momentum=0.0,
                                                                          outer_nesterov=False)))
     assert "sync_outer_momentum" not in no_momentum
+    # streaming: a synchronization copies one fragment, the anchor and momentum stay whole
+    from dtk.plan.exchange import exchange_state
+    from dtk.plan.layout import rank_layout
+
+    def copies(fragments: int) -> dict[str, int]:
+        job = _job(Degrees(2, 1, 1, 1), dataclasses.replace(sync, fragments=fragments))
+        layout = rank_layout(builtin_shape(TransformerConfig(**SMALL)), job.scheme, job.degrees, 0, ())
+        return exchange_state(job, layout, freed=0, param_bytes=4, grad_bytes=4)  # nothing freed: the copies whole
+
+    whole, streamed = copies(1), copies(2)
+    assert whole["sync_exchange"] == 3 * plain.params  # deltas' mean, outer gradient and Nesterov's temporary
+    assert streamed["sync_anchor"] == whole["sync_anchor"] and whole["sync_exchange"] / 2 <= streamed["sync_exchange"]
+    assert streamed["sync_exchange"] < whole["sync_exchange"]
     every_step = rank_bytes(builtin_shape(TransformerConfig(**SMALL)), _job(Degrees(2, 1, 1, 1)), 0)
     assert not {k for k in every_step.detail if k.startswith(("sync_", "powersgd_"))}
     staged = every_step.detail["checkpoint_staging"] + 2 * plain.params  # anchor and momentum saved too
@@ -199,6 +212,10 @@ def test_sync_periods_hold_the_synchronizing_step_and_leave_out_the_start_up():
     assert p["mean_s"] == pytest.approx((0.9 + 3 * 0.1) / 4)
     assert (p["sync_step_s"], p["between_s"]) == (0.9, 0.1)
     assert sync_periods({s: {"step_time_s": 0.1} for s in range(1, 4)}, 4) is None
+    # sync.fragments=2: a fragment synchronizes every 2 steps, the period is still 4 steps
+    streamed = sync_periods({s: {"step_time_s": 0.5 if s % 2 == 0 else 0.1} for s in range(1, 13)}, 4, 2)
+    assert streamed is not None and (streamed["sync_step_s"], streamed["between_s"]) == (0.5, 0.1)
+    assert streamed["mean_s"] == pytest.approx(0.3)
 
 
 @pytest.mark.slow
@@ -257,3 +274,17 @@ def test_a_sync_without_replicas_is_one_error_line_from_plan_and_submit(tmp_path
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def test_a_sync_checkpoint_holds_each_replica_and_the_anchor(tmp_path):
+    def planned(*overrides: str) -> dict:
+        proc = run_main("dtk.plan", "tasks_per_node=2", *overrides, "--json", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    every_step = planned("+scheme=ddp")
+    params = every_step["params"]
+    diloco = planned("+sync=diloco")
+    local_sgd = planned("+sync=local_sgd")
+    assert diloco["checkpoint_bytes"] == 2 * every_step["checkpoint_bytes"] + 2 * 4 * params  # anchor + momentum
+    assert local_sgd["checkpoint_bytes"] == 2 * every_step["checkpoint_bytes"] + 4 * params  # anchor

@@ -59,11 +59,13 @@ class Context:
     sync_bytes: int = 4
     """+sync: bytes per element the replicas all-reduce (sync.dtype)."""
     sync_mode: str = ""
-    """+sync's mode, empty without (what the synchronizer keeps: memory.exchange_state)."""
+    """+sync's mode, empty without (what the synchronizer keeps: dtk.plan.exchange)."""
     outer_momentum: float = 0.0
     """+sync=diloco: sync.outer_momentum."""
     outer_nesterov: bool = False
     """+sync=diloco: sync.outer_nesterov."""
+    sync_fragments: int = 1
+    """+sync: sync.fragments."""
 
     def job(self, v: Variant, **changes: Any) -> Job:
         scheme = scheme_config(dict(v.scheme, **changes))
@@ -72,7 +74,7 @@ class Context:
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
             split_points=self.split_points, memory_snapshots=self.memory_snapshots, sync_every=self.sync_every,
             sync_bytes=self.sync_bytes, sync_mode=self.sync_mode, outer_momentum=self.outer_momentum,
-            outer_nesterov=self.outer_nesterov,
+            outer_nesterov=self.outer_nesterov, sync_fragments=self.sync_fragments,
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,

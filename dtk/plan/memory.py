@@ -21,7 +21,7 @@
   through the step by default there). Autocast's low-precision weight copies under DDP;
   pipeline receive buffers; the staged checkpoint copy when the device is the CPU. DDP's gradient
   buckets cost nothing extra: dtk's gradients are views into them. What exchanging less
-  keeps (`exchange_state`): +sync's anchor and diloco's outer momentum (each a copy of the
+  keeps (dtk.plan.exchange): +sync's anchor and diloco's outer momentum (each a copy of the
   rank's parameters) and the copies a synchronization makes; PowerSGD's error feedback and
   P and Q matrices.
 - margin: FRAGMENTATION of the rest for the caching allocator, plus a fixed runtime
@@ -36,17 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from dtk.config.choices import GradCompression
 from dtk.config.schema import SchemeConfig
 from dtk.plan.activations import Activations, Dims, in_flight, rank_activations, recv_buffer_bytes
 from dtk.plan.degrees import Degrees
+from dtk.plan.exchange import SYNC_KEYS, exchange_state
 from dtk.plan.layout import (
     RankLayout,
     coords,
@@ -54,7 +53,6 @@ from dtk.plan.layout import (
     rank_of,
     reshards_after_forward,
     tied_copy_numel,
-    uses_ddp,
     uses_fsdp,
     uses_zero1,
     zero1_owner,
@@ -147,11 +145,13 @@ class Job:
     sync_bytes: int = 4
     """+sync: bytes per element of that all-reduce (2 with sync.dtype=bfloat16)."""
     sync_mode: str = ""
-    """+sync's mode (`local_sgd`, `diloco`), empty without: what the synchronizer keeps (`exchange_state`)."""
+    """+sync's mode (`local_sgd`, `diloco`), empty without: what the synchronizer keeps (dtk.plan.exchange)."""
     outer_momentum: float = 0.0
     """+sync=diloco: sync.outer_momentum (above 0 the outer SGD keeps a momentum buffer per parameter)."""
     outer_nesterov: bool = False
     """+sync=diloco: sync.outer_nesterov (its step makes one more temporary copy)."""
+    sync_fragments: int = 1
+    """+sync: sync.fragments (a synchronization's copies are of one fragment)."""
 
 
 @dataclass
@@ -260,7 +260,8 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
     elif p.gathered_bytes < p.param_bytes:
         # autocast keeps a low-precision copy of every matmul weight for the step
         detail["autocast_weights"] = round(sum(h.numel for h in layout.held if h.tensor.matmul) * p.compute_bytes)
-    detail.update(exchange_state(job, layout, freed=grads + acts.total))
+    detail.update(exchange_state(job, layout, freed=grads + acts.total, param_bytes=p.param_bytes,
+                                 grad_bytes=p.grad_bytes))
     dims = job_dims(shape, job)
     if d.pp > 1 and dims is not None:
         per = p.compute_bytes * dims.bsh // (d.tp if dims.sp else 1)
@@ -292,66 +293,6 @@ def rank_bytes(shape: ModelShape, job: Job, rank: int) -> RankBytes:
         margin=margin, host=host, detail=detail, activations_saved=acts.saved, model_states=model_states,
         gathered_kept=gathered_whole_step,
     )
-
-
-SYNC_KEYS = ("sync_anchor", "sync_outer_momentum", "sync_exchange")
-POWERSGD_MIN_RATE = 2
-"""PowerSGD compresses a matrix only where (rows + columns) x rank x this < its elements (torch's min_compression_rate)."""
-
-
-def powersgd_factors(shape: tuple[int, ...], rank: int) -> tuple[int, int] | None:
-    """(P, Q) elements PowerSGD keeps for a gradient of `shape` (rows x rank, columns x rank,
-    the matrix viewed as shape[0] rows), or None when it sends the tensor whole: 1-D, or
-    not shrunk POWERSGD_MIN_RATE-fold (torch's powerSGD_hook's rule)."""
-    if len(shape) < 2:
-        return None
-    n = shape[0]
-    m = math.prod(shape) // max(n, 1)
-    r = min(n, m, rank)
-    return (n * r, m * r) if (n + m) * r * POWERSGD_MIN_RATE < n * m else None
-
-
-def exchange_state(job: Job, layout: RankLayout, *, freed: int) -> dict[str, int]:
-    """Bytes the replicas' exchange keeps on a rank beside the model, by name.
-
-    +sync (dtk.train.sync): `sync_anchor`, the parameters of the last synchronization (a
-    copy of this rank's parameters: its FSDP shard under HSDP); `sync_outer_momentum`,
-    diloco's outer SGD momentum buffer (outer_momentum > 0), as large; `sync_exchange`, the
-    flat copies a synchronization makes (local_sgd: the parameters; diloco: the deltas and
-    their flat copy, then the outer gradient beside the mean, one more with Nesterov, and a
-    bfloat16 copy with sync.dtype=bfloat16), counted where they exceed what the step frees
-    before it (`freed`: the gradients, set to None after the optimizer step, and the
-    activations).
-
-    scheme.grad_compression=powersgd (dtk.parallel.compression, torch's powerSGD_hook):
-    `powersgd_error`, the error feedback (one buffer as large as each bucket's gradients);
-    `powersgd_pq`, every compressed matrix's P and Q (kept between steps: warm start);
-    `powersgd_bucket`, the hook's copy of a bucket and its new error (two buckets of
-    scheme.bucket_cap_mb at most)."""
-    p = job.precision
-    if job.sync_mode:
-        local = sum(h.numel for h in layout.held)
-        copy = round(local * p.param_bytes)
-        out = {"sync_anchor": copy}
-        if job.sync_mode == "diloco":
-            if job.outer_momentum > 0:
-                out["sync_outer_momentum"] = copy
-            sending = 2 * copy + (copy * job.sync_bytes // 4 if job.sync_bytes < 4 else 0)
-            outer = (3 if job.outer_nesterov else 2) * copy
-            transient = max(sending, outer)
-        else:
-            transient = copy
-        out["sync_exchange"] = max(0, transient - freed)
-        return out
-    if job.scheme.grad_compression != GradCompression.powersgd or not uses_ddp(job.scheme, job.degrees):
-        return {}
-    factors = [powersgd_factors(h.tensor.shape, job.scheme.powersgd_rank) for h in layout.held]
-    grads = round(sum(h.grad_numel for h in layout.held) * p.grad_bytes)
-    return {
-        "powersgd_error": grads,
-        "powersgd_pq": round(sum(sum(f) for f in factors if f) * p.grad_bytes),
-        "powersgd_bucket": 2 * min(grads, job.scheme.bucket_cap_mb * 2**20),
-    }
 
 
 def keeps_gathered(scheme: SchemeConfig, d: Degrees) -> bool:

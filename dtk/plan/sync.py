@@ -94,12 +94,14 @@ def describe_sync(sync: SyncConfig | None, scheme: SchemeConfig) -> str:
             rank = f", rank {scheme.powersgd_rank}" if scheme.grad_compression == GradCompression.powersgd else ""
             every_step += f", gradients compressed: {scheme.grad_compression}{rank}"
         return every_step
+    streamed = (f", streamed in {sync.fragments} fragments (one every {sync.every // sync.fragments} steps)"
+                if sync.fragments > 1 else "")
     if sync.mode == "local_sgd":
-        return f"local_sgd: replicas average their parameters every {sync.every} steps"
+        return f"local_sgd: replicas average their parameters every {sync.every} steps{streamed}"
     nesterov = ", nesterov" if sync.outer_nesterov else ""
     sent = ", deltas sent in bfloat16" if sync.dtype == SyncDtype.bfloat16 else ""
-    return (f"diloco: replicas average their deltas every {sync.every} steps, outer SGD lr {sync.outer_lr}"
-            f" momentum {sync.outer_momentum}{nesterov}{sent}")
+    return (f"diloco: replicas average their deltas every {sync.every} steps{streamed}, outer SGD lr"
+            f" {sync.outer_lr} momentum {sync.outer_momentum}{nesterov}{sent}")
 
 
 def sync_state(sync: SyncConfig | None) -> dict[str, Any]:
@@ -109,7 +111,7 @@ def sync_state(sync: SyncConfig | None) -> dict[str, Any]:
         return {}
     diloco = sync.mode == SyncMode.diloco
     return {"sync_mode": str(sync.mode), "outer_momentum": sync.outer_momentum if diloco else 0.0,
-            "outer_nesterov": diloco and sync.outer_nesterov}
+            "outer_nesterov": diloco and sync.outer_nesterov, "sync_fragments": sync.fragments}
 
 
 @dataclass(frozen=True)
