@@ -64,6 +64,7 @@ def test_meta_build_materializes_to_the_seeded_weights_and_returns_logits(family
     assert torch.allclose(on_cpu.model.rotary_emb.inv_freq[:2], torch.tensor([1.0, 0.1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_init_from_loads_the_saved_weights(family, tmp_path):
     from transformers import AutoModelForCausalLM

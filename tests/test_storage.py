@@ -87,7 +87,7 @@ def s3():
         yield env
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
 def store(request, tmp_path) -> Storage:
     if request.param == "local":
         return LocalStorage(tmp_path / "checkpoints")
