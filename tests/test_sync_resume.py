@@ -172,3 +172,14 @@ def test_another_replica_count_continues_from_the_last_synchronized_parameters(t
     saved = load_model_state(path, json.loads((path / "manifest.json").read_text()))
     for name, tensor in synchronized(saved).items():
         assert all(torch.equal(saved[f"replica{r}.{name}"], tensor) for r in range(4)), name
+
+
+def test_more_fragments_than_the_models_tensors_is_one_error_line_from_the_workers(tmp_path):
+    """The planner cannot count a model's tensors without building it: the workers refuse
+    at the start, with one line and exit 2 (a configuration error: no relaunch)."""
+    proc = dtk("dtk.submit", "+sync=diloco", "sync.every=32", "sync.fragments=32", "tasks_per_node=2",
+               "train.steps=4", f"run.root={tmp_path}", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: sync.fragments=32: the model has 22 trainable tensors"), line
+    assert "Traceback" not in proc.stderr
