@@ -168,14 +168,18 @@ def recv_buffer_bytes(per: int, *, chunks: int, stages: int, first: bool, last: 
 def last_stage_working_bytes(d: Dims, ac: str, *, pp: int, per_micro_batch: bool) -> int:
     """Backward's largest transient on the last stage: the loss gradient, or one block
     recomputed. The loss gradient is the fp32 gradient of the log-softmax and of the logits'
-    fp32 cast, split over tp (except under the pipeline runtime before the loss per
-    micro-batch); a chunked loss holds the logits' gradient in their dtype and one chunk's
-    fp32 cast, log-softmax and gradient."""
+    fp32 cast; vocabulary-parallel under tp (except under the pipeline runtime before the loss
+    per micro-batch), three fp32 shards; a chunked loss holds the logits' gradient in their
+    dtype and one chunk's fp32 cast, log-softmax and gradient."""
     if chunked_loss(d):
         loss = d.a * d.b * d.s * d.vocab + 3 * LOSS_BYTES * LOSS_CHUNK_ELEMENTS
+    elif d.tp > 1 and (pp == 1 or per_micro_batch):
+        # torch's loss_parallel backward (_nll_loss_and_log_softmax_backward) holds three fp32
+        # shards at once: the one-hot gradient, exp of the log-softmax and their sum (measured
+        # on CPU gloo ranks, docs/benchmarks.md)
+        loss = 3 * LOSS_BYTES * d.b * d.s * d.vocab // d.tp
     else:
-        vocab_parallel = pp == 1 or per_micro_batch
-        loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab // (d.tp if vocab_parallel else 1)
+        loss = 2 * LOSS_BYTES * d.b * d.s * d.vocab
     recompute = block_bytes(d, "none") - block_bytes(d, ac) if ac != "none" else 0
     return max(loss, recompute)
 
