@@ -172,6 +172,12 @@ def test_a_fast_link_and_a_sync_run_get_no_advice(tmp_path):
     assert "under +sync=diloco, every 64 steps" in text and "weak link" not in text
 
 
+def test_one_device_has_no_exchange_line(tmp_path):
+    proc = run_main("dtk.plan", "cluster.accelerator=h100-80gb", "dist.device=cuda", "tasks_per_node=1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert " s per step (compute" in proc.stdout and "exchange    " not in proc.stdout  # predicted, no exchange
+
+
 def test_a_scheme_without_replicas_is_told_why_sync_is_not_offered(tmp_path):
     out = _plan_json(tmp_path, ONE_GBIT, "+scheme=fsdp")
     weak = out["weak_link"]

@@ -21,7 +21,7 @@ from dtk.plan.memory import FRAGMENTATION, RUNTIME_BYTES
 from dtk.plan.plan import Plan
 from dtk.plan.search import Candidate, searched, why_loses
 from dtk.plan.steptime import Hardware, StepTime, hardware_of, step_time
-from dtk.plan.sync import EXCHANGE_DOMINATES, EXCHANGE_TARGET, Option, WeakLink, weak_link
+from dtk.plan.sync import DATA_AXES, EXCHANGE_DOMINATES, EXCHANGE_TARGET, Option, WeakLink, weak_link
 from dtk.plan.variants import SCHEME_KEYS, Variant, chosen_at, scheme_key
 
 KINDS = ("params", "grads", "optimizer", "activations", "buffers", "margin", "total")
@@ -260,6 +260,8 @@ def weak_link_advice(w: WeakLink, room: int | None = None) -> list[str]:
 
 def weak_link_lines(w: WeakLink, ctx: Context, room: int | None) -> list[str]:
     """The `exchange` and `weak link` lines of python -m dtk.plan."""
+    if not any(axis in w.step.axes for axis in DATA_AXES):
+        return []  # no data-parallel exchange to speak of (one replica, no FSDP)
     share = f"exchange    data-parallel {w.share:.0%} of the predicted step ({w.exchange_s:.3g} s of {w.step.total_s:.3g} s)"
     if ctx.sync_every:
         return [f"{share} under +sync={ctx.sync_mode}, every {ctx.sync_every} steps"]
