@@ -51,6 +51,13 @@ CASES: list[tuple[str, str, str]] = [
     ("submit", "fault.signal_lead_floor_s=0", "fault.signal_lead_floor_s=0"),
     ("submit", "cluster.device_memory_gb=0", "cluster.device_memory_gb=0.0"),
     ("submit", "fault.max_restarts=-1", "fault.max_restarts=-1: expected 0 or more"),
+    ("submit", "optim.lr=inf", "optim.lr=inf: expected a positive learning rate"),
+    ("submit", "optim.lr=nan", "optim.lr=nan: expected a positive learning rate"),
+    ("submit", "fault.spike_factor=0.5", "fault.spike_factor=0.5: expected 0 (only non-finite losses are bad) or a"
+     " factor above 1"),
+    ("submit", "fault.spike_factor=1", "fault.spike_factor=1.0: expected 0"),
+    ("submit", "fault.spike_window=0", "fault.spike_window=0: expected a positive count of good steps"),
+    ("submit", "fault.max_rollbacks=-1", "fault.max_rollbacks=-1: expected 0 (fail at the first divergence) or more"),
     ("submit", "scheme.tp=2", "scheme.* keys need a scheme chosen first"),
     ("submit", "+scheme=nope", "scheme=nope: no such scheme"),
     ("submit", "cluster=nope", "cluster=nope"),
