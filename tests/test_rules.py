@@ -1,5 +1,5 @@
 """The project's written rules, checked: one source for each default, ASCII for what users
-read, `num_` for counts, modules of at most 400 lines. Each checker is also run on a planted
+read, `num_` for counts, modules of at most 400 lines, functions of at most 80. Each checker is also run on a planted
 violation, so a checker that can no longer fail fails here."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from conftest import REPO
 from dtk.config import schema
 
 MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
 
 
 def schema_defaults() -> dict[str, list]:
@@ -157,3 +158,24 @@ def test_no_module_is_over_400_lines():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in python_files("dtk")}
     over = {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them): {over}"
+
+
+def long_functions(source: str, where: str) -> list[str]:
+    """Functions (methods and nested ones too) longer than MAX_FUNCTION_LINES, from `def` (its
+    decorators not counted) to its last line."""
+    return [f"{where}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno is not None
+            and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_over_80_lines():
+    found = [v for p in python_files("dtk") for v in long_functions(p.read_text(), str(p.relative_to(REPO)))]
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines (cut them at their seams): {found}"
+    lines = [f"x{i} = {i}" for i in range(MAX_FUNCTION_LINES)]  # with its `def`: one line over
+
+    def planted(indent: str, body: list[str]) -> str:
+        return "".join(f"{indent}    {line}\n" for line in body)
+    assert long_functions(f"async def f():\n{planted('', lines)}", "planted.py") == ["planted.py:1 f (81 lines)"]
+    assert long_functions(f"class C:\n    def f(self):\n{planted('    ', lines)}", "planted.py")
+    assert not long_functions(f"def f():\n{planted('', lines[:-1])}", "planted.py")  # 80 lines
