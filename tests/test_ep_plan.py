@@ -9,8 +9,9 @@ from conftest import run_main
 from dtk.config.compose import compose
 from dtk.plan.budget import Context
 from dtk.plan.plan import make_plan
-from dtk.plan.search import Search, _splits
+from dtk.plan.search import Search
 from dtk.plan.shape import builtin_shape
+from dtk.plan.splits import splits as _splits
 
 H100_4X8 = ["cluster=slurm", "nodes=4", "tasks_per_node=8", "cluster.accelerator=h100-80gb"]
 LLAMA_8B_131K = ["model.dim=4096", "model.num_layers=32", "model.num_heads=32", "model.ffn_hidden=14336",

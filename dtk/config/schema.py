@@ -30,7 +30,7 @@ from dtk.config.fabric import DoctorConfig, FabricConfig, PlanConfig  # part of 
 from dtk.config.fields import IDENTITY  # marks what a run computes (its name's hash)
 from dtk.config.sections import DATA_SCHEMAS as DATA_SCHEMAS  # the data and task sections, part of this schema
 from dtk.config.sections import CheckpointConfig as CheckpointConfig  # part of this schema
-from dtk.config.sections import Hdf5DataConfig, SyntheticDataConfig, TaskConfig, UserDataConfig
+from dtk.config.sections import EpKeys, Hdf5DataConfig, MoeKeys, SyntheticDataConfig, TaskConfig, UserDataConfig
 from dtk.config.sync import SyncConfig as SyncConfig  # part of this schema
 
 
@@ -99,7 +99,7 @@ class ModelParallelConfig:
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(MoeKeys, ModelParallelConfig):
     """The built-in transformer's keys (group `model`, option `transformer`)."""
 
     _target_: str = field(default="dtk.models.transformer.build", metadata=IDENTITY)
@@ -122,14 +122,6 @@ class TransformerConfig(ModelParallelConfig):
     """Dropout probability after attention and feed-forward (training only). 0: off."""
     tie_embeddings: bool = field(default=False, metadata=IDENTITY)
     """The output head's weight is the token embedding's: one (vocab_size, dim) parameter (GPT-2 style)."""
-    num_experts: int = field(default=0, metadata=IDENTITY)
-    """Mixture of experts (model=moe): routed SwiGLU experts per block instead of the one feed-forward. 0: dense."""
-    top_k: int = field(default=2, metadata=IDENTITY)
-    """Experts each token is routed to (their softmax weights renormalized over the k); at most num_experts."""
-    aux_loss_weight: float = field(default=0.01, metadata=IDENTITY)
-    """Weight of the load-balancing loss (Switch/GShard: num_experts x sum of routed share x mean router probability, routed shares counted over the whole step's batch). 0: off."""
-    capacity_factor: float = field(default=0.0, metadata=IDENTITY)
-    """Tokens an expert takes per micro-batch and rank: capacity_factor x tokens x top_k / num_experts, the rest dropped (first choices first). 0: dropless."""
 
 
 @dataclass
@@ -199,7 +191,7 @@ class OptimConfig:
 
 
 @dataclass
-class SchemeConfig:
+class SchemeConfig(EpKeys):
     """Defaults are plain DDP, what a job without `+scheme=` runs. docs/schemes.md explains each scheme."""
 
     name: str = "ddp"
@@ -214,8 +206,6 @@ class SchemeConfig:
     """Pipeline-parallel degree; -1: inferred."""
     cp: int = 1
     """Context-parallel degree: each sequence is split over cp ranks (2 x cp chunks, rank i holds chunks i and 2 x cp - 1 - i), attention gathers the keys and values of the whole sequence; needs data_parallel=fsdp (parameters sharded over dp_shard x cp) and model.seq_len divisible by 2 x cp. -1: inferred."""
-    ep: int = 1
-    """Expert-parallel degree (model=moe): the experts are split over ep ranks carved out of dp_shard x cp (ep divides dp_shard x cp and model.num_experts), tokens travel to their experts and back by all-to-all; the experts' parameters are FSDP-sharded over the other dp_shard x cp / ep ranks. Needs data_parallel=fsdp."""
     data_parallel: DataParallel = DataParallel.ddp
     """How data-parallel ranks hold the model: `ddp` (DistributedDataParallel, replicated; needs dp_shard=1, tp=1) or `fsdp` (FSDP2 over dp_replicate x dp_shard)."""
     bucket_cap_mb: int = 25

@@ -108,3 +108,26 @@ class CheckpointConfig:
     """Where the checkpoints go. Empty: the run directory's checkpoints/ folder. `s3://BUCKET/PREFIX`: an S3 (or S3-compatible) object store, under PREFIX/RUN_DIR_NAME/ (needs s3fs: pip install "dtk-train[s3]"; endpoint and credentials from the standard AWS variables and files, AWS_ENDPOINT_URL_S3 for another server). Not part of the run's identity."""
     max_failures: int = 3
     """The run stops with an error line once this many saves in a row failed (no space, an I/O error, a read-only mount); before that training goes on, each failure is a `checkpoint_failed` event and the next interval tries again."""
+
+
+@dataclass
+class MoeKeys:
+    """The built-in transformer's mixture-of-experts keys (model=moe, dtk/models/moe.py): part
+    of TransformerConfig."""
+
+    num_experts: int = field(default=0, metadata=IDENTITY)
+    """Mixture of experts (model=moe): routed SwiGLU experts per block instead of the one feed-forward. 0: dense."""
+    top_k: int = field(default=2, metadata=IDENTITY)
+    """Experts each token is routed to (their softmax weights renormalized over the k); at most num_experts."""
+    aux_loss_weight: float = field(default=0.01, metadata=IDENTITY)
+    """Weight of the load-balancing loss (Switch/GShard: num_experts x sum of routed share x mean router probability, routed shares counted over the whole step's batch). 0: off."""
+    capacity_factor: float = field(default=0.0, metadata=IDENTITY)
+    """Tokens an expert takes per micro-batch and rank: capacity_factor x tokens x top_k / num_experts, the rest dropped (first choices first). 0: dropless."""
+
+
+@dataclass
+class EpKeys:
+    """The expert-parallel degree (dtk/parallel/ep.py): part of SchemeConfig."""
+
+    ep: int = 1
+    """Expert-parallel degree (model=moe): the experts are split over ep ranks carved out of dp_shard x cp (ep divides dp_shard x cp and model.num_experts), tokens travel to their experts and back by all-to-all; the experts' parameters are FSDP-sharded over the other dp_shard x cp / ep ranks. Needs data_parallel=fsdp."""

@@ -101,10 +101,10 @@ class Transformer(nn.Module):
         norm_eps: float,
         dropout: float,
         tie_embeddings: bool,
-        num_experts: int = 0,
-        top_k: int = 2,
-        aux_loss_weight: float = 0.0,
-        capacity_factor: float = 0.0,
+        num_experts: int,
+        top_k: int,
+        aux_loss_weight: float,
+        capacity_factor: float,
     ) -> None:
         super().__init__()
         self.seq_len = seq_len

@@ -4,8 +4,8 @@ command is, its memory estimated and its step time predicted, ranked.
 Searched: the data-parallel layout (ddp, zero, zero2, fsdp, hsdp, replicas of a model
 split by tp / pp), the tensor-parallel degree (divisors of the workers per node: tp stays
 inside a node), the pipeline degree and its virtual stages (1F1B, interleaved 1F1B),
-context parallelism for a sequence of SPLIT_FROM tokens or more and expert parallelism for a
-mixture of experts (SPLIT_AXES: FSDP layouts, inside a node with tp), activation
+context parallelism for a long sequence and expert parallelism for a mixture of experts
+(dtk.plan.splits: FSDP layouts, inside a node with tp), activation
 checkpointing, FSDP CPU offload, the micro-batch (powers of two that divide the
 data-parallel rank's batch), and the node count: the job's own, and when nothing fits
 there, the fewest above it (NODE_CANDIDATES, up to plan.max_nodes) at which something does.
@@ -23,18 +23,16 @@ is fits -> nodes -> simplest.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dtk.config.choices import ActivationCheckpoint, DataParallel, PipelineSchedule
 from dtk.errors import UserError
 from dtk.plan.budget import NODE_CANDIDATES, Context, Estimate, estimate
-from dtk.plan.degrees import Axis, CarvedAxis, Degrees, micro_batch_size, resolve_degrees
-from dtk.plan.shape import ModelShape, is_builtin
+from dtk.plan.degrees import Axis, Degrees, micro_batch_size, resolve_degrees
+from dtk.plan.shape import is_builtin
+from dtk.plan.splits import DEGREE_AXES, degrees_of, split_layouts, splits
 from dtk.plan.steptime import Hardware, StepTime, step_time
 from dtk.plan.variants import FAST_KEYS, Variant, checked_scheme, standard_scheme
 
@@ -44,11 +42,6 @@ TIE = 0.03
 OPTIONS = FAST_KEYS
 """Scheme keys besides the degrees (one per Axis) that the search sets; the overrides name
 those that differ from the scheme file."""
-DEGREE_AXES = (*Axis, *CarvedAxis)
-"""Every degree key: the grid's axes and those carved out of them (dtk.plan.degrees)."""
-SPLIT_FROM = 16384
-"""Sequence length from which context parallelism (cp) is searched: below it the activations
-of a micro-batch of one sample rarely decide what fits, and the search stays as quick."""
 MAX_PP = 16
 """Deepest pipeline searched (the published runs of docs/planning.md go to 8; each stage is
 a rank whose memory the budget computes)."""
@@ -151,28 +144,9 @@ def _layouts(nodes: int, tpn: int, world: int, blocks: int, *, max_tp: int,
     return out
 
 
-def _split_layouts(tpn: int, world: int, max_tp: int, splits: list[dict[str, int]]) -> list[tuple[str, dict[str, Any]]]:
-    """FSDP layouts with the searched split axes (`Search.splits`: cp, ep) beside tp, each
-    split and tp inside a node; without a pipeline (neither runs under one yet)."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    grid = set(Axis.values())
-    for split in splits:
-        used = math.prod(v for k, v in split.items() if k in grid)  # what the grid's split axes take of the world
-        for tp in (t for t in _divisors(tpn, max_tp) if t & (t - 1) == 0 and tpn % (t * used) == 0):
-            if world % (tp * used) == 0:
-                d = Degrees(dp_replicate=1, pp=1, dp_shard=world // (tp * used), tp=tp, **split)
-                out.append(("hybrid", _keys(d, sequence_parallel=False, data_parallel=DataParallel.fsdp)))
-    return out
-
-
-def _degrees(keys: dict[str, Any]) -> Degrees:
-    """The degrees a scheme's keys set, one per Axis."""
-    return Degrees(**{axis.value: keys.get(axis.value, 1) for axis in DEGREE_AXES})
-
-
 def _file_key(key: str, keys: dict[str, Any], nodes: int, tpn: int, world: int) -> str:
     """The named scheme file whose defaults are this structure, else hybrid."""
-    d = _degrees(keys)
+    d = degrees_of(keys)
     if key == "hybrid":
         if d == Degrees(dp_replicate=nodes, pp=1, dp_shard=world // nodes, tp=1) and nodes > 1:
             return "hsdp"
@@ -195,7 +169,7 @@ class Search:
         self.max_tp = ctx.tasks_per_node if any(t.tp_dim is not None for t in ctx.shape.tensors) else 1
         self.sequence_parallel = not ctx.shape.exact or is_builtin(ctx.model_checks)
         self.base_cache: dict[tuple[str, int], dict[str, Any]] = {}
-        self.splits = _splits(ctx.shape, ctx.tasks_per_node)
+        self.splits = splits(ctx.shape, ctx.tasks_per_node)
         self.bound: Counter[str] = Counter()
         """Structures that no candidate of fits, by the constraint that excluded them."""
         self.refused: str | None = None
@@ -226,9 +200,8 @@ class Search:
             base_degrees: Degrees | None = resolve_degrees(checked_scheme(base), nodes * tpn)
         except UserError:
             base_degrees = None
-        if base_degrees != _degrees(scheme):
-            overrides += [f"scheme.{axis}={scheme[axis.value]}" for axis in Axis]
-            overrides += [f"scheme.{axis}={scheme[axis.value]}" for axis in CarvedAxis if scheme[axis.value] != 1]
+        if base_degrees != degrees_of(scheme):
+            overrides += [f"scheme.{a}={scheme[a.value]}" for a in DEGREE_AXES if isinstance(a, Axis) or scheme[a.value] != 1]
         for k in OPTIONS:
             if scheme[k] != base[k] or scheme[k] != self.bare(key, nodes)[k]:
                 overrides.append(f"scheme.{k}={str(scheme[k]).lower()}")
@@ -269,7 +242,7 @@ class Search:
         (the most micro-batches, the least bubble), so it takes the smallest micro-batch that
         its schedule accepts; any other layout the largest that fits (fewest gathers per step),
         found by bisection: memory grows with the micro-batch."""
-        degrees = _degrees(keys)
+        degrees = degrees_of(keys)
         micros = self._micros(degrees.dp)
         self.refused, tried = BATCH if not micros else None, False
         for knob in KNOBS:
@@ -302,8 +275,8 @@ class Search:
         self.bound.clear()
         layouts = _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
                            sequence_parallel=self.sequence_parallel)
-        for key, keys in layouts + _split_layouts(tpn, nodes * tpn, self.max_tp, self.splits):
-            pp = _degrees(keys).pp
+        for key, keys in layouts + split_layouts(tpn, nodes * tpn, self.max_tp, self.splits):
+            pp = degrees_of(keys).pp
             for virtual in (1, 2) if pp > 1 and key != "zero_tp_pp" else (1,):  # ZeRO-1's runtime: 1F1B
                 if virtual == 2 and 2 * pp > self.blocks:
                     continue
@@ -331,31 +304,6 @@ class Search:
                 if c is not None and c.fits:
                     return True
         return False
-
-
-def _cp_degrees(shape: ModelShape, powers: list[int]) -> list[int]:
-    """Context parallelism for a long sequence (from SPLIT_FROM tokens)."""
-    return powers if (shape.seq_len or 0) >= SPLIT_FROM else []
-
-
-def _ep_degrees(shape: ModelShape, powers: list[int]) -> list[int]:
-    """Expert parallelism for a mixture of experts: degrees that divide its expert count."""
-    experts = next((t.shape[0] for t in shape.tensors if t.expert), 0)
-    return [p for p in powers if experts and experts % p == 0]
-
-
-SPLIT_AXES: dict[Axis | CarvedAxis, Callable[[ModelShape, list[int]], list[int]]] = {
-    Axis.cp: _cp_degrees, CarvedAxis.ep: _ep_degrees}
-"""The axes the search adds to its dp / tp / pp layouts, each with the degrees (powers of two
-inside a node) it tries for a model; the scheme's checks refuse what does not run."""
-
-
-def _splits(shape: ModelShape, tasks_per_node: int) -> list[dict[str, int]]:
-    """Every combination of the SPLIT_AXES' degrees other than all ones."""
-    powers = [2**k for k in range(1, 8) if 2**k <= tasks_per_node]
-    options = [[1, *rule(shape, powers)] for rule in SPLIT_AXES.values()]
-    names = [axis.value for axis in SPLIT_AXES]
-    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*options) if math.prod(combo) > 1]
 
 
 BATCH = "the batch split (train.global_batch over the data-parallel size and micro-batch)"
