@@ -18,6 +18,16 @@ last 10 steps (less noisy than one batch), and both as a ratio to every-step DDP
 
 Speed is not measured here: on one machine the workers talk over loopback, where the
 exchange costs next to nothing. What a slow link costs is the lab's figure (docs/benchmarks.md).
+
+--diagnose: why PowerSGD loses loss on this model. Not through dtk.submit but the same
+parts in this process's 2 gloo ranks (the built-in model, the synthetic data, dtk's AdamW
+and its warm-up/cosine schedule, DDP, gradient clipping at 1.0) with torch's powerSGD_hook
+under settings dtk does not expose: the step compression starts (torch's
+start_powerSGD_iter), error feedback on or off, clipping on or off, and plain SGD with
+momentum in place of AdamW. Each line is the mean loss of the last 10 steps, and its ratio
+to the same optimizer's uncompressed run.
+
+    python benchmarks/weak_link.py --steps 120 --diagnose
 """
 
 from __future__ import annotations
@@ -64,6 +74,82 @@ def run(name: str, overrides: list[str], *, root: Path, steps: int) -> tuple[dic
     return {step: rec["loss"] for step, rec in records.items()}, time.perf_counter() - t0
 
 
+DIAGNOSE = {  # name -> (optimizer, PowerSGD rank (0: none), start step, error feedback, clip)
+    "adamw ddp": ("adamw", 0, 0, True, 1.0),
+    "adamw powersgd r2 start 10": ("adamw", 2, 10, True, 1.0),
+    "adamw powersgd r2 start 10, no error feedback": ("adamw", 2, 10, False, 1.0),
+    "adamw powersgd r2 start 10, no clipping": ("adamw", 2, 10, True, 0.0),
+    "adamw powersgd r2 start 20 (end of lr warm-up)": ("adamw", 2, 20, True, 1.0),
+    "adamw powersgd r8 start 20": ("adamw", 8, 20, True, 1.0),
+    "adamw powersgd r2 start 60": ("adamw", 2, 60, True, 1.0),
+    "sgd ddp": ("sgd", 0, 0, True, 1.0),
+    "sgd powersgd r2 start 10": ("sgd", 2, 10, True, 1.0),
+}
+
+
+def _diagnose_rank(rank: int, steps: int, variant: tuple, folder: str) -> None:
+    """One rank of one --diagnose run; rank 0 writes the mean global loss of each step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtk.config.compose import compose
+    from dtk.data.loader import build_splits
+    from dtk.models.transformer import build
+    from dtk.train.optim import build_optimizer, build_scheduler
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
+    name, r, start, feedback, clip = variant
+    cfg = compose([])
+    data, _ = build_splits(cfg.data, model=cfg.model)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build())
+    if r:
+        model.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                                        start_powerSGD_iter=start, use_error_feedback=feedback,
+                                                        random_seed=0), powersgd.powerSGD_hook)
+    if name == "adamw":
+        opt = build_optimizer(model.parameters(), optim=cfg.optim)
+        sched = build_scheduler(opt, optim=cfg.optim, total_steps=steps)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        sched = build_scheduler(opt, optim=cfg.optim, total_steps=steps)
+    order = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        rows = torch.randint(0, len(data), (cfg.train.global_batch,), generator=order)
+        batch = torch.as_tensor(data.get(rows.chunk(2)[rank].numpy())).long()
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / 2)
+    if rank == 0:
+        Path(folder, "losses.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+def diagnose(steps: int) -> None:
+    import torch.multiprocessing as mp
+
+    results = {}
+    for label, variant in DIAGNOSE.items():
+        folder = tempfile.mkdtemp(prefix="dtk-powersgd-")
+        mp.start_processes(_diagnose_rank, args=(steps, variant, folder), nprocs=2, start_method="spawn")
+        losses = json.loads(Path(folder, "losses.json").read_text())
+        results[label] = statistics.mean(losses[-10:])
+        ref = results[f"{variant[0]} ddp"]
+        print(f"{label:<48} last 10 {results[label]:.4f}  / uncompressed {results[label] / ref:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=160)
@@ -71,7 +157,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=2, help="scheme.powersgd_rank")
     parser.add_argument("--modes", nargs="+", help="these modes only (ddp, the reference, always runs)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--diagnose", action="store_true", help="PowerSGD's loss under settings dtk does not expose")
     args = parser.parse_args()
+    if args.diagnose:
+        return diagnose(args.steps)
     root = Path(tempfile.mkdtemp(prefix="dtk-weak-link-"))
     results = {}
     for name, overrides in modes(args.every, args.rank).items():
