@@ -23,6 +23,11 @@ all-reduce, once per step) crosses the slowest links. `dp` is the flattened
 (dp_replicate, dp_shard) pair: ranks that see different samples. `dp_shard_cp` is the
 flattened (dp_shard, cp) pair FSDP shards over: context-parallel ranks see different tokens
 of the same samples, so their gradients are partial sums, reduced with the shards'.
+
+Expert parallelism (scheme.ep, dtk.parallel.ep) is carved out of dp_shard x cp rather than
+added to the grid: `expert_mesh` views the same ranks as (dp_replicate, pp,
+dp_shard_mod_ep, ep, tp), an ep group being ep consecutive ranks of the flattened
+(dp_shard, cp) pair, inside a node where they fit.
 """
 
 from __future__ import annotations
