@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_main
 from dtk.config.compose import compose
 from dtk.plan.budget import Context
@@ -18,6 +20,7 @@ LLAMA_8B_131K = ["model.dim=4096", "model.num_layers=32", "model.num_heads=32", 
                  "model.vocab_size=128256", "model.seq_len=131072", "train.global_batch=32"]
 
 
+@pytest.mark.slow
 def test_an_8b_model_at_131k_tokens_on_32_h100s_is_recommended_context_parallelism(tmp_path):
     proc = run_main("dtk.plan", *H100_4X8, *LLAMA_8B_131K, "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -81,6 +81,7 @@ def test_init_from_loads_the_saved_weights(family, tmp_path):
     assert torch.equal(meta(tokens), saved(tokens).logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parallel_plan_comes_from_the_model(family, tmp_path):
     from dtk.config.choices import TpStyle

@@ -36,6 +36,7 @@ def typed_fits(base: list[str], overrides: list[str]):
     return plan, estimate(ctx, chosen_variant(ctx, plan))
 
 
+@pytest.mark.slow
 def test_70b_on_two_h100_nodes_recommends_a_plan_that_fits_and_types():
     base = [*H100, *LLAMA_70B]
     _, mp = planned(*base, "nodes=2")

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dtk.config.compose import compose
@@ -26,6 +27,7 @@ SMALL = ["model.dim=64", "model.num_layers=2", "model.num_heads=4", "model.seq_l
          "train.global_batch=8", "tasks_per_node=2", "dist.device=cpu"]
 
 
+@pytest.mark.slow
 def test_the_workers_import_path_holds_no_budget_and_no_sbatch_renderer():
     code = "import sys, json, dtk.worker.main; print(json.dumps(sorted(m for m in sys.modules if m.startswith('dtk.'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
