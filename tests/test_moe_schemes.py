@@ -1,6 +1,6 @@
 """The mixture of experts (model=moe) end to end (real `python -m dtk.submit` runs on CPU gloo
 workers) against one process: under plain DDP on 2 ranks, ep=2 x dp_shard=2, ep=2 x
-dp_shard=4, ep=2 x cp=2 x dp_shard=2 (losses per step, validation losses, final parameters,
+dp_shard=4, ep=2 x cp=2 x dp_shard=2, ep=2 with full activation checkpointing (losses per step, validation losses, final parameters,
 the ep groups plan.md lists against those the workers built); and a checkpoint written
 under ep=2 resumes under ep=1 and one written under ep=1 resumes under ep=2, each
 continuing the one-process losses, with ep in the checkpoint's layout record.
@@ -41,6 +41,8 @@ CASES = {
     "ep2_dp4": ["tasks_per_node=4", "+scheme=ep", "scheme.ep=2"],
     # ep carved out of dp_shard x cp: each ep group is a dp_shard rank's two cp ranks
     "cp2_ep2_dp2": ["tasks_per_node=4", "+scheme=ep", "scheme.cp=2", "scheme.ep=2", "scheme.dp_shard=2"],
+    # the all-to-alls run again in the recomputed forward
+    "ep2_full_ac": ["tasks_per_node=2", "+scheme=ep", "scheme.ep=2", "scheme.activation_checkpoint=full"],
 }
 
 
