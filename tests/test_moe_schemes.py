@@ -1,13 +1,14 @@
 """The mixture of experts (model=moe) end to end (real `python -m dtk.submit` runs on CPU gloo
 workers) against one process: under plain DDP on 2 ranks, ep=2 x dp_shard=2, ep=2 x
-dp_shard=4, ep=2 x cp=2 x dp_shard=2, ep=2 with full activation checkpointing (losses per step, validation losses, final parameters,
-the ep groups plan.md lists against those the workers built); and a checkpoint written
+dp_shard=4, ep=2 x cp=2 x dp_shard=2, ep=2 with full activation checkpointing (losses per
+step, validation losses, final parameters, the ep groups plan.md lists against those the
+workers built); and a checkpoint written
 under ep=2 resumes under ep=1 and one written under ep=1 resumes under ep=2, each
 continuing the one-process losses, with ep in the checkpoint's layout record.
 
 Tolerances: the loss per step within 1e-4 absolute (issue 34), measured far below (see the
-report of the largest difference; measured 4.8e-7 in every case, one float32 rounding); parameters after 8 steps within rtol 1e-5,
-atol 5e-5 (Adam turns a rounding difference of a near-zero gradient into a visible step).
+report of the largest difference; measured 4.8e-7 in every case, one float32 rounding);
+parameters after 8 steps within rtol 1e-5, atol 5e-5 (Adam turns a rounding difference of a near-zero gradient into a visible step).
 """
 
 from __future__ import annotations
