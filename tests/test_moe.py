@@ -154,3 +154,11 @@ def test_ep_groups_are_consecutive_ranks_of_dp_shard_x_cp():
     assert axis_groups(d, "ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     d4 = Degrees(dp_replicate=2, pp=1, dp_shard=4, tp=1, ep=4)
     assert axis_groups(d4, "ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_the_plan_prints_the_active_parameters_of_a_mixture_of_experts(tmp_path):
+    moe = run_main("dtk.plan", "model=moe", cwd=tmp_path)
+    assert moe.returncode == 0, moe.stderr
+    assert "340,800 parameters (model (built-in transformer)), 205,632 active per token" in moe.stdout
+    dense = run_main("dtk.plan", cwd=tmp_path)
+    assert "active per token" not in dense.stdout

@@ -20,6 +20,7 @@ from dtk.plan.comm import AxisTraffic, bottleneck, traffic
 from dtk.plan.memory import FRAGMENTATION, RUNTIME_BYTES
 from dtk.plan.plan import Plan
 from dtk.plan.search import Candidate, searched, why_loses
+from dtk.plan.shape import ModelShape
 from dtk.plan.steptime import Hardware, StepTime, hardware_of, step_time
 from dtk.plan.sync import DATA_AXES, EXCHANGE_DOMINATES, EXCHANGE_TARGET, Option, WeakLink, weak_link
 from dtk.plan.variants import SCHEME_KEYS, Variant, chosen_at, scheme_key
@@ -132,7 +133,7 @@ class MemoryPlan:
         b, v, ctx = self.chosen.bytes, self.chosen.variant, self.ctx
         cap = f"{gb(ctx.capacity)} GB ({ctx.capacity_source})" if ctx.capacity else ctx.capacity_source
         lines = [
-            f"model       {ctx.shape.params:,} parameters ({ctx.shape.source})",
+            f"model       {ctx.shape.params:,} parameters ({ctx.shape.source}){_active(ctx.shape)}",
             f"device      {ctx.device}, memory per device {cap}",
             f"memory      {gb(b.total)} GB per device under {self.key} on {v.nodes} node(s):"
             f" {_verdict(self.fits)}{_unestimated(ctx.shape)}",
@@ -340,3 +341,9 @@ def _recommendation(ranked: list[Candidate], where: str, hw: Hardware | None) ->
     else:
         why = f"{where}; the shortest predicted step ({best.time.total_s:.3g} s) of {len(ranked)} layouts that fit"
     return Recommendation(best.key, why, list(best.overrides), [])
+
+
+def _active(shape: ModelShape) -> str:
+    """A mixture of experts' parameters one token computes with (what FLOPs count), when fewer."""
+    active = round(shape.active_params)
+    return f", {active:,} active per token" if active < shape.params else ""
