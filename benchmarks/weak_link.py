@@ -9,12 +9,14 @@ last 10 steps (less noisy than one batch), and both as a ratio to every-step DDP
   local_sgd  +sync=local_sgd sync.every=H: parameters averaged every H steps
   diloco     +sync=diloco sync.every=H: outer Nesterov SGD (lr 0.7, momentum 0.9) every H steps
   diloco_bf16  the same, the deltas all-reduced in bfloat16 (sync.dtype=bfloat16)
+  diloco_fragments  the same, streaming: 4 fragments synchronized in turn, H/4 steps apart
   bf16       scheme.grad_compression=bf16: the every-step all-reduce in bfloat16
   powersgd   scheme.grad_compression=powersgd: rank-`--rank` PowerSGD after 10 plain steps
 
     python benchmarks/weak_link.py --steps 160 --every 8
     python benchmarks/weak_link.py --steps 160 --modes powersgd --rank 8
     python benchmarks/weak_link.py --steps 160 --modes diloco_bf16
+    python benchmarks/weak_link.py --steps 160 --modes diloco diloco_fragments
 
 Speed is not measured here: on one machine the workers talk over loopback, where the
 exchange costs next to nothing. What a slow link costs is the lab's figure (docs/benchmarks.md).
@@ -54,6 +56,7 @@ def modes(every: int, rank: int) -> dict[str, list[str]]:
         "local_sgd": ["+sync=local_sgd", f"sync.every={every}"],
         "diloco": ["+sync=diloco", f"sync.every={every}"],
         "diloco_bf16": ["+sync=diloco", f"sync.every={every}", "sync.dtype=bfloat16"],
+        "diloco_fragments": ["+sync=diloco", f"sync.every={every}", "sync.fragments=4"],
         "bf16": ["+scheme=ddp", "scheme.grad_compression=bf16"],
         "powersgd": ["+scheme=ddp", "scheme.grad_compression=powersgd", f"scheme.powersgd_rank={rank}"],
     }
