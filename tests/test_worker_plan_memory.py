@@ -66,3 +66,22 @@ def test_a_start_of_another_world_or_device_records_why_it_has_no_figures():
     bare = Prediction(plan, rank=0, device=torch.device("cpu"))  # a plan no submission handed over
     assert bare.figures is None and bare.error.startswith("no planned memory in this start's plan")
     assert off.record(None) == {"rank": 0, "error": off.error}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", [
+    ["+scheme=fsdp", "model.vocab_size=250"],  # shards of uneven size over 8 ranks
+    ["+scheme=hsdp", "scheme.dp_replicate=2"],
+    ["+scheme=zero_tp_pp", "scheme.tp=2", "scheme.pp=2", "train.global_batch=16"],
+    ["+scheme=hybrid", "scheme.tp=2", "scheme.pp=2", "train.global_batch=16"],
+])
+def test_the_figures_made_per_class_of_ranks_are_every_ranks_own(layout):
+    """plan.json's figures are made once per class of ranks (dtk.plan.layout.RankClasses);
+    each rank's are still what the budget gives that rank alone."""
+    cfg = compose([*SMALL, "tasks_per_node=8", *layout])
+    plan = make_plan(cfg, cwd="/tmp")
+    memory = planned_memory(cfg, plan, check(cfg, plan))
+    table, of_rank = memory["devices"]["cpu"]["figures"], memory["devices"]["cpu"]["of_rank"]
+    shape = real_shape(plan.config)
+    assert len(of_rank) == plan.world_size == 8
+    for rank in range(plan.world_size):
+        assert table[of_rank[rank]] == figures(rank_prediction(plan.config, plan, shape, rank=rank, device="cpu"))

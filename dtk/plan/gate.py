@@ -111,6 +111,7 @@ def planned_memory(cfg: Config, plan: Plan, checked: Checked) -> dict[str, Any]:
     as it trains (no plan.* keys), on the device the plan expects and, with dist.device=auto,
     on the other kind too (a worker takes a GPU when it sees one). Made here once, so the
     workers compare their measurement with these figures instead of running the budget."""
+    from dtk.plan.layout import RankClasses, uses_fsdp, uses_zero1
     from dtk.plan.memory import rank_bytes
     from dtk.plan.predict import describe_error, figures
     from dtk.plan.report import chosen_variant
@@ -126,11 +127,17 @@ def planned_memory(cfg: Config, plan: Plan, checked: Checked) -> dict[str, Any]:
             job = ctx.job(chosen_variant(ctx, plan))
             table: list[dict[str, int]] = []
             of_rank = []
+            of_class: dict[tuple[int, ...], int] = {}  # a budget per class of ranks, not per rank
+            classes = RankClasses(ctx.shape, job.degrees, fsdp=uses_fsdp(job.scheme, job.degrees),
+                                  zero1=uses_zero1(job.scheme, job.degrees))
             for rank in range(plan.world_size):
-                f = figures(rank_bytes(ctx.shape, job, rank))
-                if f not in table:
-                    table.append(f)
-                of_rank.append(table.index(f))
+                key = classes.of(rank)
+                if key not in of_class:
+                    f = figures(rank_bytes(ctx.shape, job, rank))
+                    if f not in table:
+                        table.append(f)
+                    of_class[key] = table.index(f)
+                of_rank.append(of_class[key])
             devices[kind] = {"figures": table, "of_rank": of_rank}
     except Exception as exc:  # a model the budget cannot lay out: the run goes on, the reason recorded
         return {"error": describe_error(exc)}

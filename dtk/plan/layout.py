@@ -200,6 +200,28 @@ def rank_layout(shape: ModelShape, scheme: SchemeConfig, d: Degrees, rank: int,
     return found
 
 
+class RankClasses:
+    """What tells a rank's layout (`_rank_layout`) from another's: its pipeline and tensor
+    coordinates, under FSDP the sizes of its shards (over dp_shard x cp: only the first dims
+    of its tensors decide them, and most shards are of equal size) and under ZeRO-1 its index.
+    Ranks of one class hold the same bytes, so a budget of every rank is one per class."""
+
+    def __init__(self, shape: ModelShape, d: Degrees, *, fsdp: bool, zero1: bool) -> None:
+        self.shape, self.d, self.fsdp, self.zero1 = shape, d, fsdp, zero1
+        self._first_dims: dict[int, tuple[int, ...]] = {}  # per tp index
+
+    def of(self, rank: int) -> tuple[int, ...]:
+        d, c = self.d, coords(rank, self.d)
+        shards: tuple[int, ...] = ()
+        if self.fsdp:
+            if c.tp not in self._first_dims:
+                self._first_dims[c.tp] = tuple(sorted({local[0] for t in self.shape.tensors
+                                                       if (local := _tp_local(t, d.tp, c.tp))}))
+            index = c.dp_shard * d.cp + c.cp
+            shards = tuple(chunk(n, d.dp_shard * d.cp, index) for n in self._first_dims[c.tp])
+        return (c.pp, c.tp, *shards, c.dp_replicate * d.dp_shard + c.dp_shard if self.zero1 else -1)
+
+
 def _rank_layout(shape: ModelShape, d: Degrees, rank: int, split_points: tuple[str, ...], virtual: int,
                  fsdp: bool, zero1: bool) -> RankLayout:
     c = coords(rank, d)
