@@ -96,6 +96,7 @@ def budget(*overrides: str):
     return ctx, all_rows(ctx)
 
 
+@pytest.mark.slow
 def test_recommendation_without_a_time_model_is_the_simplest_that_fits():
     # On CPU workers (no step-time model) the search ranks fits -> nodes -> simplest.
     ctx, rows = budget("cluster.mem_gb=16", "nodes=2", "tasks_per_node=2")

@@ -161,6 +161,7 @@ def test_an_option_that_does_not_fit_says_so(tmp_path):
     assert "does NOT fit" not in roomy
 
 
+@pytest.mark.slow
 def test_a_fast_link_and_a_sync_run_get_no_advice(tmp_path):
     fast = _plan_json(tmp_path, INFINIBAND)
     assert fast["weak_link"]["options"] == [] and fast["weak_link"]["exchange_share"] < 0.5
