@@ -267,34 +267,6 @@ def test_crash_and_hang_recover_and_the_hang_is_seen_in_time(lab, tmp_path, refe
     assert losses(run) == reference
 
 
-CRASHING_MODEL = """\
-_target_: tests.models_for_tests.build_crashing
-vocab_size: 256
-seq_len: 32
-width: 8
-depth: 1
-"""
-
-
-def test_a_job_that_fails_at_every_start_stops_after_max_restarts(lab, tmp_path):
-    # A crash at every start (a bug in the model's code, not a configuration error, which fails
-    # at once: tests/test_worker_errors.py) is relaunched until fault.max_restarts is spent.
-    conf = tmp_path / "conf"
-    (conf / "model").mkdir(parents=True)
-    (conf / "model" / "crashing.yaml").write_text(CRASHING_MODEL)
-    root = tmp_path / "runs"
-    proc = dtk("dtk.submit", *LAB, f"hydra.searchpath=[file://{conf}]", "model=crashing", "fault.max_restarts=2",
-               "submit.wait=true", f"run.root={root}", cwd=REPO)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    run = only_run_dir(root)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed"
-    assert "fault.max_restarts=2" in summary["error"] and "fails at every start" in summary["error"], summary["error"]
-    assert len(named(run, "started")) == 3 and len(named(run, "relaunched")) == 2
-    status = json.loads(dtk("dtk.status", str(run), "--json").stdout)
-    assert status["state"] == "failed" and "fails at every start" in status["error"]
-
-
 def job_field(job: str, key: str) -> str:
     out = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True).stdout
     return next((t.split("=", 1)[1] for t in out.split() if t.startswith(f"{key}=")), "")
