@@ -53,10 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 from dtk.checkpoint.manager import CheckpointManager  # noqa: E402
+from dtk.common.rundir import MANIFEST, RunDir  # noqa: E402
 from dtk.config.choices import AsyncMode  # noqa: E402
 from dtk.config.schema import CheckpointConfig  # noqa: E402
-from dtk.dist.mesh import ParallelMesh  # noqa: E402
-from dtk.rundir import MANIFEST, RunDir  # noqa: E402
+from dtk.mesh.mesh import ParallelMesh  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: intended
 

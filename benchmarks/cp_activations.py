@@ -6,7 +6,7 @@ takes its head-tail slice of the same batch and runs one training forward of the
 under torch's saved-tensor hooks; the figure is the bytes of every distinct tensor storage
 autograd keeps for backward, parameters left out (the logits and loss included). The
 planner's figure is `python -m dtk.plan`'s activations of the same job
-(dtk.plan.memory.rank_bytes, device cpu). Rank 0 is shown (every rank holds as many tokens).
+(dtk.plan.cost.memory.rank_bytes, device cpu). Rank 0 is shown (every rank holds as many tokens).
 
     python benchmarks/cp_activations.py [--seq-len 4096] [--dim 256] [--layers 2]
 """
@@ -65,8 +65,8 @@ def planned(cp: int, args: argparse.Namespace) -> int:
     import dataclasses
 
     from dtk.config.schema import SchemeConfig
+    from dtk.plan.cost.memory import Job, precision_for, rank_bytes, scheme_config
     from dtk.plan.degrees import Degrees
-    from dtk.plan.memory import Job, precision_for, rank_bytes, scheme_config
     from dtk.plan.shape import whatif_shape
 
     shape = whatif_shape({"layers": args.layers, "hidden": args.dim, "heads": args.heads, "seq_len": args.seq_len,

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dtk.rundir import EVAL_LOG, METRICS, PLAN_JSON
+from dtk.common.rundir import EVAL_LOG, METRICS, PLAN_JSON
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt"

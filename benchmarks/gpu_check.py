@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtk.common.rundir import EVENTS, HEARTBEAT, METRICS, SUMMARY
 from dtk.plan.accelerators import ACCELERATORS, accelerator_of  # noqa: E402
-from dtk.rundir import EVENTS, HEARTBEAT, METRICS, SUMMARY
 
 GIB = 2**30
 WARMUP_STEPS = 10  # compile and the allocator's first steps: left out of the medians
@@ -76,8 +76,8 @@ def memory_figure(summary: dict, budget: dict | None) -> str:
 def throughput(run: Path, plan_json: Path | None) -> None:
     import torch
 
+    from dtk.common.rundir import RunDir
     from dtk.plan.plan import Plan
-    from dtk.rundir import RunDir
 
     plan = Plan.from_json(RunDir(run).plan_json.read_text())
     records = [r for r in _jsonl(run / METRICS) if "step" in r]
@@ -131,11 +131,11 @@ def syncs(device_name: str = "cuda") -> None:
 
     import torch
 
+    from dtk.common.rundir import RunDir
     from dtk.data.loader import StepBatches
     from dtk.data.synthetic import SyntheticTokens
-    from dtk.dist.mesh import ParallelMesh
+    from dtk.mesh.mesh import ParallelMesh
     from dtk.models.transformer import build
-    from dtk.rundir import RunDir
     from dtk.train.loss import TokenCrossEntropy
     from dtk.train.metrics import MetricsLog
     from dtk.train.policies import AgreedStop, Heartbeat, StepPolicies

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dtk.rundir import EVENTS, METRICS
+from dtk.common.rundir import EVENTS, METRICS
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtk.checkpoint.memory_tier import MemoryTier  # noqa: E402
+from dtk.checkpoint.memory.tier import MemoryTier  # noqa: E402
+from dtk.common.rundir import MEMORY_STORE_ENV  # noqa: E402
 from dtk.config.schema import OptimConfig  # noqa: E402
 from dtk.models.transformer import build  # noqa: E402
-from dtk.rundir import MEMORY_STORE_ENV  # noqa: E402
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler  # noqa: E402
 
 

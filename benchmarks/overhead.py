@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtk.config.compose import compose  # noqa: E402
 from dtk.data.loader import StepBatches, build_dataset  # noqa: E402
-from dtk.dist.mesh import ParallelMesh  # noqa: E402
+from dtk.mesh.mesh import ParallelMesh  # noqa: E402
 from dtk.models.build import build_model  # noqa: E402
 from dtk.train.loss import TokenCrossEntropy  # noqa: E402
 from dtk.train.metrics import MetricsLog  # noqa: E402

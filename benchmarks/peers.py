@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOOPS = REPO / "benchmarks" / "peer_loops"
 sys.path.insert(0, str(REPO))
 
-from dtk.rundir import EVENTS, LOGS_DIR, METRICS, PROGRESS  # noqa: E402
+from dtk.common.rundir import EVENTS, LOGS_DIR, METRICS, PROGRESS  # noqa: E402
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 KINDS = ("plain", "fabric", "dtk")

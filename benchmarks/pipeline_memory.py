@@ -94,7 +94,7 @@ def _steps(plan_json: str, steps: int) -> tuple[float, float]:
     import torch
     import torch.distributed as dist
 
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.models.build import ParallelSpec, build_model, materialize
     from dtk.parallel.parallelize import parallelize
     from dtk.plan.layout import uses_zero1, zero1_reduces_gradients
@@ -142,9 +142,9 @@ def predicted_mib(cfg, plan) -> list[float]:
     and without the checkpoint's staged copy, since no checkpoint is taken here), MiB."""
     import dataclasses
 
-    from dtk.plan.inputs import context
-    from dtk.plan.memory import rank_bytes
-    from dtk.plan.report import chosen_variant
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.memory import rank_bytes
+    from dtk.plan.cost.report import chosen_variant
 
     ctx = context(cfg, plan)
     job = dataclasses.replace(ctx.job(chosen_variant(ctx, plan)), async_checkpoint=False)

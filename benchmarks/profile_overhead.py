@@ -35,12 +35,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtk.common.rundir import RunDir  # noqa: E402
 from dtk.data.loader import StepBatches  # noqa: E402
 from dtk.data.synthetic import SyntheticTokens  # noqa: E402
-from dtk.dist.mesh import build_mesh  # noqa: E402
+from dtk.mesh.mesh import build_mesh  # noqa: E402
 from dtk.models.transformer import build  # noqa: E402
 from dtk.plan.degrees import Degrees  # noqa: E402
-from dtk.rundir import RunDir  # noqa: E402
 from dtk.train.loss import TokenCrossEntropy  # noqa: E402
 from dtk.train.metrics import MetricsLog  # noqa: E402
 from dtk.train.policies import StepPolicies  # noqa: E402

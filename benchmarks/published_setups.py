@@ -82,8 +82,8 @@ def model_flops_step(shape: dict[str, float], *, batch: int, gpus: int, tflops: 
     """Step time from achieved model TFLOP/s per GPU (an MFU figure) where the source gives
     no FLOP formula: dtk's own model FLOPs per token (6 per matmul weight, 12 x layers x
     hidden x seq_len for attention, no recompute) of the same what-if shape."""
+    from dtk.plan.cost.steptime import flops_per_token
     from dtk.plan.shape import whatif_shape
-    from dtk.plan.steptime import flops_per_token
 
     flops = flops_per_token(whatif_shape(dict(shape)), "none")
     assert flops is not None  # the shapes here have a sequence length
@@ -232,10 +232,10 @@ def base_keys(s: Setup) -> list[str]:
 def plan_setup(s: Setup) -> dict:
     """dtk's plan of the setup exactly, and its own recommendation for the same hardware."""
     from dtk.config.compose import compose
-    from dtk.plan.inputs import context
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.report import memory_plan
+    from dtk.plan.cost.steptime import step_time
     from dtk.plan.plan import make_plan
-    from dtk.plan.report import memory_plan
-    from dtk.plan.steptime import step_time
 
     cfg = compose([*base_keys(s), *s.layout])
     plan = make_plan(cfg, cwd="/tmp")

@@ -44,8 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dtk.audit import AUDIT_DIR
-from dtk.rundir import EVENTS, METRICS, SUMMARY
+from dtk.common.audit import AUDIT_DIR
+from dtk.common.rundir import EVENTS, METRICS, SUMMARY
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))

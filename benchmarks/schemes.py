@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from dtk.rundir import LOGS_DIR, METRICS
+from dtk.common.rundir import LOGS_DIR, METRICS
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

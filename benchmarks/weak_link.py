@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dtk.rundir import RunDir  # noqa: E402
+from dtk.common.rundir import RunDir  # noqa: E402
 
 
 def modes(every: int, rank: int) -> dict[str, list[str]]:

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dtk.rundir import RunDir  # noqa: E402
+from dtk.common.rundir import RunDir  # noqa: E402
 
 LAB = ["cluster=lab", "nodes=2", "tasks_per_node=1"]
 

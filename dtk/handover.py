@@ -35,9 +35,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtk import audit
-from dtk.errors import ArgumentParser, UserError, check_out, run_cli
-from dtk.rundir import CONFIG_YAML, EVAL_LOG, EVENTS, METRICS, PLAN_JSON, PLAN_MD, SUMMARY, SYSTEM_LOG, RunDir
+from dtk.common import audit
+from dtk.common.errors import ArgumentParser, UserError, check_out, run_cli
+from dtk.common.rundir import CONFIG_YAML, EVAL_LOG, EVENTS, METRICS, PLAN_JSON, PLAN_MD, SUMMARY, SYSTEM_LOG, RunDir
 
 DOCS = {"recovery.md": "recovery.md", "operations.md": "operations.md", "acceptance.md": "acceptance.md",
         "reference.md": "reference.md", "access-guide.md": "access.md"}
@@ -120,8 +120,8 @@ def _write(run_dir: Path, plan, tmp: Path) -> list[Artifact]:
     for name, source in DOCS.items():
         made.append(_doc(name, source, tmp))
     made.append(_report(run_dir, tmp))
-    from dtk.rundir import RunDir
-    from dtk.status import collect
+    from dtk.common.rundir import RunDir
+    from dtk.report.collect import collect
 
     (tmp / "status.json").write_text(json.dumps(collect(RunDir(run_dir)), indent=2, default=str) + "\n")
     made.append(Artifact("status.json", "where the run stands: state, step, checkpoints, starts (python -m dtk.status)"))
@@ -205,7 +205,7 @@ def _plan_md(run_dir: Path, tmp: Path) -> Artifact:
 
 
 def _access(plan, tmp: Path) -> Artifact:
-    from dtk.access.__main__ import render
+    from dtk.access.text import render
 
     policy = plan.config.access  # a run from before access policies reads back with the default (open)
     (tmp / "access.md").write_text(f"# Access policy\n\n    {render(policy).replace(chr(10), chr(10) + '    ')}\n\n"
@@ -228,8 +228,8 @@ def _doc(name: str, source: str, tmp: Path) -> Artifact:
 
 
 def _report(run_dir: Path, tmp: Path) -> Artifact:
-    from dtk.report.__main__ import build_parser as report_parser
-    from dtk.report.__main__ import render, report
+    from dtk.report.assemble import build_parser as report_parser
+    from dtk.report.assemble import render, report
 
     folder = tmp / "report"
     folder.mkdir()
@@ -249,7 +249,7 @@ def _report(run_dir: Path, tmp: Path) -> Artifact:
 def _data_lines(plan, run_dir: Path) -> list[str]:
     """Where the run's data is and which version it trained on: the version the workers
     recorded (summary.json, or a user dataset's data.json), else the dataset's own manifest."""
-    from dtk.rundir import DATA_SPLIT
+    from dtk.common.rundir import DATA_SPLIT
 
     data = plan.config.data
     recorded = _json(run_dir / SUMMARY).get("data_version") or _json(run_dir / DATA_SPLIT).get("version")

@@ -24,8 +24,8 @@ import re
 import sys
 from pathlib import Path
 
-from dtk.errors import ArgumentParser, UserError, check_out, run_cli
-from dtk.resources import conf_dir, project_template_dir
+from dtk.common.errors import ArgumentParser, UserError, check_out, run_cli
+from dtk.common.resources import conf_dir, project_template_dir
 
 PLACEHOLDER = "__MODULE__"
 # Template names that become other names in the project folder.

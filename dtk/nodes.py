@@ -27,13 +27,13 @@ import json
 import time
 from pathlib import Path
 
-from dtk import audit
 from dtk.access.check import check_action
+from dtk.common import audit
+from dtk.common.errors import ArgumentParser, UserError, run_cli
+from dtk.common.rundir import PLAN_JSON, READMITTED_NODES, RunDir
 from dtk.driver.exclusions import check_node, read_entries, read_exclusions, readmit
-from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch import reputation
 from dtk.launch.nodenames import is_node_name, shown
-from dtk.rundir import PLAN_JSON, READMITTED_NODES, RunDir
 
 
 def _when(t: float) -> str:

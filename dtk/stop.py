@@ -18,10 +18,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from dtk import audit
 from dtk.access.check import check_action
-from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.rundir import RunDir, driver_alive, write_json_atomic
+from dtk.common import audit
+from dtk.common.errors import ArgumentParser, UserError, run_cli
+from dtk.common.processes import driver_alive
+from dtk.common.rundir import RunDir, write_json_atomic
 
 POLL_S = 0.5
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED")

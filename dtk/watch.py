@@ -2,7 +2,7 @@
 
 The driver runs inside the job; when it dies, loops or stops answering, nothing in the job
 says so. This reads the run directories under a run root (events.jsonl, heartbeat,
-excluded_nodes.json, plan.json, summary.json: dtk/rundir.py) and names what looks wrong:
+excluded_nodes.json, plan.json, summary.json: dtk/common/rundir.py) and names what looks wrong:
 
     restart_storm     STORM_STARTS starts of a run within STORM_WINDOW_S seconds
     stalled_progress  STALLED_STARTS starts since the run's last new checkpoint
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.common.errors import ArgumentParser, UserError, run_cli
+from dtk.common.rundir import EVENTS, EXCLUDED_NODES, HEARTBEAT, PLAN_JSON, SUMMARY, read_jsonl, write_json_atomic
 from dtk.launch import reputation
 from dtk.launch.nodenames import is_node_name, shown
-from dtk.rundir import EVENTS, EXCLUDED_NODES, HEARTBEAT, PLAN_JSON, SUMMARY, read_jsonl, write_json_atomic
 
 STATE = ".dtk-watch.json"
 STORM_STARTS, STORM_WINDOW_S = 3, 600.0

@@ -73,7 +73,7 @@ def _command_main(module: str):
 
 def run_main(module: str, *args: str, cwd: Path | None = None, env: dict | None = None) -> Ran:
     """Run `python -m MODULE ARGS` inside this process: the command's `main(argv)` through
-    dtk.errors.run_cli (so a UserError is one `error:` line and exit 2, as from a shell),
+    dtk.common.errors.run_cli (so a UserError is one `error:` line and exit 2, as from a shell),
     with stdout and stderr captured and the exit code taken from its SystemExit.
 
     The fast way to test a command's output, exit code and what it writes: no interpreter
@@ -83,7 +83,7 @@ def run_main(module: str, *args: str, cwd: Path | None = None, env: dict | None 
     what is tested: what a command imports (no torch on the login node), signals, a real
     entry point (`python -m ...`), or a command that starts workers.
     An exception other than a UserError propagates, so the test shows its traceback."""
-    from dtk.errors import run_cli
+    from dtk.common.errors import run_cli
 
     main = _command_main(module)
     out, err = io.StringIO(), io.StringIO()
@@ -102,7 +102,7 @@ def run_main(module: str, *args: str, cwd: Path | None = None, env: dict | None 
                 if isinstance(exc.code, str):  # sys.exit("message"), as the interpreter prints it
                     print(exc.code, file=sys.stderr)
             else:  # run_cli always exits; reaching here would be a change of its contract
-                raise AssertionError("dtk.errors.run_cli returned instead of exiting")
+                raise AssertionError("dtk.common.errors.run_cli returned instead of exiting")
     finally:
         os.chdir(old_cwd)
         os.environ.clear()
@@ -127,7 +127,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def run_dirs(root: Path) -> list[Path]:
     """The run directories under a run root (not its audit/ log, which every submission writes)."""
-    from dtk.audit import AUDIT_DIR
+    from dtk.common.audit import AUDIT_DIR
 
     return [p for p in root.iterdir() if p.is_dir() and p.name != AUDIT_DIR]
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtk.common.rundir import HEARTBEAT, RunDir
 from dtk.launch.slurmctl import Clock
-from dtk.rundir import HEARTBEAT, RunDir
 
 SOCKET_TIMEOUT = "slurm_load_jobs error: Socket timed out on send/recv operation"
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtk.dist.mesh import build_mesh
+from dtk.mesh.mesh import build_mesh
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.parallelize import parallelize
 from dtk.plan.plan import Plan

@@ -120,7 +120,7 @@ def build_worker_only_mistake(*, vocab_size: int, width: int, depth: int, expans
     anywhere else, so the login node's checks, counting the model included, pass."""
     import os
 
-    from dtk.errors import UserError
+    from dtk.common.errors import UserError
 
     if "DTK_PLAN" in os.environ:
         raise UserError(f"model.width={width}: this worker cannot build it (a test model's mistake only workers see)")

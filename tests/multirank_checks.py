@@ -279,8 +279,8 @@ def check_group_timeouts(rank: int, world: int) -> dict[str, Any]:
 
     from torch.distributed import distributed_c10d as c10d
 
-    from dtk.dist.groups import timeout_of
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.groups import timeout_of
+    from dtk.mesh.mesh import build_mesh
     from dtk.plan.degrees import Degrees
 
     before = timeout_of()

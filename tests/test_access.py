@@ -24,7 +24,7 @@ import pytest
 import access_support as acc
 import lab_support
 from conftest import REPO, require
-from dtk import audit
+from dtk.common import audit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ import pytest
 
 import access_support as acc
 from conftest import dtk, require
-from dtk import audit
-from dtk.errors import UserError
+from dtk.common import audit
+from dtk.common.errors import UserError
 
 PREFIX = "dtkteam"  # this module's users and groups (access_support.remove_all)
 SUB, VIEW, MAINT = (f"{PREFIX}-{r}" for r in ("sub", "view", "maint"))
@@ -62,7 +62,7 @@ def dtk_as(team, user: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def record_as(team, user: str, action: str, run: str, **details) -> None:
-    code = (f"from dtk import audit; audit.record({str(team['runs'])!r}, {action!r}, run={run!r},"
+    code = (f"from dtk.common import audit; audit.record({str(team['runs'])!r}, {action!r}, run={run!r},"
             f" **{details!r})")
     proc = acc.as_user(user, [team["python"], "-c", code], cwd=team["base"], env=team["env"])
     assert proc.returncode == 0, proc.stderr

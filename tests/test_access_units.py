@@ -13,8 +13,8 @@ import pytest
 from access_support import remove_team
 from conftest import require, run_main
 from dtk.access import acl, check, layout, policy
+from dtk.common.errors import UserError
 from dtk.config.access import AccessConfig, RoleConfig, SubmitterConfig
-from dtk.errors import UserError
 from dtk.lab import files
 from dtk.lab.access import with_access
 
@@ -147,7 +147,7 @@ def test_lab_partitions_admit_the_submitter_group_and_account():
 
 
 def test_a_file_the_user_may_not_read_is_one_error_line(capsys):
-    from dtk.errors import run_cli
+    from dtk.common.errors import run_cli
 
     def main(_argv):
         raise PermissionError(13, "Permission denied", "/shared/team/runs/r/plan.json")

@@ -1,4 +1,4 @@
-"""The audit log of a run root (dtk.audit) and the commands that write it: submit, drill,
+"""The audit log of a run root (dtk.common.audit) and the commands that write it: submit, drill,
 checkpoint export and delete. Fast: hand-made run directories, no training."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import dtk, run_main
-from dtk import audit
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.delete import delete_checkpoint
-from dtk.errors import UserError
+from dtk.common import audit
+from dtk.common.errors import UserError
 
 
 def make_run(root: Path, name: str = "transformer-0123456789", steps: tuple[int, ...] = (10, 20, 30)) -> Path:

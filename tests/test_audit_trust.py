@@ -1,4 +1,4 @@
-"""What the audit log shows is what the kernel confirms (dtk/audit.py): the user's name comes
+"""What the audit log shows is what the kernel confirms (dtk/common/audit.py): the user's name comes
 from its file's owner, a stated name that differs is a forgery, `sudo_user` is shown as a
 claim; and the driver's own actions, a requeue and a resubmission, are entries too (the
 resubmission on the real Slurm: tests/test_nodenames_lab.py)."""
@@ -11,12 +11,12 @@ import os
 from pathlib import Path
 
 from conftest import require
-from dtk import audit
+from dtk.common import audit
+from dtk.common.rundir import RunDir
 from dtk.config.compose import compose
 from dtk.driver.supervisor import Supervisor
 from dtk.launch.slurmctl import Slurm
 from dtk.plan.plan import make_plan
-from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_STOPPED
 from fake_slurm import FakeClock, FakeSlurm, Script
 

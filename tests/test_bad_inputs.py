@@ -24,9 +24,9 @@ from conftest import dtk
 from fake_slurm import FakeClock
 
 MAINS = {
-    "submit": "dtk.submit", "plan": "dtk.plan.__main__", "status": "dtk.status", "stop": "dtk.stop",
+    "submit": "dtk.submit.__main__", "plan": "dtk.plan.__main__", "status": "dtk.status", "stop": "dtk.stop",
     "report": "dtk.report.__main__", "handover": "dtk.handover", "checkpoint": "dtk.checkpoint.__main__",
-    "data": "dtk.data.__main__", "doctor": "dtk.doctor.__main__", "drill": "dtk.drill", "nodes": "dtk.nodes",
+    "data": "dtk.data.__main__", "doctor": "dtk.doctor.__main__", "drill": "dtk.drill.__main__", "nodes": "dtk.nodes",
     "access": "dtk.access.__main__", "lab": "dtk.lab.__main__", "init": "dtk.init",
 }
 
@@ -235,10 +235,10 @@ class Started(BaseException):
 def places(tmp_path_factory) -> dict[str, Path]:
     import numpy as np
 
+    from dtk.common.rundir import RunDir
     from dtk.config.compose import compose
     from dtk.launch.launch import prepare_run_dir
     from dtk.plan.plan import make_plan
-    from dtk.rundir import RunDir
 
     root = tmp_path_factory.mktemp("bad")
     places = {"FILE": root / "file.txt", "NODTK": root / "nodtk", "NOTJSON": root / "notjson",
@@ -274,7 +274,7 @@ def fill(args: str, places: dict[str, Path]) -> list[str]:
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every path with its file's size and time: a folder's own time changes when a check
-    makes and removes a probe in it (dtk.errors.check_out), which leaves nothing."""
+    makes and removes a probe in it (dtk.common.errors.check_out), which leaves nothing."""
     return {str(p.relative_to(root)): (0, 0) if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
             for p in root.rglob("*")}
 
@@ -311,7 +311,7 @@ def no_workers(monkeypatch):
 def run_in_process(command: str, argv: list[str], capsys) -> tuple[int, str, str]:
     import importlib
 
-    from dtk.errors import run_cli
+    from dtk.common.errors import run_cli
 
     main = importlib.import_module(MAINS[command]).main
     with pytest.raises(SystemExit) as exit_info:
@@ -386,7 +386,7 @@ if sys.platform != "linux":  # /proc stands for a folder nobody can write, root 
 
 def test_submit_after_while_slurmctld_does_not_answer_is_one_line(quiet_slurm, capsys):
     """The dependency check of a Slurm submission (after the partitions answered)."""
-    from dtk.errors import run_cli
+    from dtk.common.errors import run_cli
     from dtk.launch import slurmctl
     from dtk.launch.launch import check_dependencies
 

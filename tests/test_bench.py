@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import dtk
-from dtk.bench import analyse, parse_sizes, render
-from dtk.errors import UserError
+from dtk.bench.__main__ import analyse, parse_sizes, render
+from dtk.common.errors import UserError
 
 
 def _row(size, step, **phases):

@@ -10,11 +10,11 @@ import pytest
 from conftest import run_main
 from dtk.config.schema import ClusterConfig
 from dtk.plan.accelerators import ACCELERATORS
-from dtk.plan.steptime import hardware_of, matmul_shares
+from dtk.plan.cost.steptime import hardware_of, matmul_shares
 
 
 def test_the_command_measures_this_machine_and_the_planner_reads_its_folder(tmp_path):
-    from dtk.bench_matmul import CPU_WIDTHS
+    from dtk.bench.matmul import CPU_WIDTHS
 
     out = tmp_path / "matmul"
     r = run_main("dtk.bench", "matmul", "--out", str(out), cwd=tmp_path)
@@ -41,9 +41,9 @@ def _write(folder, host, rates):
 def test_the_slowest_node_sets_each_width_and_narrow_slices_compute_slower(tmp_path):
     from test_plan_steptime import job
 
+    from dtk.plan.cost.steptime import step_time
     from dtk.plan.degrees import Degrees
     from dtk.plan.shape import whatif_shape
-    from dtk.plan.steptime import step_time
 
     _write(tmp_path, "a", {512: 100.0, 1024: 160.0, 4096: 200.0})
     _write(tmp_path, "b", {512: 80.0, 1024: 170.0, 4096: 190.0})
@@ -67,7 +67,7 @@ def test_the_slowest_node_sets_each_width_and_narrow_slices_compute_slower(tmp_p
 
 
 def test_a_file_that_is_not_the_commands_output_is_one_error(tmp_path):
-    from dtk.errors import UserError
+    from dtk.common.errors import UserError
 
     (tmp_path / "matmul-x.json").write_text("{}")
     with pytest.raises(UserError, match="cluster.matmul_rates="):

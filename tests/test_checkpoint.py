@@ -16,10 +16,10 @@ from conftest import dtk, run_main
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import doomed
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.schema import CheckpointConfig
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
-from dtk.rundir import RunDir
+from dtk.mesh.mesh import ParallelMesh
 
 # One process without a process group: DCP says it assumes a single process, which it is.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import dtk, require
+from dtk.common.rundir import RunDir
 from dtk.config.convert import model_config
 from dtk.data.order import GlobalOrder
 from dtk.data.synthetic import SyntheticTokens
 from dtk.models.transformer import build
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

@@ -16,7 +16,7 @@ from dtk.checkpoint import manifest as mf
 from dtk.checkpoint.hashing import HashingWriter
 from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.safe import SafeLoadPlanner
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

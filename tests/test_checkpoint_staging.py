@@ -15,7 +15,7 @@ from test_checkpoint import events, make_parts, manager, params, resume_fresh, t
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from dtk.checkpoint.manager import CheckpointManager
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 from dtk.train.policies import Heartbeat
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

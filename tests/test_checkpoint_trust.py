@@ -25,8 +25,8 @@ from dtk.checkpoint.__main__ import main as checkpoint_main
 from dtk.checkpoint.delete import delete_checkpoint
 from dtk.checkpoint.sharded import Comm, _state_dicts
 from dtk.checkpoint.trust import METADATA, MetadataUnpickler, check_metadata
-from dtk.errors import UserError
-from dtk.rundir import RunDir
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

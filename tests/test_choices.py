@@ -19,7 +19,7 @@ from dtk.config.choices import (
     Tracker,
 )
 from dtk.config.schema import DATA_SCHEMAS, SchemeConfig
-from dtk.plan.degrees import Axis, Degrees
+from dtk.plan.degrees import Axis, CarvedAxis, Degrees
 
 
 def test_every_choice_has_its_meaning_in_the_code():
@@ -46,10 +46,13 @@ def test_every_choice_has_its_meaning_in_the_code():
 def test_the_mesh_axes_are_one_list():
     # Degrees keeps cp last (default 1, so positional Degrees(dp_replicate, pp, dp_shard, tp)
     # stands); the grid's order is Axis's, which places cp between dp_shard and tp.
+    # The carved axes (ep) follow, one field each.
     fields = [f.name for f in dataclasses.fields(Degrees)]
-    assert sorted(fields) == sorted(Axis.values()) and fields[-1] == "cp"
-    assert [f for f in fields if f != "cp"] == [a for a in Axis.values() if a != "cp"]
-    assert set(Axis.values()) <= {f.name for f in dataclasses.fields(SchemeConfig)}
+    grid = fields[:len(Axis.values())]
+    assert sorted(grid) == sorted(Axis.values()) and grid[-1] == "cp"
+    assert [f for f in grid if f != "cp"] == [a for a in Axis.values() if a != "cp"]
+    assert fields[len(grid):] == list(CarvedAxis.values())
+    assert set(Axis.values()) | set(CarvedAxis.values()) <= {f.name for f in dataclasses.fields(SchemeConfig)}
 
 
 def test_a_choice_reads_as_its_string():

@@ -1,5 +1,5 @@
 """The command surface, frozen: every `python -m dtk.*` command parses its arguments with
-dtk.errors.ArgumentParser, and its flags are exactly those listed in FROZEN.
+dtk.common.errors.ArgumentParser, and its flags are exactly those listed in FROZEN.
 
 A new command or flag is a deliberate change: add it to FROZEN in the same commit as the
 code, the docs (README.md, docs/) and its tests. Habit from torchtitan's
@@ -17,7 +17,7 @@ import re
 import pytest
 
 from conftest import REPO, run_main
-from dtk.errors import ArgumentParser, UserError
+from dtk.common.errors import ArgumentParser, UserError
 
 # command (and subcommand) -> its options and positionals (METAVAR, "..." for several,
 # {allowed,values}).
@@ -103,7 +103,7 @@ def surface(parser: argparse.ArgumentParser, name: str) -> dict[str, list[str]]:
             continue
         if isinstance(action, argparse._SubParsersAction):
             for sub_name, sub in action.choices.items():
-                assert isinstance(sub, ArgumentParser), f"{name} {sub_name}: not a dtk.errors.ArgumentParser"
+                assert isinstance(sub, ArgumentParser), f"{name} {sub_name}: not a dtk.common.errors.ArgumentParser"
                 subs.update(surface(sub, f"{name} {sub_name}"))
         else:
             name_ = "/".join(action.option_strings) or action.metavar or action.dest
@@ -121,14 +121,14 @@ def test_every_command_parses_with_the_shared_parser_and_its_flags_are_frozen(mo
             seen[name] = ["(no arguments)"]
             continue
         parser = parser_of(module, monkeypatch)
-        assert isinstance(parser, ArgumentParser), f"python -m {name} does not parse with dtk.errors.ArgumentParser"
+        assert isinstance(parser, ArgumentParser), f"python -m {name} does not parse with dtk.common.errors.ArgumentParser"
         assert parser.prog == f"python -m {name}", parser.prog
         seen.update(surface(parser, name))
     assert seen == FROZEN, "the command surface changed: update FROZEN on purpose (and the docs)"
 
 
 def test_overrides_are_checked_for_their_shape_before_hydra_sees_them():
-    from dtk.errors import override
+    from dtk.common.errors import override
 
     for good in ("nodes=2", "+scheme=fsdp", "++train.steps=3", "~checkpoint.every", "~extra.x=1", "optim.lr=1e-3,3e-4"):
         assert override(good) == good
@@ -158,7 +158,7 @@ def test_usage_mistakes_are_one_error_line_with_exit_2(args, needle, tmp_path):
 
 def test_overrides_and_flags_mix_in_any_order():
     from dtk.plan.__main__ import build_parser as plan_parser
-    from dtk.submit import build_parser as submit_parser
+    from dtk.submit.__main__ import build_parser as submit_parser
 
     args = submit_parser().parse_intermixed_args(["nodes=1", "-m", "optim.lr=1,2", "+scheme=ddp"])
     assert args.multirun and args.overrides == ["nodes=1", "optim.lr=1,2", "+scheme=ddp"]

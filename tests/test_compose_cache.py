@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from dtk.common.errors import UserError
 from dtk.config import compose as compose_module
 from dtk.config.compose import SearchPath, compose
 from dtk.config.convert import finish, to_dict
-from dtk.errors import UserError
 
 CASES = [
     [],

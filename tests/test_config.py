@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from conftest import dtk, run_main
+from dtk.common.errors import UserError
 from dtk.config import schema
 from dtk.config.compose import compose, expand_sweep
 from dtk.config.docs import field_docs, key_table
-from dtk.errors import UserError
 from dtk.plan.degrees import resolve_degrees
 from dtk.plan.plan import make_plan
 

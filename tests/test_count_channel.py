@@ -67,7 +67,7 @@ def test_a_model_that_prints_is_counted_by_plan_and_submit(project):
 
 
 def test_submit_plans_the_memory_of_a_model_that_prints_from_its_count(project, monkeypatch):
-    from dtk.submit import plan_points
+    from dtk.submit.__main__ import plan_points
 
     monkeypatch.chdir(project)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the project folder goes first on it

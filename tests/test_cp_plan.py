@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
 from dtk.config.compose import compose
-from dtk.errors import UserError
 from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.layout import axis_groups, coords, uses_fsdp
 from dtk.plan.plan import make_plan
@@ -97,7 +97,7 @@ def _job(degrees: Degrees, ac: str):
     import dataclasses
 
     from dtk.config.schema import SchemeConfig
-    from dtk.plan.memory import Job, precision_for, scheme_config
+    from dtk.plan.cost.memory import Job, precision_for, scheme_config
 
     s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), data_parallel="fsdp", activation_checkpoint=ac))
     return Job(s, degrees, micro_batch=2, num_micro=1, device="cuda", precision=precision_for(s, "cuda"))
@@ -108,7 +108,7 @@ SHAPE_KEYS = {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 8192, "vocab_s
 
 @pytest.mark.parametrize("ac", ["full", "none"])
 def test_the_budget_divides_activations_by_cp_and_keeps_the_gathered_keys_and_values(ac):
-    from dtk.plan.memory import rank_bytes
+    from dtk.plan.cost.memory import rank_bytes
     from dtk.plan.shape import whatif_shape
 
     shape = whatif_shape(SHAPE_KEYS)
@@ -116,8 +116,8 @@ def test_the_budget_divides_activations_by_cp_and_keeps_the_gathered_keys_and_va
     cp2 = rank_bytes(shape, _job(Degrees(1, 1, 1, 1, cp=2), ac), 0).activations
     local_bsh = 2 * 8192 // 2 * 1024  # micro batch x this rank's tokens x hidden
     gathered = 0 if ac == "full" else 2 * 2 * local_bsh  # per block, bf16 (2 bytes): the other rank's keys and values
-    # the chunked loss's one fp32 chunk in backward (dtk.plan.activations) is the same whatever the tokens
-    from dtk.plan.activations import LOSS_BYTES, LOSS_CHUNK_ELEMENTS
+    # the chunked loss's one fp32 chunk in backward (dtk.plan.cost.activations) is the same whatever the tokens
+    from dtk.plan.cost.activations import LOSS_BYTES, LOSS_CHUNK_ELEMENTS
 
     chunk = 3 * LOSS_BYTES * LOSS_CHUNK_ELEMENTS
     assert cp2 == (one - chunk) // 2 + chunk + 4 * gathered
@@ -125,9 +125,9 @@ def test_the_budget_divides_activations_by_cp_and_keeps_the_gathered_keys_and_va
 
 def test_the_step_time_counts_the_key_value_traffic_of_cp_on_the_critical_path():
     from dtk.config.schema import ClusterConfig
-    from dtk.plan.comm import traffic
+    from dtk.plan.cost.comm import traffic
+    from dtk.plan.cost.steptime import hardware_of, step_time
     from dtk.plan.shape import whatif_shape
-    from dtk.plan.steptime import hardware_of, step_time
 
     shape = whatif_shape(SHAPE_KEYS)
     for ac, gathers in (("none", 1), ("full", 2)):

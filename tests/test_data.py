@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import run_main
+from dtk.common.errors import UserError
 from dtk.config.schema import Hdf5DataConfig, ModelConfig
 from dtk.data.hdf5 import Hdf5Tokens, split
 from dtk.data.loader import StepBatches, build_splits
 from dtk.data.order import GlobalOrder, rank_share
 from dtk.data.prepare import prepare
 from dtk.data.synthetic import SyntheticTokens
-from dtk.errors import UserError
 
 
 def epoch_ids(num_samples: int, global_batch: int, dp_size: int, seed: int) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, dtk
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import dtk, only_run_dir
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.launch.launch import check_dependencies
 from lab_support import job_gone
 

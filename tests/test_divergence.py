@@ -136,7 +136,7 @@ def test_goodput_counts_skipped_and_rolled_back_steps_as_redone():
 
 
 def test_status_names_the_skips_and_the_rollback():
-    from dtk.status import _divergence
+    from dtk.report.collect import _divergence
 
     events = [{"event": "skipped_update", "step": s} for s in (5, 6, 7)] + [
         {"event": "rolled_back", "step": 5, "last_bad_step": 7, "cause": "nonfinite_loss", "to_step": 4,

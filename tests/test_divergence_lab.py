@@ -19,7 +19,7 @@ from test_divergence_runs import JOB, drilled_run
 from test_faults import finish, named
 
 from conftest import REPO, dtk
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 from dtk.worker.codes import EXIT_CONFIG
 
 pytestmark = [pytest.mark.slow]

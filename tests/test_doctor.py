@@ -124,7 +124,7 @@ def test_doctor_on_this_machine_writes_its_report(tmp_path):
     assert read_exclude_file(str(out / "exclude.txt")) == ()
     assert Path(out / "topology" / "node_00.json").is_file()
     # the planner's step time reads the links it measured (plan.doctor=FOLDER)
-    from dtk.plan.steptime import doctor_links
+    from dtk.plan.cost.steptime import doctor_links
 
     assert doctor_links(str(out)) == (rows[-1]["busbw_gbs"], None)
 

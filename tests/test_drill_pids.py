@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from dtk.drill import _signal_worker, is_worker_of
-from dtk.errors import UserError
-from dtk.rundir import RunDir
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
+from dtk.drill.__main__ import _signal_worker, is_worker_of
 
 SLEEP = "import time; time.sleep(60)"
 
@@ -45,7 +45,7 @@ def test_only_the_runs_own_worker_is_signalled(tmp_path):
 
 
 def test_pid_alive_is_false_for_a_missing_or_unrecorded_pid():
-    from dtk.rundir import pid_alive
+    from dtk.common.processes import pid_alive
 
     proc = subprocess.Popen(["true"])
     proc.wait()

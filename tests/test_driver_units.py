@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtk.common.rundir import RunDir
 from dtk.config.compose import compose
 from dtk.driver.exclusions import add_exclusions, read_exclusions
 from dtk.driver.logs import failure_cause
@@ -11,7 +12,6 @@ from dtk.driver.resize import fit_plan
 from dtk.launch.sbatch import SubmitInputs, sbatch_text, signal_lead
 from dtk.launch.slurmctl import parse_time_min
 from dtk.plan.plan import make_plan
-from dtk.rundir import RunDir
 from dtk.worker.env import read_env
 
 

@@ -73,7 +73,7 @@ def _reference() -> dict:
 
 
 def _ranks(rank: int, world: int, ep: int) -> dict:
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.models.build import materialize
     from dtk.parallel.ep import apply_ep
     from dtk.parallel.fsdp import apply_fsdp

@@ -9,11 +9,11 @@ import pytest
 
 from conftest import run_main
 from dtk.config.compose import compose
-from dtk.plan.budget import Context
+from dtk.plan.cost.budget import Context
+from dtk.plan.cost.search import Search
+from dtk.plan.cost.splits import splits as _splits
 from dtk.plan.plan import make_plan
-from dtk.plan.search import Search
 from dtk.plan.shape import builtin_shape
-from dtk.plan.splits import splits as _splits
 
 H100_4X8 = ["cluster=slurm", "nodes=4", "tasks_per_node=8", "cluster.accelerator=h100-80gb"]
 LLAMA_8B_131K = ["model.dim=4096", "model.num_layers=32", "model.num_heads=32", "model.ffn_hidden=14336",
@@ -58,8 +58,8 @@ def test_the_search_tries_cp_only_for_long_sequences_and_ep_only_for_experts():
 def test_a_mixture_of_experts_gets_expert_parallel_candidates():
     cfg = compose(["model=moe", "model.num_experts=8", *H100_4X8, "train.global_batch=64"])
     plan = make_plan(cfg, cwd="/tmp")
-    from dtk.plan.inputs import context
-    from dtk.plan.steptime import hardware_of
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.steptime import hardware_of
 
     ctx: Context = context(cfg, plan)
     found = Search(ctx, hardware_of(cfg.cluster, device="cuda", param_dtype="auto")).at(4)

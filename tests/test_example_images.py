@@ -24,7 +24,7 @@ import pytest
 from test_resume import kill_workers
 
 from conftest import REPO, dtk, losses
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

@@ -74,8 +74,8 @@ def _check_on_ranks(rank: int, world: int, logs: dict, plan, run_dir: Path):
 
     import torch
 
-    from dtk.errors import UserError
-    from dtk.rundir import RunDir
+    from dtk.common.errors import UserError
+    from dtk.common.rundir import RunDir
     from dtk.worker.env import WorkerEnv
     from dtk.worker.fabric import after_process_group
 

@@ -43,7 +43,7 @@ def test_logged_mfu_of_the_builtin_transformer_is_the_analytic_formula(tmp_path)
     over the device count and the peak."""
     from types import SimpleNamespace
 
-    from dtk.rundir import read_jsonl
+    from dtk.common.rundir import read_jsonl
     from dtk.train.metrics import MetricsLog
 
     per_token = flops_per_token(model(BUILTIN_TARGET))

@@ -18,8 +18,7 @@ import psutil
 import pytest
 
 from conftest import REPO
-from dtk.driver.record import read_progress
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir, read_progress
 
 # The server's loop with children that play a killed worker and its peer: the victim listens,
 # the peer connects and waits; the victim is killed; the peer fails on the broken connection

@@ -132,8 +132,8 @@ def test_equivalence_passes_within_the_tolerance_and_fails_beyond_it(tmp_path, c
 
 
 def test_peak_memory_figure_reads_what_the_workers_recorded_against_the_plan():
-    from dtk.plan.memory import RankBytes
-    from dtk.plan.predict import rank_record, summarize
+    from dtk.plan.cost.memory import RankBytes
+    from dtk.plan.cost.predict import rank_record, summarize
 
     gib = 2**30
     planned = RankBytes(rank=0, params=4 * gib, grads=4 * gib, optimizer=8 * gib, activations=3 * gib, buffers=gib,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
 from dtk.config.choices import Backend
 from dtk.config.compose import compose
-from dtk.dist.init import backend_string
-from dtk.errors import UserError
-from dtk.plan.inputs import visible_gpus
+from dtk.mesh.init import backend_string
+from dtk.plan.cost.inputs import visible_gpus
 from dtk.plan.plan import make_plan
 
 
@@ -79,7 +79,7 @@ NVIDIA_SMI = Path(__file__).parent / "fixtures" / "gpu_box" / (
 
 
 def test_the_reported_gpu_memory_is_the_smallest_visible_gpus():
-    from dtk.plan.inputs import NVIDIA_SMI_MEMORY, reported_gpu_memory
+    from dtk.plan.cost.inputs import NVIDIA_SMI_MEMORY, reported_gpu_memory
 
     def recorded(argv):
         assert argv == NVIDIA_SMI_MEMORY
@@ -93,8 +93,8 @@ def test_the_reported_gpu_memory_is_the_smallest_visible_gpus():
 def test_a_local_gpu_box_is_budgeted_with_its_gpus_memory(tmp_path, monkeypatch):
     """8 x 80 GB GPUs on the local cluster: the budget the submit gate and dtk.plan use is
     CUDA with each GPU's memory, as the workers' own prediction is, not host RAM / workers."""
-    from dtk.plan import inputs
-    from dtk.plan.report import memory_plan
+    from dtk.plan.cost import inputs
+    from dtk.plan.cost.report import memory_plan
 
     driver = tmp_path / "gpus"
     for k in range(8):

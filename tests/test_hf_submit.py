@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import dtk
+from dtk.common.errors import UserError
 from dtk.config.compose import compose
-from dtk.errors import UserError
 from dtk.plan.plan import make_plan
 
 
@@ -41,7 +41,7 @@ def test_generated_data_takes_the_vocabulary_of_config_json(tiny, tmp_path):
                                                   " model's vocabulary of 128 (config.json)"),
 ])
 def test_a_sample_too_long_or_a_vocabulary_too_large_is_refused_at_submission_without_torch(tiny, tmp_path, keys, says):
-    code = ("import sys; from dtk.errors import run_cli; from dtk.plan.__main__ import main;"
+    code = ("import sys; from dtk.common.errors import run_cli; from dtk.plan.__main__ import main;"
             " import atexit; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr)); run_cli(main)")
     proc = dtk("-c", code, "model=hf", f"model.config={tiny}", *keys, f"run.root={tmp_path}")
     assert proc.returncode == 2, proc.stderr

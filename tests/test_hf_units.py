@@ -101,7 +101,7 @@ def test_parallel_plan_comes_from_the_model(family, tmp_path):
 
 
 def test_missing_config_and_weights_are_user_errors(tmp_path):
-    from dtk.errors import UserError
+    from dtk.common.errors import UserError
     from dtk.models.build import build_model
 
     with pytest.raises(UserError, match="model.config="):
@@ -114,8 +114,8 @@ def test_missing_config_and_weights_are_user_errors(tmp_path):
 
 
 def test_model_hf_by_config_takes_the_models_own_plan_unless_the_yaml_gives_one(tmp_path):
+    from dtk.common.errors import UserError
     from dtk.config.compose import compose
-    from dtk.errors import UserError
     from dtk.models.build import ParallelSpec, build_model
     from dtk.parallel.tp import check_tp_plan
     from dtk.plan.plan import make_plan

@@ -5,7 +5,7 @@ tensor in an `if`) waits for all the work queued before it, and the GPU idles wh
 host then queues the next step. On the CPU nothing waits, but the reads are the same
 calls, so this test counts them: every such call made by dtk's own code while the loop
 runs (torch's internals are left out: the optimizer reads its step counters, which live
-on the host). Reads that wait for nothing (`dtk.dist.host.host_only`: the stop vote on its
+on the host). Reads that wait for nothing (`dtk.mesh.host.host_only`: the stop vote on its
 gloo group, the metrics values read right after the profiler's read of the same interval
 waited for the device) are counted apart.
 """
@@ -21,8 +21,8 @@ import torch
 from test_policies import FakeCheckpoints, Recorder, tiny_trainer
 
 import dtk
-from dtk.dist.host import in_host_only
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
+from dtk.mesh.host import in_host_only
 from dtk.train.metrics import MetricsLog
 from dtk.train.policies import AgreedStop, Heartbeat, StepPolicies
 from dtk.train.profile import StepProfiler

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import dtk
 from dtk import lab
-from dtk.errors import run_cli
+from dtk.common.errors import run_cli
 from dtk.lab import daemons, files, ownership
 from dtk.lab.__main__ import main as lab_main
 from lab_support import end_process_tree, ensure_lab, lab_down, named_process, unavailable_reason

@@ -23,8 +23,8 @@ import pytest
 
 from conftest import REPO, require
 from dtk import lab
+from dtk.common.processes import process_start
 from dtk.lab import daemons, dns, files, ownership
-from dtk.rundir import process_start
 from lab_support import end_process_tree, named_process
 
 FOREIGN_CONF = "ClusterName=site\nSlurmctldHost=ctl01\n"

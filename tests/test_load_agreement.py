@@ -22,7 +22,7 @@ WORLD = 2
 def _manager(run, seed: int):
     from dtk.checkpoint.manager import CheckpointManager
     from dtk.config.schema import CheckpointConfig
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.plan.degrees import Degrees
 
     torch.manual_seed(seed)
@@ -51,7 +51,7 @@ def _attempt(run, seed: int) -> dict[str, Any]:
 def check(rank: int, world: int, folder: str) -> dict[str, Any]:
     from dtk.checkpoint import load as loading
     from dtk.checkpoint.reading import HashingReader
-    from dtk.rundir import RunDir
+    from dtk.common.rundir import RunDir
 
     out: dict[str, Any] = {}
     try:

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
+from dtk.common.rundir import HEARTBEAT, RunDir
 from dtk.config.compose import compose
 from dtk.driver.core import DriverCore, Silence, silence
 from dtk.driver.decide import Action
 from dtk.driver.local import POLL_S, LocalDriver
 from dtk.driver.supervisor import Supervisor
 from dtk.plan.plan import make_plan
-from dtk.rundir import HEARTBEAT, RunDir
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from fake_slurm import FakeClock
 

@@ -10,10 +10,10 @@ import json
 import pytest
 
 from conftest import dtk
-from dtk.driver.record import last_completed_step, read_progress, record_failure
+from dtk.common.rundir import PROGRESS, RunDir, read_progress
+from dtk.driver.record import last_completed_step, record_failure
 from dtk.report.goodput import account
 from dtk.report.starts import history
-from dtk.rundir import PROGRESS, RunDir
 from dtk.train.policies import Heartbeat
 
 

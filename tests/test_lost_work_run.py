@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk
-from dtk.driver.record import read_progress
+from dtk.common.rundir import RunDir, read_progress
 from dtk.report.goodput import account
 from dtk.report.runs import load_run
 from dtk.report.starts import history
-from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

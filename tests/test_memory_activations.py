@@ -17,10 +17,10 @@ from dtk.config.choices import ActivationCheckpoint
 from dtk.config.compose import compose
 from dtk.models.build import build_model
 from dtk.parallel.ac import apply_ac
-from dtk.plan.inputs import context
-from dtk.plan.memory import rank_bytes
+from dtk.plan.cost.inputs import context
+from dtk.plan.cost.memory import rank_bytes
+from dtk.plan.cost.report import chosen_variant
 from dtk.plan.plan import make_plan
-from dtk.plan.report import chosen_variant
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.measure import LiveActivations
 from memory_support import run_ranks

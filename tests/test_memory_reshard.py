@@ -1,4 +1,4 @@
-"""The memory tier's restore on real gloo ranks (dtk.checkpoint.memory_tier): FSDP2 state
+"""The memory tier's restore on real gloo ranks (dtk.checkpoint.memory.tier): FSDP2 state
 snapshotted by 4 ranks on two nodes ("a": ranks 0, 1; "b": ranks 2, 3) is restored
 
 - by the 2 ranks of node a alone (a shrink): their own shards and node b's replicas,
@@ -48,7 +48,7 @@ def _full(model, optimizer, scheduler) -> dict:
 
 
 def _tier(run: Path, model, optimizer, scheduler, *, rank: int, world: int, per_node: int, fresh: bool):
-    from dtk.checkpoint.memory_tier import MemoryTier
+    from dtk.checkpoint.memory.tier import MemoryTier
 
     return MemoryTier(run, every=2, rank=rank, world=world, local_rank=rank % per_node, per_node=per_node,
                       parts=[(model, optimizer)], scheduler=scheduler, identity={"config_hash": "x"}, fresh=fresh,
@@ -74,8 +74,8 @@ def _snapshot(rank: int, world: int, root: str) -> dict:
 
 
 def _restore(rank: int, world: int, root: str, nodes: str, corrupt: bool) -> dict:
-    from dtk.checkpoint import memory_store as ms
-    from dtk.rundir import memory_store
+    from dtk.checkpoint.memory import store as ms
+    from dtk.common.rundir import memory_store
 
     os.environ["DTK_MEMORY_STORE_ROOT"] = root
     os.environ["SLURMD_NODENAME"] = nodes[rank // 2]
@@ -124,7 +124,7 @@ def test_a_corrupt_layout_falls_back_on_every_rank_with_the_reason(tmp_path):
 
 
 def _snapshot_with_a_failed_write(rank: int, world: int, root: str) -> dict:
-    from dtk.checkpoint import memory_store as ms
+    from dtk.checkpoint.memory import store as ms
 
     os.environ["DTK_MEMORY_STORE_ROOT"] = root
     os.environ["SLURMD_NODENAME"] = "ab"[rank]

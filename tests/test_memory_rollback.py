@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk
-from dtk.driver.record import read_progress
-from dtk.rundir import MEMORY_STORE_ENV, RunDir, memory_store
+from dtk.common.rundir import MEMORY_STORE_ENV, RunDir, memory_store, read_progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

@@ -1,7 +1,7 @@
 """The planned bytes of parameters, gradients and optimizer state of every rank equal the
 bytes of the real tensors, for the built-in transformer under every scheme on 4 CPU
 processes (gloo): each case's model is built and stepped exactly as a worker does it
-(tests/memory_support.py), and the plan (dtk.plan.memory, no torch) predicts each rank.
+(tests/memory_support.py), and the plan (dtk.plan.cost.memory, no torch) predicts each rank.
 
 Uneven sizes (vocab 250, 60 positions over 4 shards) check torch.chunk's rounding; ZeRO-1
 checks the whole-tensor partition; pipelines check the stage split.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from dtk.config.compose import compose
-from dtk.plan.inputs import context
-from dtk.plan.memory import rank_bytes
+from dtk.plan.cost.inputs import context
+from dtk.plan.cost.memory import rank_bytes
+from dtk.plan.cost.report import chosen_variant
 from dtk.plan.plan import make_plan
-from dtk.plan.report import chosen_variant
 from memory_support import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

@@ -1,4 +1,4 @@
-"""The memory tier's pure rules (dtk.checkpoint.memory_store): the ring partner, commit
+"""The memory tier's pure rules (dtk.checkpoint.memory.store): the ring partner, commit
 records, which step the ranks restore and from whom, what pruning keeps. Real files in a
 temporary folder, no torch."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from dtk.checkpoint import memory_store as ms
+from dtk.checkpoint.memory import store as ms
 
 IDENTITY = {"config_hash": "abc", "mesh": {"dp": 4}}
 

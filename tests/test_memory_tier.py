@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, require
-from dtk.checkpoint import memory_store as ms
-from dtk.driver.record import read_progress
+from dtk.checkpoint.memory import store as ms
+from dtk.common.rundir import MEMORY_STORE_ENV, RunDir, memory_store, read_progress
 from dtk.report.goodput import account
 from dtk.report.runs import load_run
-from dtk.rundir import MEMORY_STORE_ENV, RunDir, memory_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -218,7 +217,7 @@ def test_a_later_job_on_the_node_sweeps_the_stores_that_ended_runs_left_there(tm
     """A multi-node job that failed or was stopped with --now leaves its store on every node
     but the driver's. The next dtk job on such a node, here one with the tier off, removes the
     stores of this user's runs that are over, and leaves those of runs still going."""
-    from dtk.checkpoint import memory_root as mroot
+    from dtk.checkpoint.memory import root as mroot
 
     store = tmp_path / "shm"
     monkeypatch.setenv(MEMORY_STORE_ENV, str(store))

@@ -1,4 +1,4 @@
-"""What the memory tier trusts (dtk.checkpoint.memory_root, memory_store): its store's root
+"""What the memory tier trusts (dtk.checkpoint.memory.root, memory_store): its store's root
 only when this user made it and no one else can write or swap it; snapshot files readable
 by their owner only; a snapshot only of the run's current generation (a rollback abandons
 the steps after its checkpoint); and stores of runs that are over swept from the node.
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import require
-from dtk.checkpoint import memory_root as mroot
-from dtk.checkpoint import memory_store as ms
-from dtk.rundir import RunDir
+from dtk.checkpoint.memory import root as mroot
+from dtk.checkpoint.memory import store as ms
+from dtk.common.rundir import RunDir
 
 NOBODY = 65534
 IDENTITY = {"config_hash": "abc"}
@@ -194,7 +194,7 @@ def test_a_local_run_whose_driver_on_this_host_died_without_an_end_is_over(tmp_p
     import subprocess
     import sys
 
-    from dtk.rundir import process_identity
+    from dtk.common.processes import process_identity
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     identity = process_identity(dead.pid)

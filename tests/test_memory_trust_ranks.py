@@ -1,4 +1,4 @@
-"""The memory tier's trust on real gloo ranks (dtk.checkpoint.memory_tier), two ranks on two
+"""The memory tier's trust on real gloo ranks (dtk.checkpoint.memory.tier), two ranks on two
 "nodes" ("a" and "b", each its own store root): a root another user owns on node b turns
 the tier off on both ranks (one `memory_store_refused` event, no snapshot written, a restore
 falls back with the reason); a trusted store holds 0600 files in 0700 folders; a rollback
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.dist]
 
 
 def _tier(rank: int, roots: list[str], run: Path, *, fresh: bool, generation: int):
-    from dtk.checkpoint.memory_tier import MemoryTier
+    from dtk.checkpoint.memory.tier import MemoryTier
 
     os.environ["DTK_MEMORY_STORE_ROOT"] = roots[rank]
     os.environ["SLURMD_NODENAME"] = "ab"[rank]
@@ -54,7 +54,7 @@ def _refused(rank: int, world: int, roots: list[str], run: str) -> dict:
 
 def test_a_root_another_user_owns_on_one_node_turns_the_tier_off_on_every_rank(tmp_path):
     require(os.getuid() == 0, "needs root to give a folder to another user")
-    from dtk.rundir import RunDir
+    from dtk.common.rundir import RunDir
 
     roots = [str(tmp_path / "shm_a"), str(tmp_path / "shm_b")]
     for r in roots:
@@ -75,7 +75,7 @@ def test_a_root_another_user_owns_on_one_node_turns_the_tier_off_on_every_rank(t
 
 
 def _generations(rank: int, world: int, roots: list[str], run: str) -> dict:
-    from dtk.checkpoint import memory_store as ms
+    from dtk.checkpoint.memory import store as ms
 
     tier, model, optimizer = _tier(rank, roots, Path(run), fresh=True, generation=0)
     for step in (2, 4, 6):
@@ -115,7 +115,7 @@ def test_a_rollback_removes_the_abandoned_snapshots_and_a_restore_takes_the_new_
 
 
 def _new_trajectory(rank: int, world: int, roots: list[str], run: str) -> dict:
-    from dtk.checkpoint import memory_store as ms
+    from dtk.checkpoint.memory import store as ms
 
     tier, model, optimizer = _tier(rank, roots, Path(run), fresh=True, generation=0)
     for step in (2, 4, 6, 8):
@@ -143,7 +143,7 @@ def test_after_a_rollback_the_new_trajectorys_snapshot_is_restored_and_kept_by_t
 
 
 def _left_behind(rank: int, world: int, roots: list[str], runs: dict[str, str]) -> dict:
-    from dtk.rundir import memory_store
+    from dtk.common.rundir import memory_store
 
     for name in ("failed", "running"):  # two earlier jobs, killed on this node before their stores went
         tier, model, optimizer = _tier(rank, roots, Path(runs[name]), fresh=True, generation=0)
@@ -151,7 +151,7 @@ def _left_behind(rank: int, world: int, roots: list[str], runs: dict[str, str]) 
         tier.snapshot(2)
         tier.close(discard=False)
     if rank == 0:
-        from dtk.rundir import RunDir
+        from dtk.common.rundir import RunDir
 
         for name, ends in (("failed", "failed"), ("running", "relaunched")):
             for event in ("submitted", "started", ends):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dtk.rundir import read_jsonl
+from dtk.common.rundir import read_jsonl
 from dtk.train import metrics as metrics_module
 from dtk.train.metrics import MetricsLog
 

@@ -10,9 +10,9 @@ import inspect
 
 import pytest
 
+from dtk.common.errors import UserError
 from dtk.config.convert import builtin_transformer, model_config
 from dtk.config.schema import TransformerConfig
-from dtk.errors import UserError
 from dtk.plan.parts import BUILTIN_ARGUMENTS
 from dtk.plan.shape import builtin_modules
 
@@ -28,7 +28,7 @@ wrap_classes: [ResidualMLP]
 
 
 def plan(overrides: list[str], tmp_path, user_model: bool = False):
-    from dtk.submit import plan_points
+    from dtk.submit.__main__ import plan_points
 
     extra = []
     if user_model:
@@ -172,7 +172,7 @@ def test_the_defaults_and_the_shipped_parallel_keys_pass(tmp_path):
 
 
 def test_a_dry_run_checks_the_run_root(tmp_path):
-    from dtk.submit import main
+    from dtk.submit.__main__ import main
 
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=r"run.root=.*file: cannot create a run directory there \(Not a directory"):

@@ -132,8 +132,8 @@ def test_the_planner_sees_the_moe_model_the_workers_build():
 
 def test_flops_count_active_experts_alike_in_the_planner_and_the_mfu():
     from dtk.config.schema import TransformerConfig
+    from dtk.plan.cost.steptime import flops_per_token as planned
     from dtk.plan.shape import builtin_shape
-    from dtk.plan.steptime import flops_per_token as planned
     from dtk.train.flops import flops_per_token
 
     cfg = compose(["model=moe", "model.num_experts=8", "model.top_k=2"])

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.compose import compose
 from dtk.driver.exclusions import add_exclusions, invalid_exclusions, read_exclusions
-from dtk.errors import UserError
 from dtk.launch import reputation
 from dtk.launch.nodenames import is_node_name, shown
 from dtk.launch.sbatch import SubmitInputs, render_sbatch, sbatch_text
 from dtk.plan.plan import make_plan
-from dtk.rundir import RunDir
 
 POISON = "node1\ntouch /tmp/dtk-injected\n#"
 """A name that, on a #SBATCH line, ends it and runs `touch` as whoever submits next."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dtk
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -75,7 +75,7 @@ def test_a_poisoned_node_name_under_the_root_runs_nothing_and_the_job_keeps_its_
 
 
 def test_the_drivers_resubmission_leaves_the_name_out_and_is_audited(lab, tmp_path):
-    from dtk import audit
+    from dtk.common import audit
     from dtk.config.compose import compose
     from dtk.driver.resubmit import resubmit
     from dtk.driver.supervisor import drive

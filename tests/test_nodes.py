@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.driver.exclusions import add_exclusions, read_entries, read_exclusions, readmit
-from dtk.errors import UserError
 from dtk.launch.slurmctl import Slurm
 from dtk.nodes import readmit_node
-from dtk.rundir import RunDir
 from fake_slurm import FakeClock, FakeSlurm
 
 
@@ -47,7 +47,7 @@ def test_listing_shows_reason_and_time_and_readmit_keeps_the_history(tmp_path, m
     (entry,) = read_entries(run)
     assert entry["reason"] == "node(s) node2 left the job" and entry["readmitted"]["reason"] == "dtk.nodes --readmit"
     assert [e["event"] for e in run.events_list()] == ["node_readmitted"]
-    from dtk.audit import read as read_audit
+    from dtk.common.audit import read as read_audit
 
     audit = read_audit(tmp_path / "runs")
     assert audit[-1]["action"] == "readmit" and audit[-1]["node"] == "node2"

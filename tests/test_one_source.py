@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 
+from dtk.common.rundir import MANIFEST, RunDir
 from dtk.config.schema import TransformerConfig
 from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.layout import axis_groups, coords, rank_of, stage_units, zero1_owner
 from dtk.plan.shape import builtin_shape, ffn_hidden_size
-from dtk.rundir import MANIFEST, RunDir
 
 torch = pytest.importorskip("torch")
 
@@ -83,7 +83,7 @@ def test_the_newest_committed_checkpoint_is_one_rule(tmp_path):
 def test_the_budget_reads_the_typed_scheme():
     from dtk.config.choices import ActivationCheckpoint, DataParallel
     from dtk.config.schema import SchemeConfig
-    from dtk.plan.memory import scheme_config
+    from dtk.plan.cost.memory import scheme_config
 
     raw = dataclasses.asdict(SchemeConfig()) | {"data_parallel": "fsdp", "activation_checkpoint": "full", "tp": 2}
     scheme = scheme_config(raw)

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtk.common.rundir import IDLE_PHASES, PHASES, RunDir, read_jsonl
 from dtk.data.loader import StepBatches
 from dtk.data.synthetic import SyntheticTokens
-from dtk.dist.mesh import build_mesh
+from dtk.mesh.mesh import build_mesh
 from dtk.models.transformer import build
 from dtk.plan.degrees import Degrees
-from dtk.rundir import IDLE_PHASES, PHASES, RunDir, read_jsonl
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.metrics import MetricsLog
 from dtk.train.policies import StepPolicies

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dtk.config.compose import compose
-from dtk.plan.comm import fsdp_collectives
+from dtk.plan.cost.comm import fsdp_collectives
 from dtk.plan.plan import Plan, make_plan
 from multirank import run_on_ranks
 
@@ -88,7 +88,7 @@ def pipeline_step_counts(plan_json: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.models.build import ParallelSpec, build_model, materialize
     from dtk.parallel.parallelize import parallelize
     from dtk.train.loss import TokenCrossEntropy
@@ -177,7 +177,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[float], list[dict]]]:
 
 
 def planned(name: str) -> tuple[int, int]:
-    """The budget's all-gathers and reduce-scatters of each unit per step (dtk.plan.comm)."""
+    """The budget's all-gathers and reduce-scatters of each unit per step (dtk.plan.cost.comm)."""
     plan = plan_for(*CASES[name])
     gathers, reduces, _ = fsdp_collectives(plan.config.scheme, plan.degrees, plan.grad_accum)
     return gathers, reduces

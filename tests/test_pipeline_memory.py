@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dtk.config.compose import compose
-from dtk.plan.activations import in_flight
+from dtk.plan.cost.activations import in_flight
 from dtk.plan.plan import Plan, make_plan
 from multirank import run_on_ranks
 
@@ -72,7 +72,7 @@ def pipeline_run(plan_json: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.models.build import ParallelSpec, build_model, materialize
     from dtk.parallel.parallelize import parallelize
     from dtk.train.loss import TokenCrossEntropy, local_value
@@ -165,7 +165,7 @@ def test_no_logits_and_no_receive_buffer_outlive_their_micro_batch(runs, name):
         assert r["most"] <= 2 * (pp - r["stage"]), r
         assert r["most"] < NUM_MICRO
         # a stage keeps a micro-batch's output until its backward: pp - s under 1F1B, the
-        # chunks in flight the planner budgets (dtk.plan.activations.in_flight); the last
+        # chunks in flight the planner budgets (dtk.plan.cost.activations.in_flight); the last
         # stage one (its logits: forward, loss, backward, then the next micro-batch)
         planned = in_flight("1f1b", pp=pp, pp_index=r["stage"], num_micro=NUM_MICRO, virtual=1)
         assert r["outputs"] == (1 if r["last"] else planned) == (1 if r["last"] else pp - r["stage"]), r

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.topology.parse import cpulist
 from dtk.topology.source import RecordedSource
 from dtk.worker.placement import binding_name, choose_gpu, driver_gpus, nvml_gpus, place, share_visible

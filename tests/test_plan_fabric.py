@@ -4,7 +4,7 @@ user fixed by hand (cluster.env), as far as the login node can say it; no torch.
 from __future__ import annotations
 
 from dtk.config.compose import compose
-from dtk.plan.handout import fabric_section
+from dtk.plan.cost.handout import fabric_section
 from dtk.plan.plan import make_plan
 
 

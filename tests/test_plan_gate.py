@@ -105,7 +105,7 @@ def test_a_user_model_is_counted_on_the_meta_device_in_a_subprocess_with_a_time_
 
 @pytest.mark.slow  # counts the user model on the meta device: a torch import in a subprocess
 def test_plan_md_of_a_user_model_whose_split_points_fix_the_pipeline_stages(tmp_path):
-    from dtk.submit import plan_points
+    from dtk.submit.__main__ import plan_points
 
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "mlp_lm.yaml").write_text(USER_MODEL_YAML + "split_points: [blocks.2]\n")

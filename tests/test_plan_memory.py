@@ -12,15 +12,15 @@ from conftest import dtk
 from dtk.config.compose import compose
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import SchemeConfig
-from dtk.plan.activations import in_flight
-from dtk.plan.budget import all_rows
-from dtk.plan.comm import axis_groups, crosses_nodes, placement
+from dtk.plan.cost.activations import in_flight
+from dtk.plan.cost.budget import all_rows
+from dtk.plan.cost.comm import axis_groups, crosses_nodes, placement
+from dtk.plan.cost.inputs import context
+from dtk.plan.cost.memory import Job, device_bytes, precision_for, scheme_config
+from dtk.plan.cost.search import Search, searched
 from dtk.plan.degrees import Degrees
-from dtk.plan.inputs import context
 from dtk.plan.layout import chunk, zero1_owner
-from dtk.plan.memory import Job, device_bytes, precision_for, scheme_config
 from dtk.plan.plan import make_plan
-from dtk.plan.search import Search, searched
 from dtk.plan.shape import builtin_shape, whatif_shape
 
 BASE = dataclasses.asdict(SchemeConfig())
@@ -123,7 +123,7 @@ def test_plan_command_prints_the_budget_as_json_without_torch(tmp_path):
     proc = dtk("-X", "importtime", "-m", "dtk.plan", "+scheme=fsdp", "tasks_per_node=2", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
-    assert "dtk.plan.memory" in imported  # importtime output is really there
+    assert "dtk.plan.cost.memory" in imported  # importtime output is really there
     assert not any(name == "torch" or name.startswith("torch.") for name in imported)
     out = json.loads(proc.stdout)
     for key in ("params", "min_devices", "min_nodes", "fits", "per_device_bytes", "recommended", "schemes"):

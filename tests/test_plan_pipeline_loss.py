@@ -1,5 +1,5 @@
 """The pipeline's last stage and receive buffers, budgeted per micro-batch in flight
-(dtk.plan.activations), as dtk.parallel.pipeline runs them since it computes the loss per
+(dtk.plan.cost.activations), as dtk.parallel.pipeline runs them since it computes the loss per
 micro-batch inside the schedule and frees each receive buffer after its backward
 (tests/test_pipeline_memory.py); the budget of the runtime before it is kept beside."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dtk.config.schema import SchemeConfig
-from dtk.plan.activations import (
+from dtk.plan.cost.activations import (
     LOSS_BYTES,
     LOSS_CHUNK_ELEMENTS,
     Dims,
@@ -19,8 +19,8 @@ from dtk.plan.activations import (
     logits_bytes,
     recv_buffer_bytes,
 )
+from dtk.plan.cost.memory import Job, precision_for, rank_bytes, scheme_config
 from dtk.plan.degrees import Degrees
-from dtk.plan.memory import Job, precision_for, rank_bytes, scheme_config
 from dtk.plan.shape import whatif_shape
 
 D = Dims(b=1, s=8192, h=16384, f=53248, heads=128, vocab=128256, a=2, tp=8, sp=True, fused_norm=True)

@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 
 from dtk.config.schema import SchemeConfig, TransformerConfig
-from dtk.plan.comm import fsdp_collectives, traffic
+from dtk.plan.cost.comm import fsdp_collectives, traffic
+from dtk.plan.cost.memory import Job, precision_for, rank_bytes
+from dtk.plan.cost.predict import comparable
 from dtk.plan.degrees import Degrees
 from dtk.plan.layout import rank_layout, reshards_after_forward
-from dtk.plan.memory import Job, precision_for, rank_bytes
-from dtk.plan.predict import comparable
 from dtk.plan.shape import builtin_shape
 
 SHAPE = builtin_shape(TransformerConfig(vocab_size=256, dim=64, num_layers=8, num_heads=4, seq_len=64))

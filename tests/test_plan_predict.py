@@ -1,4 +1,4 @@
-"""The plan held against a run (dtk.plan.predict, dtk.worker.memory): each rank's
+"""The plan held against a run (dtk.plan.cost.predict, dtk.worker.memory): each rank's
 prediction against its measurement, the `plan_mismatch` limit, and the one line an
 out-of-memory error stops the job with. Pure logic and one-process pieces; the real runs
 are in tests/test_spine.py (a 2-process run's summary.json) and tests/test_plan_oom.py."""
@@ -11,9 +11,8 @@ import torch
 
 from dtk.config.compose import compose
 from dtk.parallel.count import real_shape
-from dtk.plan.memory import RankBytes
-from dtk.plan.plan import make_plan
-from dtk.plan.predict import (
+from dtk.plan.cost.memory import RankBytes
+from dtk.plan.cost.predict import (
     MISMATCH,
     comparable,
     mismatch_event,
@@ -22,6 +21,7 @@ from dtk.plan.predict import (
     rank_record,
     summarize,
 )
+from dtk.plan.plan import make_plan
 from dtk.worker.memory import is_out_of_memory, measure_index
 
 SMALL = ["model.dim=64", "model.num_layers=2", "model.num_heads=4", "model.seq_len=32", "model.vocab_size=256",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_main
+from dtk.common.errors import UserError
 from dtk.config.compose import compose
-from dtk.errors import UserError
 from dtk.plan.plan import make_plan
 
 SCHEMES = sorted(p.stem for p in (REPO / "conf" / "scheme").glob("*.yaml"))

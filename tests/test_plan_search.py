@@ -1,4 +1,4 @@
-"""The searched recommendation (dtk.plan.search): what-if dimensions in every check, the
+"""The searched recommendation (dtk.plan.cost.search): what-if dimensions in every check, the
 70B case of issue 26, the memory line of a what-if without a shape, and a sweep in which
 every recommended command, typed, plans and fits. In-process and torch-free."""
 
@@ -9,14 +9,14 @@ import json
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
 from dtk.config.compose import compose
-from dtk.errors import UserError
-from dtk.plan.budget import estimate
-from dtk.plan.inputs import context
+from dtk.plan.cost.budget import estimate
+from dtk.plan.cost.inputs import context
+from dtk.plan.cost.report import chosen_variant, memory_plan
+from dtk.plan.cost.search import searched
+from dtk.plan.cost.steptime import hardware_of
 from dtk.plan.plan import make_plan
-from dtk.plan.report import chosen_variant, memory_plan
-from dtk.plan.search import searched
-from dtk.plan.steptime import hardware_of
 
 H100 = ["cluster=slurm", "cluster.accelerator=h100-80gb"]
 LLAMA_70B = ["plan.params=70e9", "plan.layers=80", "plan.hidden=8192", "plan.heads=64", "plan.seq_len=4096"]
@@ -124,7 +124,7 @@ def test_plan_json_has_the_recommendation_and_its_alternatives(tmp_path):
 
 
 def test_plan_md_records_the_recommendation_its_step_and_the_alternatives():
-    from dtk.plan.handout import why_section
+    from dtk.plan.cost.handout import why_section
 
     _, mp = planned(*H100, "nodes=8", *LLAMA_70B, "+scheme=fsdp", "scheme.activation_checkpoint=full")
     text = "\n".join(why_section(mp))
@@ -154,7 +154,7 @@ def test_the_search_names_the_axes_from_the_axis_table():
     only_axes = {Axis.dp_replicate.value, Axis.dp_shard.value}  # names no scheme file has
     axes = set(Axis.values())
     found = []
-    for where in ("dtk/plan/search.py", "dtk/plan/variants.py"):
+    for where in ("dtk/plan/cost/search.py", "dtk/plan/cost/variants.py"):
         for node in ast.walk(ast.parse((REPO / where).read_text())):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 named = {e.value for e in node.elts if isinstance(e, ast.Constant)}

@@ -1,4 +1,4 @@
-"""The step-time model (dtk.plan.steptime): dtk's own FLOP count, recompute, the exposed
+"""The step-time model (dtk.plan.cost.steptime): dtk's own FLOP count, recompute, the exposed
 share of each axis's traffic, the pipeline bubble, and where the link figures come from."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import json
 
 import pytest
 
+from dtk.common.errors import UserError
 from dtk.config.compose import compose
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import ClusterConfig, SchemeConfig
-from dtk.errors import UserError
 from dtk.plan.accelerators import ACCELERATORS, WIDTH_SHARES, gemm_width
-from dtk.plan.comm import traffic
+from dtk.plan.cost.comm import traffic
+from dtk.plan.cost.memory import Job, precision_for, scheme_config
+from dtk.plan.cost.steptime import Speeds, doctor_links, flops_per_token, hardware_of, step_time
 from dtk.plan.degrees import Degrees
-from dtk.plan.memory import Job, precision_for, scheme_config
 from dtk.plan.shape import builtin_shape, whatif_shape
-from dtk.plan.steptime import Speeds, doctor_links, flops_per_token, hardware_of, step_time
 
 BASE = dataclasses.asdict(SchemeConfig())
 H100 = ClusterConfig(accelerator="h100-80gb")

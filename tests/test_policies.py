@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
+from dtk.common.rundir import RunDir
 from dtk.data.loader import StepBatches
 from dtk.data.synthetic import SyntheticTokens
-from dtk.dist.mesh import ParallelMesh
 from dtk.driver.local import worker_env
+from dtk.mesh.mesh import ParallelMesh
 from dtk.models.transformer import build
-from dtk.rundir import RunDir
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.policies import AgreedStop, Heartbeat, ResumedEvent, StepPolicies, StopRequested
 from dtk.train.task import LmTask

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dtk.common.errors import UserError
 from dtk.config.choices import Dtype, MatmulPrecision
 from dtk.config.compose import compose
 from dtk.data.synthetic import SyntheticTokens
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
+from dtk.mesh.mesh import ParallelMesh
 from dtk.models.transformer import build
 from dtk.parallel.precision import autocast, matmul_precision, resolve_dtype
 from dtk.plan.plan import make_plan

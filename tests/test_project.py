@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
 from dtk.config.compose import compose, pop_config_dirs, search_path
-from dtk.errors import UserError
 from dtk.init import init
 from dtk.plan.plan import Plan, make_plan
 

@@ -55,10 +55,10 @@ def test_megatron_table_1_and_torchtitan_layouts_fit(rows):
 
 def test_each_recommendation_is_typed_and_fits(rows):
     from dtk.config.compose import compose
-    from dtk.plan.budget import estimate
-    from dtk.plan.inputs import context
+    from dtk.plan.cost.budget import estimate
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.report import chosen_variant
     from dtk.plan.plan import make_plan
-    from dtk.plan.report import chosen_variant
 
     for setup, row in zip(ps.SETUPS, rows, strict=True):
         base = [k for k in ps.base_keys(setup) if not k.startswith("nodes=")]

@@ -12,7 +12,7 @@ import pytest
 from test_memory_tier import kill_one_worker_between_snapshots
 
 from conftest import run_main
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

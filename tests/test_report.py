@@ -249,8 +249,8 @@ def test_the_phases_legend_is_beside_the_bars_not_over_them(tmp_path):
 
 
 def test_a_run_shorter_than_the_sampling_interval_has_one_system_sample(tmp_path):
+    from dtk.common.rundir import read_jsonl
     from dtk.report.numbers import system_load
-    from dtk.rundir import read_jsonl
     from dtk.train.system import SystemSampler
 
     path = tmp_path / "system.jsonl"

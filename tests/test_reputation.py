@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from conftest import run_main
+from dtk.common.rundir import RunDir
 from dtk.config.schema import ClusterConfig
 from dtk.driver.exclusions import add_exclusions, readmit
 from dtk.launch import reputation
-from dtk.rundir import RunDir
 
 
 def run_dir(root: Path, name: str, *, suspect_after: int | None = None) -> RunDir:
@@ -55,7 +55,7 @@ def test_watch_and_a_submission_see_the_same_suspects(tmp_path):
     from dtk.config.compose import compose
     from dtk.launch.sbatch import sbatch_text
     from dtk.plan.plan import make_plan
-    from dtk.start import submit_inputs
+    from dtk.submit.start import submit_inputs
 
     for name in ("a", "b"):
         add_exclusions(run_dir(tmp_path, name), ["node2"], job_id=name, reason="node(s) node2 left the job")

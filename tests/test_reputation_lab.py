@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from conftest import dtk
+from dtk.common.rundir import RunDir
 from dtk.driver.exclusions import add_exclusions
-from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

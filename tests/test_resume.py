@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

@@ -188,7 +188,7 @@ def test_each_release_is_a_commit_of_this_history_and_its_tag_agrees():
     import subprocess
 
     from conftest import REPO, require
-    from dtk.releases import RELEASES
+    from releases import RELEASES
 
     for tag, commit in RELEASES.items():
         found = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import REPO, dtk
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.launch.runlock import RunLock, read_holder
 
 HOLD = """

@@ -1,4 +1,4 @@
-"""Every name in a run directory is defined once, in dtk/rundir.py: a writer and its readers
+"""Every name in a run directory is defined once, in dtk/common/rundir.py: a writer and its readers
 (login node, driver, workers, report, benchmarks) cannot drift apart. Checked over dtk and
 benchmarks/ with `ast`, and on planted literals. The tests spell the names themselves on
 purpose: they hold the files on disk to what users and their tools read."""
@@ -16,18 +16,18 @@ ELSEWHERE = {
     ("dtk/data/hdf5.py", "manifest.json"): "a dataset folder's own manifest, not a checkpoint's",
     ("dtk/lab/files.py", "lock"): "the lab directory's lock, not a run's",
     # dtk/driver/ is being unified (one core for both backends) in a parallel change, which
-    # takes these from dtk.rundir; until it lands the driver keeps its own spelling.
+    # takes these from dtk.common.rundir; until it lands the driver keeps its own spelling.
     ("dtk/driver/supervisor.py", "plan.json"): "the driver's copy of the plan in a start's log folder",
-    ("dtk/driver/exclusions.py", "excluded_nodes.json"): "dtk.rundir.EXCLUDED_NODES, once the driver imports it",
-    ("dtk/driver/exclusions.py", "excluded_nodes.lock"): "dtk.rundir.EXCLUDED_NODES_LOCK, likewise",
-    ("dtk/driver/logs.py", "srun.log"): "dtk.rundir.SRUN_LOG, likewise",
-    ("dtk/driver/resize.py", "health"): "dtk.rundir.HEALTH_DIR, likewise",
+    ("dtk/driver/exclusions.py", "excluded_nodes.json"): "dtk.common.rundir.EXCLUDED_NODES, once the driver imports it",
+    ("dtk/driver/exclusions.py", "excluded_nodes.lock"): "dtk.common.rundir.EXCLUDED_NODES_LOCK, likewise",
+    ("dtk/driver/logs.py", "srun.log"): "dtk.common.rundir.SRUN_LOG, likewise",
+    ("dtk/driver/resize.py", "health"): "dtk.common.rundir.HEALTH_DIR, likewise",
 }
 
 
 def rundir_names() -> set[str]:
-    """The values of dtk/rundir.py's module-level string constants."""
-    tree = ast.parse((REPO / "dtk" / "rundir.py").read_text())
+    """The values of dtk/common/rundir.py's module-level string constants."""
+    tree = ast.parse((REPO / "dtk" / "common" / "rundir.py").read_text())
     return {
         node.value.value
         for node in tree.body
@@ -51,7 +51,7 @@ def restated_names(source: str, where: str, names: set[str]) -> list[str]:
         if (where, node.value) in ELSEWHERE:
             continue
         if id(node) in constants or id(node) in in_path or "." in node.value:
-            found.append(f"{where}:{node.lineno}: {node.value!r} is dtk.rundir's; import its constant")
+            found.append(f"{where}:{node.lineno}: {node.value!r} is dtk.common.rundir's; import its constant")
     return found
 
 
@@ -61,7 +61,7 @@ def test_run_directory_names_are_defined_once():
     found = []
     for path in sorted([*(REPO / "dtk").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]):
         where = str(path.relative_to(REPO))
-        if where != "dtk/rundir.py":
+        if where != "dtk/common/rundir.py":
             found += restated_names(path.read_text(), where, names)
     assert not found, "\n".join(found)
 

@@ -19,12 +19,12 @@ from conftest import require
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import writer_process
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.choices import AsyncMode
 from dtk.config.schema import CheckpointConfig
-from dtk.dist.mesh import ParallelMesh
-from dtk.drill_storage import break_storage, restore_storage
-from dtk.errors import UserError
-from dtk.rundir import RunDir
+from dtk.drill.storage import break_storage, restore_storage
+from dtk.mesh.mesh import ParallelMesh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -215,7 +215,7 @@ def test_a_remount_made_busy_by_a_file_open_for_writing_is_tried_again_until_it_
     bind mount for 0.5 s: the remount waits for its close, and the folder is read-only."""
     import threading
 
-    from dtk.drill_storage import _mount, _when_not_busy
+    from dtk.drill.storage import _mount, _when_not_busy
 
     folder = tmp_path / "ckpt"
     folder.mkdir()

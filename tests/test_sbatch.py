@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_main
+from dtk.common.errors import UserError
 from dtk.config.compose import compose
 from dtk.driver.supervisor import srun_command
-from dtk.errors import UserError
 from dtk.launch import slurmctl
 from dtk.launch.sbatch import make_executor, parse_extra, sbatch_text, submit_command, submitit_folder
 from dtk.plan.plan import make_plan

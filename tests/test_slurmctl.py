@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir, write_json_atomic
 from dtk.config.compose import compose
-from dtk.errors import UserError
 from dtk.launch.launch import follow
 from dtk.launch.slurmctl import RETRY_S, Runner, Slurm, SlurmUnavailable
 from dtk.plan.plan import make_plan
-from dtk.rundir import RunDir, write_json_atomic
-from dtk.status import collect, render
+from dtk.report.collect import collect
+from dtk.status import render
 from fake_slurm import SOCKET_TIMEOUT, FakeClock, FakeSlurm
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk
-from dtk.errors import UserError
+from dtk.common.errors import UserError
+from dtk.common.processes import driver_alive, process_identity, process_start
+from dtk.common.rundir import RunDir
 from dtk.launch.runlock import RunLock
-from dtk.rundir import RunDir, driver_alive, process_identity, process_start
 
 
 def _run(tmp_path: Path, started: dict) -> RunDir:

@@ -143,7 +143,7 @@ def test_a_resume_after_dtk_stop_is_named_a_stop_not_a_preemption():
 
 
 def test_the_memory_line_puts_the_largest_rank_beside_its_own_plan(tmp_path):
-    from dtk.plan.predict import summarize
+    from dtk.plan.cost.predict import summarize
 
     ranks = [{"rank": 0, "predicted_bytes": 900, "measured_bytes": 1000, "gap": 0.1111},
              {"rank": 1, "predicted_bytes": 2000, "measured_bytes": 800, "gap": -0.6}]

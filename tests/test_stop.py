@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dtk.data.synthetic import SyntheticTokens
-from dtk.dist.mesh import ParallelMesh
+from dtk.mesh.mesh import ParallelMesh
 from dtk.models.transformer import build
 from dtk.train.evaluate import Evaluator
 from dtk.train.loss import TokenCrossEntropy

@@ -33,10 +33,10 @@ from dtk.checkpoint.storage import (
     checkpoint_steps,
     open_storage,
 )
+from dtk.common.errors import UserError
+from dtk.common.rundir import MANIFEST, TRAINER_STATE, RunDir
 from dtk.config.schema import CheckpointConfig
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
-from dtk.rundir import MANIFEST, TRAINER_STATE, RunDir
+from dtk.mesh.mesh import ParallelMesh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dtk.common.rundir import RunDir
 from dtk.config.compose import compose
 from dtk.config.schema import Config
 from dtk.driver.decide import Action, Facts, Kind, Outcome, UserFault, classify, decide
@@ -23,7 +24,6 @@ from dtk.driver.record import record_failure
 from dtk.driver.supervisor import DriverFailed, Supervisor, drive
 from dtk.launch.slurmctl import RETRY_S, Slurm, SlurmUnavailable
 from dtk.plan.plan import make_plan
-from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from fake_slurm import FakeClock, FakeSlurm, Script
 

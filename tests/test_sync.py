@@ -195,7 +195,7 @@ def test_fragments_are_synchronized_in_turn_and_one_fragment_is_the_whole_model(
 
 
 def test_the_fragment_cut_takes_whole_tensors_and_refuses_more_fragments_than_tensors():
-    from dtk.errors import UserError
+    from dtk.common.errors import UserError
     from dtk.train.sync import fragments_of
 
     assert fragments_of([10, 10, 10, 10], 1) == [[0, 1, 2, 3]]

@@ -68,7 +68,7 @@ def _job(degrees, *, sync_every: int = 0, sync_bytes: int = 4, **scheme):
     import dataclasses
 
     from dtk.config.schema import SchemeConfig
-    from dtk.plan.memory import Job, precision_for, scheme_config
+    from dtk.plan.cost.memory import Job, precision_for, scheme_config
 
     s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), **scheme))
     return Job(s, degrees, micro_batch=1, num_micro=1, device="cuda", precision=precision_for(s, "cuda"),
@@ -78,10 +78,10 @@ def _job(degrees, *, sync_every: int = 0, sync_bytes: int = 4, **scheme):
 def test_the_planner_counts_the_replicas_exchange_of_each_mode():
     from dtk.config.convert import builtin_transformer
     from dtk.config.schema import ClusterConfig
-    from dtk.plan.comm import traffic
+    from dtk.plan.cost.comm import traffic
+    from dtk.plan.cost.steptime import hardware_of, step_time
     from dtk.plan.degrees import Degrees
     from dtk.plan.shape import builtin_shape
-    from dtk.plan.steptime import hardware_of, step_time
 
     model = compose(["model.dim=1024", "model.num_layers=4", "model.num_heads=8", "model.vocab_size=8192"]).model
     shape = builtin_shape(builtin_transformer(model))

@@ -21,9 +21,9 @@ import torch
 
 from conftest import REPO, dtk
 from dtk.checkpoint.export import load_model_state, synchronized
+from dtk.common.rundir import RunDir
 from dtk.models.transformer import build
 from dtk.parallel.compression import POWERSGD_WARMUP
-from dtk.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

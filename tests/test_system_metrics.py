@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dtk.rundir import read_jsonl
+from dtk.common.rundir import read_jsonl
 from dtk.train.system import Nvml, SystemSampler
 from dtk.train.tensorboard import TENSORBOARD_DIR, TensorBoardLog, scalars
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtk.common.errors import UserError
 from dtk.config.choices import TaskForm
 from dtk.config.compose import compose
 from dtk.config.identity import identity_hash
 from dtk.config.schema import TaskConfig
 from dtk.data.batch import batch_size, micro_batches
 from dtk.data.loader import StepBatches, build_splits
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
+from dtk.mesh.mesh import ParallelMesh
 from dtk.plan.plan import Plan, make_plan
 from dtk.train.evaluate import Evaluator
 from dtk.train.loss import TokenCrossEntropy

@@ -161,7 +161,7 @@ def test_axis_groups_match_the_device_mesh_grid():
     torch = pytest.importorskip("torch")
     from dtk.plan.degrees import Axis
 
-    assert MESH_ORDER == tuple(a.value for a in Axis)  # the grid dtk.dist.mesh builds
+    assert MESH_ORDER == tuple(a.value for a in Axis)  # the grid dtk.mesh.mesh builds
     degrees = {"dp_replicate": 2, "pp": 3, "dp_shard": 2, "cp": 2, "tp": 2}
     grid = torch.arange(48).view(*(degrees[a] for a in MESH_ORDER))
     for k, axis in enumerate(MESH_ORDER):

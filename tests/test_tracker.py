@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from conftest import run_main
+from dtk.common.rundir import TRACKER_STATE, append_jsonl
 from dtk.config.choices import TRACKER_MODULES, Tracker, chosen_trackers
-from dtk.rundir import TRACKER_STATE, append_jsonl
 from dtk.train.tracker import TrackerSink, new_steps, read_state
 from dtk.train.tracker_clients import flat_params
 

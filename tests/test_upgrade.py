@@ -1,7 +1,7 @@
 """Upgrade: a run started under the previous release, killed after a checkpoint, resumes under
 this code with the same command - same run directory, from its checkpoint, to the end.
 
-The previous release is built from the repository's own history (dtk/releases.py names its
+The previous release is built from the repository's own history (tests/releases.py names its
 commit; `git archive` of it into a temporary folder), and run as a user would run it.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dtk, require
+from dtk.common.rundir import RunDir
 from dtk.config.compose import compose
 from dtk.config.identity_v0 import v0_hash
-from dtk.releases import previous_release
-from dtk.rundir import RunDir
+from releases import previous_release
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

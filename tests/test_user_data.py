@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from dtk.common.errors import UserError
 from dtk.data.order import GlobalOrder, rank_share
 from dtk.data.user import build_user_splits, collate, fingerprint
-from dtk.errors import UserError
 
 
 class Items:

@@ -11,8 +11,8 @@ import pytest
 
 from dtk.config.choices import GradCompression, SyncMode
 from dtk.config.schema import SchemeConfig, SyncConfig, TransformerConfig
+from dtk.plan.cost.memory import Job, precision_for, rank_bytes, scheme_config
 from dtk.plan.degrees import Degrees
-from dtk.plan.memory import Job, precision_for, rank_bytes, scheme_config
 from dtk.plan.shape import builtin_shape
 from dtk.plan.sync import sync_state
 from tests.conftest import run_main
@@ -97,7 +97,7 @@ def test_an_hsdp_replica_keeps_its_shard_and_the_sync_copies_go_to_the_checkpoin
                                                                          outer_nesterov=False)))
     assert "sync_outer_momentum" not in no_momentum
     # streaming: a synchronization copies one fragment, the anchor and momentum stay whole
-    from dtk.plan.exchange import exchange_state
+    from dtk.plan.cost.exchange import exchange_state
     from dtk.plan.layout import rank_layout
 
     def copies(fragments: int) -> dict[str, int]:
@@ -188,10 +188,10 @@ def test_a_scheme_without_replicas_is_told_why_sync_is_not_offered(tmp_path):
 
 def test_plan_md_names_the_mode_and_the_advice(tmp_path):
     from dtk.config.compose import compose
-    from dtk.plan.handout import plan_markdown
-    from dtk.plan.inputs import context
+    from dtk.plan.cost.handout import plan_markdown
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.report import memory_plan
     from dtk.plan.plan import make_plan
-    from dtk.plan.report import memory_plan
 
     def markdown(*overrides: str) -> str:
         cfg = compose([*WEAK, *overrides])

@@ -94,7 +94,7 @@ def test_the_wheel_installs_as_files_outside_the_repository(installed):
     python, project = installed
     meta = ok(run(python, "-m", "pip", "show", DISTRIBUTION, cwd=project)).stdout
     assert f"Name: {DISTRIBUTION}" in meta and "site-packages" in meta
-    where = ok(run(python, "-c", "import dtk.resources as r, dtk; print(dtk.__file__); print(r.conf_dir())", cwd=project))
+    where = ok(run(python, "-c", "import dtk.common.resources as r, dtk; print(dtk.__file__); print(r.conf_dir())", cwd=project))
     module, conf = where.stdout.split()
     assert "site-packages" in module and not module.startswith(str(REPO))
     assert Path(conf, "config.yaml").is_file() and not Path(conf).is_symlink()

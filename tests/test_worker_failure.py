@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.choices import DataKind
-from dtk.errors import UserError
-from dtk.rundir import RunDir
 from dtk.worker.failure import data_function_errors, exception_record, record_exception
 
 USER_PY = """\

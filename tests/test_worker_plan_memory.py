@@ -1,5 +1,5 @@
 """The planner's numbers reach the workers in the plan (plan.json's `memory`, made at
-submission by dtk.plan.gate.planned_memory) instead of each rank running the budget again:
+submission by dtk.plan.cost.gate.planned_memory) instead of each rank running the budget again:
 the worker's import path holds no budget module, and the figures a worker compares are the
 budget's for its rank."""
 
@@ -15,14 +15,14 @@ import torch
 
 from dtk.config.compose import compose
 from dtk.parallel.count import real_shape
-from dtk.plan.gate import check, planned_memory
+from dtk.plan.cost.gate import check, planned_memory
+from dtk.plan.cost.predict import comparable, figures, rank_prediction
 from dtk.plan.plan import Plan, make_plan
-from dtk.plan.predict import comparable, figures, rank_prediction
 from dtk.worker.memory import Prediction
 
-BUDGET = ("dtk.plan.budget", "dtk.plan.memory", "dtk.plan.predict", "dtk.plan.report", "dtk.plan.inputs",
-          "dtk.plan.steptime", "dtk.plan.comm", "dtk.plan.search", "dtk.plan.variants", "dtk.plan.sync",
-          "dtk.plan.activations", "dtk.plan.gate", "dtk.launch.sbatch")
+BUDGET = ("dtk.plan.cost.budget", "dtk.plan.cost.memory", "dtk.plan.cost.predict", "dtk.plan.cost.report", "dtk.plan.cost.inputs",
+          "dtk.plan.cost.steptime", "dtk.plan.cost.comm", "dtk.plan.cost.search", "dtk.plan.cost.variants", "dtk.plan.sync",
+          "dtk.plan.cost.activations", "dtk.plan.cost.gate", "dtk.launch.sbatch")
 SMALL = ["model.dim=64", "model.num_layers=2", "model.num_heads=4", "model.seq_len=32", "model.vocab_size=256",
          "train.global_batch=8", "tasks_per_node=2", "dist.device=cpu"]
 

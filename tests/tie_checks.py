@@ -31,7 +31,7 @@ def train_tied(rank: int, world: int, overrides: list[str], steps: int, tied: tu
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from dtk.config.compose import compose
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.models.build import ParallelSpec, build_model, materialize
     from dtk.parallel.grad_norm import clip_grad_norm_
     from dtk.parallel.parallelize import parallelize
@@ -90,7 +90,7 @@ def train_tied_pp(rank: int, world: int, overrides: list[str], steps: int) -> di
     micro-batches) as dtk.train.trainer runs it: what each stage holds, the losses (last
     stage), the gradient norms and each stage's parameters after the steps."""
     from dtk.config.compose import compose
-    from dtk.dist.mesh import build_mesh
+    from dtk.mesh.mesh import build_mesh
     from dtk.models.build import ParallelSpec, build_model, materialize
     from dtk.parallel.grad_norm import clip_grad_norm_
     from dtk.parallel.parallelize import parallelize

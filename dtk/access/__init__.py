@@ -2,5 +2,5 @@
 the run root, Slurm's partitions refuse an outsider who bypasses dtk (docs/access.md).
 
 Stdlib (and omegaconf to read a policy file) only: this runs on the login node.
-May import config (the policy's schema) only.
+May import config (the policy's schema) only. text.py shows a policy (python -m dtk.access show, the handover's access.md).
 """

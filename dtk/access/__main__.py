@@ -13,31 +13,11 @@ import argparse
 import os
 from pathlib import Path
 
-from dtk import audit
 from dtk.access import layout
-from dtk.access.policy import ROLE_MAY, ROLES, enforced, group_members, load_policy, policy_file
-from dtk.config.access import AccessConfig
-from dtk.errors import ArgumentParser, UserError, run_cli
-
-
-def render(policy: AccessConfig) -> str:
-    """The policy as a team reads it: who holds each role today and what it may do."""
-    lines = [f"access policy {policy.name}"]
-    if not enforced(policy):
-        return lines[0] + ": open (no group is checked; run directories keep each user's umask)"
-    for role in ROLES:
-        group = getattr(policy, role).group
-        try:
-            members = ", ".join(sorted(group_members(group))) or "nobody"
-        except UserError:
-            members = "(the group does not exist on this machine)"
-        lines.append(f"  {role:<10}  group {group:<14}  may {ROLE_MAY[role]}")
-        lines.append(f"  {'':<10}  members: {members}")
-    slurm = [f"{key} {getattr(policy.submitter, key)}" for key in ("partition", "account", "qos")
-             if getattr(policy.submitter, key)]
-    if slurm:
-        lines.append(f"  submitters' jobs: {', '.join(slurm)}")
-    return "\n".join(lines)
+from dtk.access.policy import enforced, load_policy, policy_file
+from dtk.access.text import render
+from dtk.common import audit
+from dtk.common.errors import ArgumentParser, UserError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

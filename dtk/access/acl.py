@@ -13,7 +13,7 @@ import errno
 import os
 import struct
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 _VERSION = 2
 _USER_OBJ, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x04, 0x08, 0x10, 0x20

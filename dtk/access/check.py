@@ -9,8 +9,8 @@ from pathlib import Path
 
 from dtk.access import layout
 from dtk.access.policy import ROLES, User, enforced, load_policy, require_role, roles_of
+from dtk.common.errors import UserError
 from dtk.config.access import AccessConfig
-from dtk.errors import UserError
 
 SLURM_KEYS = ("partition", "account", "qos")
 

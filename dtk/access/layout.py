@@ -4,7 +4,7 @@
     TEAM/access.yaml      the policy it was prepared with (what `dtk.access show` prints)
     TEAM/runs/            the run root (run.root): group = maintainer, mode 3775, and an ACL
                           entry that lets the submitter group write it (setgid, sticky)
-    TEAM/runs/audit/      the audit log (dtk.audit): group = viewer, mode 3770, one file per entry
+    TEAM/runs/audit/      the audit log (dtk.common.audit): group = viewer, mode 3770, one file per entry
     TEAM/runs/audit.head  each entry's number and hash: group = viewer, 0660, append-only (chattr +a)
     TEAM/data/            datasets: group = maintainer, mode 2775
 
@@ -31,8 +31,8 @@ import stat
 from pathlib import Path
 
 from dtk.access import acl
+from dtk.common.errors import UserError
 from dtk.config.access import AccessConfig
-from dtk.errors import UserError
 
 UMASK = 0o002  # group-writable files and folders inside the run root (the group is the maintainers')
 TEAM_MODE = 0o2750

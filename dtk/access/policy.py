@@ -13,8 +13,8 @@ import pwd
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtk.common.errors import UserError
 from dtk.config.access import AccessConfig
-from dtk.errors import UserError
 
 ROLES = ("submitter", "viewer", "maintainer")
 ROLE_MAY = {

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.common.errors import ArgumentParser, UserError, run_cli
 
 EPILOG = """examples:
   python -m dtk.checkpoint list runs/transformer-1a2b3c4d5e
@@ -69,7 +69,7 @@ def human(n: float) -> str:
 def located(path: Path) -> tuple[Path, int | None]:
     """(the run directory, the one step asked for or None) from what a user typed: the run's
     folder, its checkpoints/ folder, or one step_NNNNNNNN folder in it."""
-    from dtk.rundir import CHECKPOINT_DIR_RE, CHECKPOINTS_DIR
+    from dtk.common.rundir import CHECKPOINT_DIR_RE, CHECKPOINTS_DIR
 
     m = CHECKPOINT_DIR_RE.match(path.name)
     if m and path.parent.name == CHECKPOINTS_DIR:
@@ -82,7 +82,7 @@ def located(path: Path) -> tuple[Path, int | None]:
 def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
     from dtk.checkpoint.manifest import list_checkpoints
     from dtk.checkpoint.storage import LocalStorage, checkpoints_of
-    from dtk.rundir import RunDir
+    from dtk.common.rundir import RunDir
 
     if not path.is_dir():
         raise UserError(f"RUN_DIR {path}: no such run directory")
@@ -128,8 +128,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "list":
         return list_command(args.run_dir, checksums=not args.no_checksums, as_json=args.json)
-    from dtk import audit
     from dtk.access.check import check_action
+    from dtk.common import audit
 
     args.run_dir, args.step = _run_and_step(args.run_dir, args.step)
     if args.command == "delete":

@@ -13,10 +13,10 @@ import os
 import shutil
 from pathlib import Path
 
-from dtk import audit
 from dtk.checkpoint.manifest import Listing, Rejected, list_checkpoints, verify
-from dtk.errors import UserError
-from dtk.rundir import RunDir
+from dtk.common import audit
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 
 
 def delete_checkpoint(run_dir: Path, *, step: int, force: bool = False) -> str:

@@ -33,10 +33,10 @@ from dtk.checkpoint.manifest import Rejected, verify
 from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
 from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_steps, checkpoints_of
+from dtk.common.errors import UserError, check_out
+from dtk.common.rundir import RunDir, write_json_atomic
 from dtk.config.convert import model_to_dict
-from dtk.errors import UserError, check_out
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir, write_json_atomic
 
 PREFIX = "model."
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.plan.plan import HF_TARGET
 
 FORMATS = ("torch", "safetensors", "hf")

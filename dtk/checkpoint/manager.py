@@ -16,10 +16,10 @@ from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
 from dtk.checkpoint.storage import LocalStorage, checkpoint_folder, checkpoint_steps, run_storage
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.schema import CheckpointConfig
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
-from dtk.rundir import RunDir
+from dtk.mesh.mesh import ParallelMesh
 
 LOAD_DELAY_ENV = "DTK_TEST_LOAD_DELAY_S"
 """Seconds each rank waits before loading a checkpoint at a start: for tests of a load that
@@ -73,7 +73,7 @@ class CheckpointManager:
         self._last_step: int | None = None  # the step of the newest save started by this process
         self._inflight: int | None = None  # the step of the save not yet known committed or failed
         self._rejected: set[int] = set()  # committed folders that failed verification on resume
-        # checkpoint.memory_every: the in-memory tier (dtk.checkpoint.memory_tier), built by the worker
+        # checkpoint.memory_every: the in-memory tier (dtk.checkpoint.memory.tier), built by the worker
         self.memory_every = checkpoint.memory_every
         self._resumed_once = False
         self._last_snapshot: int | None = None
@@ -179,7 +179,7 @@ class CheckpointManager:
         return 0
 
     def _restored(self, choice: Any, tiers: dict[int, str], seconds: float) -> int:
-        """The bookkeeping of a start from the memory tier (dtk.checkpoint.memory_tier)."""
+        """The bookkeeping of a start from the memory tier (dtk.checkpoint.memory.tier)."""
         step = choice.step
         # the snapshot's world size: every rank's own streams; another: fresh ones, as from disk
         self.rng_restored = choice.from_world == self.world_size

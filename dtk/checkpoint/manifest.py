@@ -34,7 +34,7 @@ from typing import Any
 
 from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_steps
 from dtk.checkpoint.trust import CHECKSUM, Rejected, check_metadata, storage_of
-from dtk.rundir import MANIFEST, RunDir, write_json_atomic
+from dtk.common.rundir import MANIFEST, RunDir, write_json_atomic
 
 FORMAT_VERSION = 1
 CHUNK = 8 << 20

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dtk.checkpoint.storage import Storage, checkpoint_steps
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 
 def doomed(found: list[tuple[int, Any, bool]], *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Any]:

@@ -1,6 +1,6 @@
 """Sharded checkpoints with torch.distributed.checkpoint, committed by a manifest.
 
-Layout of one checkpoint (see dtk.rundir):
+Layout of one checkpoint (see dtk.common.rundir):
 
     checkpoints/step_00000050/
         __0_0.distcp ...      DCP shards: model and optimizer, keys independent of the scheme
@@ -66,9 +66,9 @@ from dtk.checkpoint.hashing import HashingFsspecWriter, HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng_to
 from dtk.checkpoint.staging import stager
 from dtk.checkpoint.storage import FsspecStorage, LocalStorage, Storage
-from dtk.dist.groups import new_group
+from dtk.common.rundir import TRAINER_STATE
+from dtk.mesh.groups import new_group
 from dtk.models.ties import checkpoint_keys
-from dtk.rundir import TRAINER_STATE
 
 WRITE_THREADS = 1  # per rank; more did not write faster on the disks measured (docs/benchmarks.md)
 FORMAT_VERSION = mf.FORMAT_VERSION

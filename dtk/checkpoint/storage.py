@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from dtk.errors import UserError
-from dtk.rundir import CHECKPOINT_DIR_RE, MANIFEST, RunDir
+from dtk.common.errors import UserError
+from dtk.common.rundir import CHECKPOINT_DIR_RE, MANIFEST, RunDir
 
 SCHEMES = ("s3",)
 """URL schemes a checkpoint location may have besides a local path."""

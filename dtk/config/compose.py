@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.common.errors import UserError
+from dtk.common.resources import conf_dir
 from dtk.config.convert import explain
 from dtk.config.schema import Config
-from dtk.errors import UserError
-from dtk.resources import conf_dir
 
 CONFIG_NAME = "config"
 CONFIG_PATH_ENV = "DTK_CONFIG_PATH"

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from dtk.common.errors import UserError
 from dtk.config.choices import DataKind
 from dtk.config.hf_json import HF_TARGET, fill_vocab_size
 from dtk.config.schema import (
@@ -36,7 +37,6 @@ from dtk.config.schema import (
     TransformerConfig,
     UserDataConfig,
 )
-from dtk.errors import UserError
 
 PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelParallelConfig))
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 HF_TARGET = "dtk.models.hf.build"
 

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dtk.common.errors import UserError
 from dtk.config.compose import SearchPath
 from dtk.config.convert import to_dict
 from dtk.config.schema import Config
-from dtk.errors import UserError
 
 # Where a handed-over run lives is the receiving team's choice.
 LEFT_OUT = ("run.root",)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dtk.common.errors import ArgumentParser, run_cli
 from dtk.config.docs import Section, sections
-from dtk.errors import ArgumentParser, run_cli
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 COMMAND = "python -m dtk.config.reference --write"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dtk.common.errors import UserError
 from dtk.config.choices import SyncDtype, SyncMode
 from dtk.config.fields import IDENTITY
-from dtk.errors import UserError
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dtk.errors import ArgumentParser, run_cli
+from dtk.common.errors import ArgumentParser, run_cli
 
 EPILOG = """examples:
   python -m dtk.data prepare --input corpus.txt --out data/corpus      byte-level tokens

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 
 def as_torch(batch: Any) -> Any:

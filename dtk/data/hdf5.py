@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from dtk.common.errors import UserError
 from dtk.config.choices import DataKind
 from dtk.config.schema import ModelConfig
-from dtk.errors import UserError
 from dtk.plan.plan import check_eval_split
 
 MANIFEST = "manifest.json"

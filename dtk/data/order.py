@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 
 class GlobalOrder:

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from dtk.common.errors import UserError
 from dtk.data.hdf5 import FORMAT, MANIFEST, TOKENS, file_checksum
 from dtk.data.tokenize import check_tokenizer, tokenize
-from dtk.errors import UserError
 
 DTYPES = (np.uint8, np.uint16, np.uint32)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 VALIDATION_SAMPLES = 512
 

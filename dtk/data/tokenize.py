@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 BUILT_IN = ("bytes", "chars")
 TOKENIZER_JSON = "tokenizer.json"

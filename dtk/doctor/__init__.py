@@ -2,5 +2,5 @@
 
 __main__ (login node, no torch) composes the config and launches the job; worker.py is one
 rank of it; measure.py the collective measurements; report.py the verdict and the report.
-May import config, plan, topology, dist, worker (env), launch and driver (the exclusion file).
+May import config, plan, topology, mesh, worker (env), launch and driver (the exclusion file).
 """

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from dtk.common.errors import ArgumentParser, UserError, run_cli
 from dtk.config.compose import compose
-from dtk.errors import ArgumentParser, UserError, run_cli
 from dtk.launch.launch import check_run_root, read_exclude_file
 from dtk.plan.plan import DEFAULT_CPU_TASKS
 

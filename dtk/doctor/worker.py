@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtk.common.errors import ArgumentParser
 from dtk.config.choices import Backend, DeviceKind
-from dtk.dist.init import init_process_group, pick_device
 from dtk.doctor import measure
 from dtk.doctor.report import REPORT, RESULTS, analyze, exclude_text, render, slow_links
-from dtk.errors import ArgumentParser
+from dtk.mesh.init import init_process_group, pick_device
 from dtk.plan.degrees import Axis
 from dtk.topology.discover import discover
 from dtk.topology.start import decide, gather, publish

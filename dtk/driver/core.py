@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtk.common.rundir import HEARTBEAT, USER_CODE_ERROR, RunDir, remove_memory_store
 from dtk.config.schema import FaultConfig
 from dtk.driver.decide import Decision, Kind, Outcome, UserFault, decide
 from dtk.driver.record import last_completed_step, latest_checkpoint_step, read_user_fault
 from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
-from dtk.rundir import HEARTBEAT, USER_CODE_ERROR, RunDir, remove_memory_store
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ import sys
 import time
 from collections.abc import Iterator
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir, write_json_atomic
 from dtk.launch.nodenames import is_node_name, shown, split, warning
-from dtk.rundir import RunDir, write_json_atomic
 
 FILE = "excluded_nodes.json"
 LOCK = "excluded_nodes.lock"

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtk.common.processes import process_identity
+from dtk.common.rundir import FORKSERVER_LOG, LOGS_DIR, RunDir
 from dtk.driver.core import DriverCore
 from dtk.driver.decide import Decision, Kind, Outcome
 from dtk.driver.forkserver import ForkServer, ForkServerFailed
@@ -32,7 +34,6 @@ from dtk.driver.logs import error_line, last_line
 from dtk.driver.record import record_failure, record_stopped
 from dtk.launch.slurmctl import Clock
 from dtk.plan.plan import Plan
-from dtk.rundir import FORKSERVER_LOG, LOGS_DIR, RunDir, process_identity
 from dtk.worker.codes import EXIT_CONFIG, EXIT_STOPPED
 from dtk.worker.env import driver_env, rank_env
 from dtk.worker.forkserver import die_with_parent

@@ -6,20 +6,8 @@ import json
 from collections import deque
 from typing import Any
 
+from dtk.common.rundir import WORKER_ERROR, RunDir, read_jsonl, read_progress, write_json_atomic
 from dtk.driver.decide import UserFault
-from dtk.rundir import PROGRESS, WORKER_ERROR, RunDir, read_jsonl, write_json_atomic
-
-
-def read_progress(run: RunDir) -> tuple[int, int] | None:
-    """(start, last completed optimizer step) from rank 0's RUN_DIR/progress; None when
-    no start wrote one yet (or a run from an older dtk)."""
-    try:
-        words = (run.path / PROGRESS).read_text().split()
-    except FileNotFoundError:
-        return None
-    if len(words) != 2 or not all(w.isdigit() for w in words):
-        return None
-    return int(words[0]), int(words[1])
 
 
 def _own_progress(run: RunDir, events: list[dict[str, Any]]) -> int | None:

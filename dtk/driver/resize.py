@@ -6,7 +6,7 @@ import copy
 from pathlib import Path
 from typing import Protocol
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.plan.plan import Plan, make_plan
 
 

@@ -22,14 +22,14 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from dtk import audit
+from dtk.common import audit
+from dtk.common.rundir import RunDir
 from dtk.launch import reputation
 from dtk.launch.nodenames import split, warning
 from dtk.launch.runlock import RunLock
 from dtk.launch.sbatch import SubmitInputs, make_executor
 from dtk.launch.slurmctl import Slurm, parse_kv_line
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir
 
 KEPT_ENV = ("SLURM_CONF",)
 """SLURM_* variables the new job may inherit from this one's environment (sbatch exports

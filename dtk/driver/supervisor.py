@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from dtk.common.rundir import RunDir
 from dtk.driver.core import DriverCore
 from dtk.driver.decide import Decision, Facts, Outcome, classify
 from dtk.driver.exclusions import add_exclusions, read_exclusions
@@ -34,7 +35,6 @@ from dtk.driver.timeleft import TimeLeft
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
 from dtk.plan.binding import gpu_step_flags
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir
 from dtk.worker.codes import EXIT_STOPPED
 from dtk.worker.env import ENV_TABLES, driver_env
 
@@ -313,8 +313,8 @@ class Supervisor(DriverCore):
         """Put the job back in the queue, its ExcNodeList set to the run's exclusions as
         they are now plus cluster.exclude_from (and only those: a node given back meanwhile
         may be allocated again)."""
-        from dtk import audit
-        from dtk.errors import UserError
+        from dtk.common import audit
+        from dtk.common.errors import UserError
         from dtk.launch.launch import read_exclude_file
 
         try:

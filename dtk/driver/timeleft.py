@@ -46,7 +46,7 @@ def storage_throughput(folder: Path) -> float | None:
 def planned_checkpoint_bytes(plan) -> int | None:
     """The planner's checkpoint size; None when the model cannot be counted here."""
     try:
-        from dtk.plan.gate import budget_of
+        from dtk.plan.cost.gate import budget_of
 
         return budget_of(plan.config, plan).checkpoint_bytes
     except Exception:  # the estimate is a fallback: any failure means "not known"

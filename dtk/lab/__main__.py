@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from dtk.errors import ArgumentParser, run_cli
+from dtk.common.errors import ArgumentParser, run_cli
 from dtk.lab import access as lab_access
 from dtk.lab import cluster, files, netns, session
 from dtk.lab.daemons import DaemonError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from dtk.rundir import process_start, same_start
+from dtk.common.processes import process_start, same_start
 
 
 class DaemonError(RuntimeError):
@@ -33,7 +33,7 @@ class Daemon:
     create_time: float
     """Seconds since the epoch, for people; `start` is what identifies the process."""
     start: str = ""
-    """dtk.rundir.process_start: fixed for the process's life (empty in an older record)."""
+    """dtk.common.processes.process_start: fixed for the process's life (empty in an older record)."""
 
     @classmethod
     def of(cls, label: str, proc: psutil.Process) -> Daemon:

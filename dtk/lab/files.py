@@ -14,8 +14,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtk.common.resources import templates_dir
 from dtk.lab.gres import node_shape
-from dtk.resources import templates_dir
 
 TEMPLATE = templates_dir() / "slurm.conf.tmpl"
 

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.lab.files import SystemFiles
 
 PACKAGES = ("slurm-wlm", "munge")

@@ -1,5 +1,5 @@
 """launch: the checks before a run starts, its run directory, and following a Slurm job to its
-end; dtk.start (the one place that chooses how a run starts) calls them."""
+end; dtk.submit.start (the one place that chooses how a run starts) calls them."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import os
 import sys
 from pathlib import Path
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir, write_json_atomic
 from dtk.config.choices import TRACKER_MODULES, chosen_trackers
 from dtk.config.compose import to_yaml
 from dtk.config.schema import TrainConfig
-from dtk.errors import UserError
 from dtk.launch import nodenames, runlock
 from dtk.launch.progress import Progress
 from dtk.plan.plan import Plan
-from dtk.rundir import RunDir, write_json_atomic
 
 
 def worker_command(plan: Plan) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from dtk.rundir import EVAL_LOG
+from dtk.common.rundir import EVAL_LOG
 
 
 def fmt_eta(seconds: float) -> str:

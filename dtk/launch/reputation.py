@@ -5,7 +5,7 @@ runs exclude it (their `excluded_nodes.json`, dtk/driver/exclusions.py), countin
 run's exclusions that are still in force (not given back to that run) and that came after
 the node's last readmission to the root (`python -m dtk.nodes RUN_ROOT --readmit NODE`,
 kept in RUN_ROOT/READMITTED_NODES). A suspect node is left out of every new submission
-under the root (sbatch --exclude, dtk.start), and `python -m dtk.watch` raises
+under the root (sbatch --exclude, dtk.submit.start), and `python -m dtk.watch` raises
 `suspect_node` for it; both ask `suspects` below. k=0 turns the rule off.
 
 Anyone who may write the root may write a run's exclusions, so a name there is counted
@@ -25,8 +25,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from dtk.common.rundir import (
+    EVENTS,
+    EXCLUDED_NODES,
+    PLAN_JSON,
+    READMITTED_NODES,
+    READMITTED_NODES_LOCK,
+    write_json_atomic,
+)
 from dtk.launch.nodenames import is_node_name, shown
-from dtk.rundir import EVENTS, EXCLUDED_NODES, PLAN_JSON, READMITTED_NODES, READMITTED_NODES_LOCK, write_json_atomic
 
 DEFAULT_AFTER = 2
 """cluster.suspect_after's default (the schema's; tests/test_reputation.py holds them equal),

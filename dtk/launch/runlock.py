@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
-from dtk.rundir import RUN_LOCK
+from dtk.common.errors import UserError
+from dtk.common.rundir import RUN_LOCK
 
 LOCK = RUN_LOCK
 

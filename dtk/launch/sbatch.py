@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
+from dtk.common.resources import templates_dir
 from dtk.launch.nodenames import is_node_name, shown
 from dtk.plan.plan import Plan
-from dtk.resources import templates_dir
 
 SETUP_DIR = templates_dir() / "setup"
 # Seconds added to the measured save + step time when choosing the signal lead: slack for

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtk.errors import Unanswered, UserError
+from dtk.common.errors import Unanswered, UserError
 
 COMMAND_TIMEOUT_S = 30.0
 """One Slurm command that has not answered after this long counts as a failed attempt."""

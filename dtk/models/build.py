@@ -17,8 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dtk.common.errors import UserError
 from dtk.config.schema import ModelConfig
-from dtk.errors import UserError
 from dtk.models.ties import ELSEWHERE, retie, tied_groups
 
 

@@ -47,8 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtk.common.errors import UserError
 from dtk.config.schema import HfModelConfig
-from dtk.errors import UserError
 
 # transformers' tensor-parallel style names -> dtk's (dtk.parallel.tp). Others have no
 # equivalent here; a model using them needs model.tp_plan in its yaml.

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 ELSEWHERE = "dtk_tied_elsewhere"
 """Attribute of a pipeline stage module: {a name it holds: the first name of that tie, held

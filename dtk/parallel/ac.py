@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from dtk.common.errors import UserError
 from dtk.config.choices import ActivationCheckpoint
-from dtk.errors import UserError
 from dtk.parallel.units import wrap_units
 
 

@@ -16,9 +16,9 @@ import json
 import sys
 from typing import Any
 
+from dtk.common.errors import UserError
 from dtk.config.convert import model_config
 from dtk.config.schema import Config, ModelConfig
-from dtk.errors import UserError
 from dtk.plan.count_model import EXIT_USER_ERROR
 from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, shape_from_counted, tp_dim_for
 

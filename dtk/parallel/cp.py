@@ -18,7 +18,7 @@ embeds (learned positions, RoPE) are those of the full sequence (`CpLayout.posit
 The loss of a rank is the mean over its own tokens; every cp rank holds the same number
 of them, so the mean of the ranks' means is the mean over the whole sequence. The value a
 step reports is that mean (an all-reduce over cp); the gradient of each rank is the one of
-its own mean, and FSDP's average over dp_shard x cp (dtk.dist.mesh) makes it the gradient
+its own mean, and FSDP's average over dp_shard x cp (dtk.mesh.mesh) makes it the gradient
 of the whole sequence's mean.
 
 A model takes part by having an attribute `cp` (None) on its root and on each attention
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
+from dtk.common.errors import UserError
+from dtk.mesh.mesh import ParallelMesh
 from dtk.plan.degrees import Axis
 
 

@@ -1,6 +1,6 @@
 """Expert parallelism (scheme.ep) and the mixture of experts' place on the mesh (model=moe).
 
-The ep ranks are carved out of dp_shard x cp (dtk.dist.mesh.expert_mesh): ep consecutive
+The ep ranks are carved out of dp_shard x cp (dtk.mesh.mesh.expert_mesh): ep consecutive
 ranks of the flattened dp_shard x cp, each holding num_experts / ep of every block's experts
 (their stacked weights are DTensors sharded along the expert dimension over ep). Each rank
 routes its own tokens (dtk.models.moe), then
@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dtk.dist.mesh import EP_SHARD, ParallelMesh
+from dtk.mesh.mesh import EP_SHARD, ParallelMesh
 from dtk.models.moe import Experts, MoE
 from dtk.plan.degrees import Axis, CarvedAxis
 

@@ -17,7 +17,7 @@ Order, fixed; each step that changes the model is an `apply_*` of its own module
     4. compile              each block, in place (after AC, so the checkpoint is in the graph)
     4b. experts             MoE blocks count their routing over the step's ranks; with ep > 1
                             their experts split over ep, FSDP over the rest (dtk.parallel.ep)
-    5. FSDP                 shard each block over dp_shard (x cp: dtk.dist.mesh's dp_shard_cp;
+    5. FSDP                 shard each block over dp_shard (x cp: dtk.mesh.mesh's dp_shard_cp;
                             HSDP: replicate over dp_replicate),
                             with the dtypes of step 0 as its mixed-precision policy; with
                             pp > 1 kept gathered through the pipeline step unless
@@ -48,7 +48,7 @@ from torch import nn
 
 from dtk.config.choices import ActivationCheckpoint
 from dtk.config.schema import SchemeConfig
-from dtk.dist.mesh import ParallelMesh
+from dtk.mesh.mesh import ParallelMesh
 from dtk.models.build import ParallelSpec
 from dtk.models.ties import retie, tied_groups
 from dtk.parallel.pipeline import Pipeline, build_pipeline, split_model

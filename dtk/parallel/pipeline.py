@@ -38,8 +38,8 @@ from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor.parallel import loss_parallel
 
+from dtk.common.errors import UserError
 from dtk.config.choices import PipelineSchedule
-from dtk.errors import UserError
 from dtk.parallel.stage_ties import StageTie, mark_stage, stage_ties
 from dtk.parallel.units import pipeline_units
 from dtk.plan.layout import local_stage_ids

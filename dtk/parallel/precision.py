@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
+from dtk.common.errors import UserError
 from dtk.config.choices import Dtype, MatmulPrecision
-from dtk.errors import UserError
 
 DTYPES = {Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16}
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.models.ties import ELSEWHERE, tied_groups
 from dtk.plan.degrees import Axis
 

@@ -43,8 +43,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from dtk.common.errors import UserError
 from dtk.config.choices import TpStyle
-from dtk.errors import UserError
 from dtk.parallel.units import pattern_matches
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)

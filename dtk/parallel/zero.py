@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.plan.layout import zero1_owner
 
 BUCKET_BYTES = 32 << 20  # per broadcast: large enough to run at bandwidth, small enough to overlap

@@ -7,9 +7,9 @@ import argparse
 import json
 import os
 
+from dtk.common.errors import ArgumentParser, UserError, run_cli
 from dtk.config.compose import add_config_dir, compose, search_path
-from dtk.errors import ArgumentParser, UserError, run_cli
-from dtk.plan.inputs import visible_gpus
+from dtk.plan.cost.inputs import visible_gpus
 from dtk.plan.plan import make_plan
 
 DESCRIPTION = """Compose and check the configuration exactly as dtk.submit would, and print the plan:
@@ -53,14 +53,14 @@ def main(argv: list[str]) -> int:
     try:
         plan = make_plan(cfg, import_path=search.modules, local_gpus=gpus)
     except UserError as refused:
-        from dtk.plan.search import names_a_layout
+        from dtk.plan.cost.search import names_a_layout
 
         if names_a_layout(args.overrides) or not str(refused).startswith("train.global_batch="):
             raise
         return _search_without_layout(args, search, gpus, cfg, refused)
 
-    from dtk.plan.inputs import context
-    from dtk.plan.report import memory_plan
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.report import memory_plan
 
     budget = memory_plan(context(cfg, plan, config_dirs=search.config), plan)
     if args.json:
@@ -74,9 +74,9 @@ def _search_without_layout(args, search, gpus: int, cfg, refused: UserError) -> 
     """The job names no layout, and the default's data-parallel size does not split its
     batch: no reason to refuse. The search plans the job from a layout that splits it (the
     job as given is not planned) and prints its recommendation."""
-    from dtk.plan.inputs import context
-    from dtk.plan.report import memory_plan
-    from dtk.plan.search import stand_ins
+    from dtk.plan.cost.inputs import context
+    from dtk.plan.cost.report import memory_plan
+    from dtk.plan.cost.search import stand_ins
 
     world = cfg.nodes * cfg.tasks_per_node
     for layout in stand_ins(world, cfg.tasks_per_node, cfg.train.global_batch):

@@ -1,6 +1,6 @@
 """Accelerators dtk knows by name (`cluster.accelerator`): the one table of everything dtk
 knows about a part. Every other module reads it from here (the memory budget, the step
-time of dtk.plan.steptime, the MFU of dtk.train.flops, the names torch gives a device):
+time of dtk.plan.cost.steptime, the MFU of dtk.train.flops, the names torch gives a device):
 an accelerator's name is written in this module only.
 
 Memory is what the vendor states, read as decimal GB (1e9 bytes). HBM capacities are
@@ -21,7 +21,7 @@ node has). `host_gbps` is host <-> device copies (PCIe).
 
 Efficiency is the share of the dense peak that the matmuls of a large transformer's
 training step sustain at large GEMMs; narrower GEMMs run below it, by WIDTH_SHARES (the
-rate at a GEMM width over the widest's; dtk.plan.steptime multiplies them, unless the
+rate at a GEMM width over the widest's; dtk.plan.cost.steptime multiplies them, unless the
 user's own measurement, `cluster.matmul_rates`, replaces the curve). The width is the
 harmonic mean of a block's two matmul dimensions on a rank: the hidden size h and the
 tensor-parallel slice f / tp of the feed-forward width (`gemm_width`), so both a small
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 MEGATRON_RATES = ((3686, 137.0), (4096, 138.3), (5461, 140.9), (6827, 147.5), (8192, 158.8), (10923, 171.1),
                   (13653, 182.8), (17067, 183.1))

@@ -5,7 +5,7 @@ one place. Each raises UserError with one line naming the key, its value and wha
 The sections that depend on the mesh (the scheme, +sync, the task and the batch split) are
 checked once the degrees are resolved, with the `Layout` the plan is made of. The scheme's
 own rules are dtk.plan.degrees's (check_scheme); the memory a job needs is judged at
-submission (dtk.plan.gate), after the plan. No torch, and no budget on import: the workers
+submission (dtk.plan.cost.gate), after the plan. No torch, and no budget on import: the workers
 read plans without it (dtk.plan.sync is imported where +sync is checked)."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.common.errors import UserError
 from dtk.config.choices import ClusterKind, DataKind, Dtype
 from dtk.config.convert import builtin_transformer
 from dtk.config.fabric import PlanConfig
 from dtk.config.hf_json import HF_TARGET, check_hf_model
 from dtk.config.schema import CheckpointConfig, Config, FaultConfig, ModelConfig, OptimConfig
 from dtk.config.sync import check_fragments
-from dtk.errors import UserError
+from dtk.plan.cost.whatif import check_whatif, whatif_of
 from dtk.plan.degrees import WHATIF_TARGET, Degrees, check_cp_task, check_scheme, micro_batch_size, resolve_degrees
 from dtk.plan.parts import check_builtin_arguments
-from dtk.plan.whatif import check_whatif, whatif_of
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ PLAN_RANGES: dict[str, tuple[bool, str]] = {
 def check_plan(plan: PlanConfig) -> None:
     """The plan.* what-if keys against their ranges, before the budget computes with them: a
     negative byte count would make any model fit, an infinite count end in an overflow."""
-    from dtk.plan.budget import NODE_CANDIDATES
+    from dtk.plan.cost.budget import NODE_CANDIDATES
 
     if not plan.count_timeout_s > 0:
         raise UserError(f"plan.count_timeout_s={plan.count_timeout_s}: expected a positive number of seconds, like 60")
@@ -283,7 +283,7 @@ def check_plan(plan: PlanConfig) -> None:
         if not ok:
             raise UserError(f"plan.{key}={value}: expected {want.format(most=NODE_CANDIDATES[-1])}, or leave it unset")
     if plan.doctor is not None:
-        from dtk.plan.steptime import doctor_links
+        from dtk.plan.cost.steptime import doctor_links
 
         doctor_links(plan.doctor)  # a folder that is not the doctor's is an error on the CPU too
 

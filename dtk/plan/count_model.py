@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dtk.common.errors import UserError
 from dtk.config.convert import model_to_dict
 from dtk.config.schema import ModelConfig
-from dtk.errors import UserError
 from dtk.plan.shape import ModelShape, shape_from_counted
 
 EXIT_USER_ERROR = 2  # the subprocess found a mistake in the model's keys; its result file has the line

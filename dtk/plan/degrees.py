@@ -1,7 +1,7 @@
 """The mesh axes and their degrees: `dp_replicate x pp x dp_shard x cp x tp = world size`, one may be -1.
 
 `Axis` is the one list of axis names: the scheme's degree keys, the named DeviceMesh's
-dimensions (dtk/dist/mesh.py builds it in this order) and what the plan prints all come
+dimensions (dtk/mesh/mesh.py builds it in this order) and what the plan prints all come
 from it. Torch-free, so the login node checks the degrees before anything is queued.
 """
 
@@ -11,16 +11,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from dtk.common.errors import UserError
 from dtk.config.choices import Choice, DataParallel, PipelineSchedule
 from dtk.config.convert import builtin_transformer
 from dtk.config.hf_json import HF_TARGET
 from dtk.config.schema import ModelConfig, SchemeConfig, TransformerConfig
-from dtk.errors import UserError
 from dtk.plan.shape import ffn_hidden_size
 
 
 class Axis(Choice):
-    """Mesh axes in grid order, outermost first (dtk/dist/mesh.py draws the grid). Each is a
+    """Mesh axes in grid order, outermost first (dtk/mesh/mesh.py draws the grid). Each is a
     degree key of the scheme (`scheme.tp`) and a field of Degrees."""
 
     dp_replicate = "dp_replicate"
@@ -46,7 +46,7 @@ TRAFFIC: dict[Axis, tuple[str, str]] = {
 class CarvedAxis(Choice):
     """Axes carved out of grid axes (not a factor of the world size): their ranks are a
     block of consecutive ranks of the flattened parent axes, innermost first
-    (dtk/dist/mesh.py builds the carved mesh, dtk.plan.layout groups the ranks alike)."""
+    (dtk/mesh/mesh.py builds the carved mesh, dtk.plan.layout groups the ranks alike)."""
 
     ep = "ep"
 

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dtk.common.rundir import PLAN_JSON
 from dtk.config.identity import identity_hash
 from dtk.config.identity_v0 import v0_hash
-from dtk.rundir import PLAN_JSON
 
 
 def model_name(target: str) -> str:

@@ -11,7 +11,7 @@ the real tensors:
 4. ZeRO-1: whole tensors are owned by one data-parallel rank each, largest first to the
    least loaded rank (dtk.parallel.zero.partition), per pipeline part.
 
-Ranks are numbered as dtk.dist.mesh lays them out:
+Ranks are numbered as dtk.mesh.mesh lays them out:
 rank = (((dp_replicate_i * pp + pp_i) * dp_shard + dp_shard_i) * cp + cp_i) * tp + tp_i.
 """
 
@@ -33,7 +33,7 @@ Coords = Degrees
 
 
 def coords(rank: int, d: Degrees) -> Coords:
-    """The grid of dtk.dist.mesh: the innermost axis changes fastest with the rank."""
+    """The grid of dtk.mesh.mesh: the innermost axis changes fastest with the rank."""
     values = {}
     for axis in reversed(Axis):
         rank, values[axis.value] = divmod(rank, d.of(axis))
@@ -70,7 +70,7 @@ def axis_groups(d: Degrees, axis: str) -> list[list[int]]:
 
 def _carved_groups(d: Degrees, axis: CarvedAxis) -> list[list[int]]:
     """A carved axis's groups (expert parallelism): blocks of d.ep consecutive ranks of the
-    flattened parent axes (dp_shard x cp), as dtk.dist.mesh.expert_mesh lays them out."""
+    flattened parent axes (dp_shard x cp), as dtk.mesh.mesh.expert_mesh lays them out."""
     names = Axis.values()
     stride = math.prod(d.of(Axis(n)) for n in names[names.index(CARVED_FROM[axis][-1].value) + 1:])
     size, span = d.of(axis), d.parent(axis)
@@ -243,7 +243,7 @@ def _rank_layout(shape: ModelShape, d: Degrees, rank: int, split_points: tuple[s
         full = math.prod(local)
         numel = grad = full
         if fsdp and local:
-            # over dp_shard x cp, dp_shard outer (dtk.dist.mesh's flattened dp_shard_cp)
+            # over dp_shard x cp, dp_shard outer (dtk.mesh.mesh's flattened dp_shard_cp)
             numel = grad = chunk(local[0], d.dp_shard * d.cp, c.dp_shard * d.cp + c.cp) * math.prod(local[1:])
         elif t.embedding and t.tp_dim is not None and d.tp > 1:
             grad = t.numel  # the row-split embedding's gradient arrives whole on every rank
@@ -268,7 +268,7 @@ def tied_copy_numel(shape: ModelShape, scheme: SchemeConfig, d: Degrees, layout:
     weight once, under its first name (the token embedding, a tensor both `embedding` and
     `matmul`); under a pipeline the output head tied to it is on the last stage, another
     pipeline rank's, which holds, steps and all-reduces its own copy (dtk.parallel.stage_ties):
-    its parameters, gradient and optimizer state (dtk.plan.memory counts them). The head is
+    its parameters, gradient and optimizer state (dtk.plan.cost.memory counts them). The head is
     split over tp by the vocabulary and sharded by FSDP like the other weights."""
     if d.pp == 1 or layout.num_stages - 1 not in layout.stage_ids:
         return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+from dtk.common.errors import UserError
 from dtk.config.schema import ModelConfig
-from dtk.errors import UserError
 from dtk.plan.degrees import Degrees
 from dtk.plan.shape import ModelShape
 

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.choices import ClusterKind, DeviceKind
 from dtk.config.convert import from_dict, to_dict
 from dtk.config.hf_json import HF_TARGET as HF_TARGET  # dtk.checkpoint.formats reads it from here
 from dtk.config.schema import Config, SchemeConfig
-from dtk.errors import UserError
 from dtk.plan.checks import check_config
 from dtk.plan.degrees import Degrees
 from dtk.plan.identity import run_identity
-from dtk.rundir import RunDir
 
 DEFAULT_CPU_TASKS = 2  # workers per node when neither tasks_per_node nor GPUs say otherwise
 
@@ -48,7 +48,7 @@ class Plan:
     """The user's project folders: workers put them first on their import path (see SearchPath)."""
     memory: dict[str, Any] | None = None
     """Every rank's planned bytes (dtk.plan.planned_memory), added at submission by
-    dtk.plan.gate.planned_memory; the workers hold their measurement against them. None: a
+    dtk.plan.cost.gate.planned_memory; the workers hold their measurement against them. None: a
     plan not made by a submission (the driver's plan for other nodes, a test's)."""
 
     def to_json(self) -> str:
@@ -109,7 +109,7 @@ def make_plan(
     cfg: Config, *, cwd: str | Path | None = None, import_path: tuple[str | Path, ...] = (), local_gpus: int = 0
 ) -> Plan:
     """Validate the config and derive the plan. Raises UserError with the arithmetic.
-    `local_gpus`: the GPUs this machine shows (dtk.plan.inputs.visible_gpus), which the
+    `local_gpus`: the GPUs this machine shows (dtk.plan.cost.inputs.visible_gpus), which the
     local cluster starts one worker per by default."""
     nodes, tpn = cfg.nodes, cfg.tasks_per_node
     gpus, gpus_from = gpus_per_node(cfg, local_gpus)

@@ -1,7 +1,7 @@
 """Each rank's planned memory as the plan hands it to the workers (plan.json's `memory`), and
 how a worker holds its measurement against it. The figures are the budget's
-(dtk.plan.memory, made at submission by dtk.plan.gate.planned_memory); this module reads and
-compares them only, so a worker's import path holds no budget (dtk.plan.predict says what
+(dtk.plan.cost.memory, made at submission by dtk.plan.cost.gate.planned_memory); this module reads and
+compares them only, so a worker's import path holds no budget (dtk.plan.cost.predict says what
 each device's measurement sees).
 
 plan.json's `memory` is `{"error": why}` when no figures could be made, else
@@ -18,7 +18,7 @@ MISMATCH = 0.10
 
 FIGURES = ("params", "grads", "optimizer", "activations", "buffers", "margin", "total", "activations_saved",
            "gathered_kept")
-"""One rank's planned bytes by kind, as plan.json holds them (dtk.plan.memory.RankBytes's)."""
+"""One rank's planned bytes by kind, as plan.json holds them (dtk.plan.cost.memory.RankBytes's)."""
 
 
 def for_rank(memory: dict[str, Any] | None, *, rank: int, device: str, world: int, tasks_per_node: int,
@@ -41,7 +41,7 @@ def for_rank(memory: dict[str, Any] | None, *, rank: int, device: str, world: in
 
 
 def comparable(figures: dict[str, int], device: str) -> int:
-    """The part of a prediction that the device's measurement sees (dtk.plan.predict's module doc)."""
+    """The part of a prediction that the device's measurement sees (dtk.plan.cost.predict's module doc)."""
     states = figures["params"] + figures["grads"] + figures["optimizer"]
     if device == "cuda":
         return states + figures["activations"] + figures["buffers"]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from dtk.common.errors import UserError
 from dtk.config.convert import builtin_transformer
 from dtk.config.schema import ModelConfig, TransformerConfig
-from dtk.errors import UserError
 
 BUILTIN_TARGET = TransformerConfig._target_
 

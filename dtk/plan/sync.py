@@ -4,7 +4,7 @@ all-reduce (`scheme.grad_compression`, dtk/parallel/compression.py). Pure, torch
 mistake stops on the login node with one line.
 
 And the weak-link advice (`weak_link`): when the replicas' exchange takes at least
-EXCHANGE_DOMINATES of the job's predicted step (dtk.plan.steptime), the plan names the
+EXCHANGE_DOMINATES of the job's predicted step (dtk.plan.cost.steptime), the plan names the
 `sync.every` at which DiLoCo's exchange, spread over its steps, falls under EXCHANGE_TARGET
 of the step, and each compression DDP can take with the share it leaves. A job already
 under `+sync` gets its share, not the advice again.
@@ -17,14 +17,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dtk.common.errors import UserError
 from dtk.config.choices import DataParallel, GradCompression, SyncDtype, SyncMode
 from dtk.config.schema import SchemeConfig, SyncConfig
-from dtk.errors import UserError
+from dtk.plan.cost.memory import Job, device_bytes
+from dtk.plan.cost.steptime import Hardware, StepTime, step_time
 from dtk.plan.degrees import Degrees
 from dtk.plan.layout import uses_ddp
-from dtk.plan.memory import Job, device_bytes
 from dtk.plan.shape import ModelShape
-from dtk.plan.steptime import Hardware, StepTime, step_time
 
 EXCHANGE_DOMINATES = 0.5
 """Share of the predicted step the data-parallel exchange takes from which the plan advises exchanging less."""
@@ -105,7 +105,7 @@ def describe_sync(sync: SyncConfig | None, scheme: SchemeConfig) -> str:
 
 
 def sync_state(sync: SyncConfig | None) -> dict[str, Any]:
-    """What the memory budget reads of `+sync` (dtk.plan.budget.Context's fields): the mode
+    """What the memory budget reads of `+sync` (dtk.plan.cost.budget.Context's fields): the mode
     and diloco's outer momentum, which the synchronizer keeps a buffer for."""
     if sync is None:
         return {}

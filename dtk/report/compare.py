@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 
 DEFAULT_TOLERANCE = 1e-3
 """Relative loss difference below which two runs count as the same within numerical noise

@@ -8,9 +8,9 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from dtk.common.rundir import IDLE_PHASES, PHASES
 from dtk.report.goodput import account
 from dtk.report.runs import RunData
-from dtk.rundir import IDLE_PHASES, PHASES
 
 
 def _median(values: list[float]) -> float | None:

@@ -1,7 +1,7 @@
 """The plan held against the run: the step time and the memory per device that
 `python -m dtk.plan` predicts for this job, against what the run measured.
 
-- step time: dtk.plan.steptime's prediction for the job's own scheme at its size and its
+- step time: dtk.plan.cost.steptime's prediction for the job's own scheme at its size and its
   model (the built-in transformer from the run's config; the plan.* what-if keys are for
   planning and are not the model that ran), against the median `step_time_s` of
   metrics.jsonl. Predicted on a GPU of known peak only (cluster.accelerator or
@@ -12,7 +12,7 @@
   synchronizing one; the first period, which holds the start-up, left out when there are
   others), and the synchronizing step is shown apart.
 - memory: summary.json's `memory`, which every worker measured against its own rank's
-  prediction (dtk.plan.predict): the largest rank's figures.
+  prediction (dtk.plan.cost.predict): the largest rank's figures.
 
 A ratio is measured / predicted: above 1, the run was slower (or larger) than planned.
 """
@@ -22,18 +22,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.report.runs import RunData
 
 
 def _step(run: RunData, measured: float | None) -> dict[str, Any]:
     from dtk.config.convert import builtin_transformer
-    from dtk.plan.inputs import device_kind
+    from dtk.plan.cost.inputs import device_kind
+    from dtk.plan.cost.predict import real_context
+    from dtk.plan.cost.report import chosen_variant
+    from dtk.plan.cost.steptime import hardware_of, step_time
     from dtk.plan.plan import Plan
-    from dtk.plan.predict import real_context
-    from dtk.plan.report import chosen_variant
     from dtk.plan.shape import builtin_shape, is_builtin
-    from dtk.plan.steptime import hardware_of, step_time
 
     try:
         plan = Plan.from_json(json.dumps(run.plan))

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
+from dtk.common.rundir import PHASES
 from dtk.report.runs import RunData
-from dtk.rundir import PHASES
 
 GOODPUT_COLOURS = {
     "queue": "#999999", "startup": "#e6a23c", "checkpoint_load": "#b88230", "redone": "#d9534f",

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
-from dtk.rundir import EVAL_LOG, PLAN_JSON, SYSTEM_LOG, RunDir, read_jsonl
+from dtk.common.errors import UserError
+from dtk.common.rundir import EVAL_LOG, PLAN_JSON, SYSTEM_LOG, RunDir, read_jsonl
 
 
 @dataclass

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dtk.common.rundir import RunDir, read_jsonl, write_json_atomic
 from dtk.report.goodput import account
-from dtk.rundir import RunDir, read_jsonl, write_json_atomic
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtk.rundir import IDLE_PHASES, PHASES
+from dtk.common.rundir import IDLE_PHASES, PHASES
 
 
 def _s(seconds: float | None) -> str:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dtk.errors import ArgumentParser, UserError, run_cli
+from dtk.common.errors import ArgumentParser, UserError, run_cli
 from dtk.topology.choose import choose
 from dtk.topology.discover import discover
 from dtk.topology.layout import MESH_ORDER, plan_layout

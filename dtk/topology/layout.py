@@ -1,6 +1,6 @@
 """Where each mesh axis's traffic goes, from the job's nodes. Pure, no torch.
 
-The mesh (dtk.dist.mesh) lays ranks out as
+The mesh (dtk.mesh.mesh) lays ranks out as
 
     rank = arange(dp_replicate * pp * dp_shard * tp).view(dp_replicate, pp, dp_shard, tp)
 

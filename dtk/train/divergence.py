@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtk.common.rundir import write_json_atomic
 from dtk.data.order import data_step  # noqa: F401  (the order the skips make: re-exported)
-from dtk.rundir import write_json_atomic
 
 DATA_SKIPS = "data_skips.json"
 NAN_REQUEST = "nan_request.json"

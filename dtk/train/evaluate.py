@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtk.common.rundir import append_jsonl
 from dtk.data.batch import as_torch, micro_batches, to_device
 from dtk.data.order import rank_share
-from dtk.dist.mesh import ParallelMesh
+from dtk.mesh.mesh import ParallelMesh
 from dtk.parallel.precision import autocast
 from dtk.plan.plan import check_eval_split
-from dtk.rundir import append_jsonl
 from dtk.train.task import Task
 
 

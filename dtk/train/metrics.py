@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from dtk.dist.host import host_only
-from dtk.rundir import append_jsonl
+from dtk.common.rundir import append_jsonl
+from dtk.mesh.host import host_only
 from dtk.train.flops import achieved
 from dtk.train.straggler import Interval, idle_share
 

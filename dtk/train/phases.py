@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dtk.rundir import IDLE_PHASES, PHASES  # noqa: F401  (re-exported for the trainer)
+from dtk.common.rundir import IDLE_PHASES, PHASES  # noqa: F401  (re-exported for the trainer)
 
 LAPS = ("data", "forward", "backward", "sync", "optimizer", "comm", "checkpoint")
 """What one rank measures; the order of the gathered vectors."""

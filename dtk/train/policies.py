@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 
 if TYPE_CHECKING:  # both import this module
     from dtk.train.metrics import MetricsLog
@@ -177,7 +177,7 @@ class Heartbeat:
                 self.beat()
 
     def record_step(self, step: int) -> None:
-        """This start completed optimizer step `step` (read by dtk.driver.record.read_progress)."""
+        """This start completed optimizer step `step` (read by dtk.common.rundir.read_progress)."""
         if step == self.last_step:
             return
         self.last_step = step

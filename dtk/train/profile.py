@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtk.rundir import RunDir
+from dtk.common.rundir import RunDir
 from dtk.train.phases import PhaseTimer
 from dtk.train.straggler import Interval, combine
 

@@ -2,7 +2,7 @@
 rank reached the same verdict at the same step. The save in flight is settled; rank 0
 picks the newest committed checkpoint before the first bad step; the memory tier, if on,
 finishes its snapshot in flight and every node removes its snapshots newer than that step
-(the memory tier's generation goes up: dtk.checkpoint.memory_store); then rank 0 removes
+(the memory tier's generation goes up: dtk.checkpoint.memory.store); then rank 0 removes
 the newer disk checkpoints (they hold the abandoned steps: a later resume must not start
 from them), records the skipped data window in RUN_DIR/data_skips.json (which counts the
 generation for a later start) and writes `rolled_back`; then every rank loads that
@@ -20,8 +20,8 @@ import os
 import shutil
 from typing import Any
 
+from dtk.common.rundir import RunDir
 from dtk.config.schema import FaultConfig
-from dtk.rundir import RunDir
 from dtk.train.divergence import Diverged, DivergenceWatch, Rollback, diverged_line, read_skips, record_skip
 
 

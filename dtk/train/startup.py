@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from dtk.rundir import process_age
+from dtk.common.processes import process_age
 
 
 class StartupClock:

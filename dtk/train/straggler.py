@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from dtk.rundir import IDLE_PHASES, PHASES
+from dtk.common.rundir import IDLE_PHASES, PHASES
 from dtk.train.phases import LAPS
 
 _TOTAL = 0

@@ -50,12 +50,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir
 from dtk.config.choices import SyncDtype, SyncMode
 from dtk.config.schema import SyncConfig
-from dtk.dist.mesh import ParallelMesh
-from dtk.errors import UserError
+from dtk.mesh.mesh import ParallelMesh
 from dtk.plan.degrees import Axis
-from dtk.rundir import RunDir
 
 DTYPES = {SyncDtype.float32: torch.float32, SyncDtype.bfloat16: torch.bfloat16}
 """What diloco's all-reduce sends of each sync.dtype (tests/test_choices.py holds it to the Enum)."""

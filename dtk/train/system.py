@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from dtk.rundir import append_jsonl
+from dtk.common.rundir import append_jsonl
 
 _MB = 1e6
 _GIB = 2**30

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from dtk.common.errors import UserError
 from dtk.config.choices import TaskForm
 from dtk.config.schema import TaskConfig
 from dtk.data.batch import batch_size
-from dtk.errors import UserError
 from dtk.models.moe import aux_loss
 from dtk.parallel.cp import CpLayout
 from dtk.train.loss import Loss

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
-from dtk.rundir import TENSORBOARD_DIR
+from dtk.common.errors import UserError
+from dtk.common.rundir import TENSORBOARD_DIR
 
 SKIP = {"step", "time", "world_size", "restart", "batch_hash", "ranks"}
 

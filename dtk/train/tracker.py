@@ -5,7 +5,7 @@ logs it, so a slow or unreachable tracker costs the training thread (and the met
 writer thread) nothing. The clients themselves are in dtk/train/tracker_clients.py.
 
 One run for the run's whole life: the tracker run's id is kept in `<run dir>/tracker.json`
-(dtk.rundir.TRACKER_STATE) with the last step it holds, and every later start (relaunch,
+(dtk.common.rundir.TRACKER_STATE) with the last step it holds, and every later start (relaunch,
 requeue, shrink or grow, resubmission) logs to that run again.
 
 Each step once: a tracker's history keeps every value logged for a step (MLflow keeps a
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from dtk.rundir import write_json_atomic
+from dtk.common.rundir import write_json_atomic
 
 BACKOFF_S = (1.0, 60.0)  # first retry delay, doubling up to the cap
 DRAIN_S = 60.0  # the longest the end of the run waits for a tracker that works to take its buffer

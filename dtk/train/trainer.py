@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dtk.data.loader import StepBatches
-from dtk.dist.mesh import ParallelMesh
+from dtk.mesh.mesh import ParallelMesh
 from dtk.parallel.grad_norm import clip_grad_norm_
 from dtk.parallel.parallelize import Parallelized
 from dtk.parallel.precision import autocast

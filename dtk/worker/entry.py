@@ -24,7 +24,7 @@ def run(argv: list[str]) -> NoReturn:
 
     stop_flag()
 
-    from dtk.errors import UserError
+    from dtk.common.errors import UserError
     from dtk.worker.codes import EXIT_CONFIG
     from dtk.worker.main import main
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import TOPOLOGY_JSON, RunDir
 from dtk.config.choices import Backend, ClusterKind, DeviceKind
-from dtk.errors import UserError
 from dtk.plan.binding import gpu_step_flags
 from dtk.plan.plan import Plan
-from dtk.rundir import TOPOLOGY_JSON, RunDir
 from dtk.topology.choose import FabricChoice
 from dtk.topology.discover import discover
 from dtk.topology.nccl import check, parse_log, warn_lines

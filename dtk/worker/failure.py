@@ -3,7 +3,7 @@
 A bug in the user's code (a non-contiguous `view` in a loss) fails every start the same
 way: relaunching it only spends `fault.max_restarts` starts (a queue wait each on Slurm)
 before the error is shown. So a worker that dies of an exception writes what it died of
-to its start's log folder (RUN_DIR/logs/start_NN/error_rank_R.json, dtk.rundir's
+to its start's log folder (RUN_DIR/logs/start_NN/error_rank_R.json, dtk.common.rundir's
 WORKER_ERROR) before the traceback: the exception's type and message, and the innermost
 frame of the traceback outside dtk, torch, the standard library and installed packages:
 the user's file and line (none when every frame is theirs, as for a lost peer). The
@@ -29,9 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from dtk.common.errors import UserError
+from dtk.common.rundir import RunDir, write_json_atomic
 from dtk.config.choices import DataKind
-from dtk.errors import UserError
-from dtk.rundir import RunDir, write_json_atomic
 
 
 def _library_roots() -> tuple[str, ...]:

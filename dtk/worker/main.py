@@ -18,12 +18,12 @@ from typing import Any
 import torch.distributed as dist
 
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.common.errors import ArgumentParser, UserError
+from dtk.common.rundir import SYSTEM_LOG, RunDir
 from dtk.data.loader import StepBatches
-from dtk.dist.init import pick_device
-from dtk.errors import ArgumentParser, UserError
+from dtk.mesh.init import pick_device
 from dtk.plan.plan import Plan
 from dtk.report.summary import Finished, write_summary
-from dtk.rundir import SYSTEM_LOG, RunDir
 from dtk.train.divergence import Diverged, NanDrill, Rollback, read_skips
 from dtk.train.measure import StepMemory
 from dtk.train.policies import StepPolicies, StopRequested

@@ -1,4 +1,4 @@
-"""The plan against the worker's real memory (dtk.plan.predict says what is compared):
+"""The plan against the worker's real memory (dtk.plan.cost.predict says what is compared):
 each rank's planned bytes as plan.json hands them (dtk.plan.planned_memory), its measurement
 (dtk.train.measure.StepMemory), both gathered to rank 0 for summary.json, and the one
 line an out-of-memory error stops the job with."""
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtk.common.rundir import RunDir
 from dtk.plan.plan import Plan
 from dtk.plan.planned_memory import for_rank, mismatch_event, rank_record, summarize
-from dtk.rundir import RunDir
 from dtk.train.measure import StepMemory
 
 
@@ -77,7 +77,7 @@ def oom_error(plan: Plan, *, rank: int, device: torch.device) -> str:
     """The `error:` line's text for an out-of-memory error on this rank: the budget runs again
     here (only here, on the way out), for this device's real memory."""
     from dtk.parallel.count import real_shape
-    from dtk.plan.predict import describe_error, oom_line
+    from dtk.plan.cost.predict import describe_error, oom_line
 
     host = socket.gethostname()
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

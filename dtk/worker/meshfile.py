@@ -10,9 +10,9 @@ import socket
 
 import torch.distributed as dist
 
-from dtk.dist.mesh import ParallelMesh
+from dtk.common.rundir import MESH_FILE, RunDir, write_json_atomic
+from dtk.mesh.mesh import ParallelMesh
 from dtk.plan.degrees import Axis, CarvedAxis
-from dtk.rundir import MESH_FILE, RunDir, write_json_atomic
 from dtk.worker.env import WorkerEnv
 
 

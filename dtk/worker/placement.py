@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dtk.errors import UserError
+from dtk.common.errors import UserError
 from dtk.topology.parse import cpulist
 from dtk.topology.source import LiveSource, Source
 

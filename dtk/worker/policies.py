@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from dtk.checkpoint.manager import CheckpointManager
+from dtk.common.rundir import EVAL_LOG, TRACKER_STATE, RunDir
 from dtk.config.choices import Tracker, chosen_trackers
 from dtk.config.convert import to_dict
 from dtk.parallel.precision import resolve_dtype
 from dtk.plan.plan import Plan
-from dtk.rundir import EVAL_LOG, TRACKER_STATE, RunDir
 from dtk.train.evaluate import Evaluator
 from dtk.train.flops import flops_per_token, peak_tflops
 from dtk.train.metrics import MetricsLog

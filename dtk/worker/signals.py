@@ -19,7 +19,7 @@ import signal
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from dtk.dist.host import host_only
+from dtk.mesh.host import host_only
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -75,7 +75,7 @@ def vote_group() -> dist.ProcessGroup | None:
     """Collective (every rank at the same point): the host group the stop votes run on."""
     import torch.distributed as dist
 
-    from dtk.dist.groups import new_group
+    from dtk.mesh.groups import new_group
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None

@@ -12,19 +12,19 @@ from typing import Any
 import torch
 
 from dtk.checkpoint.manager import CheckpointManager
-from dtk.checkpoint.memory_root import sweep_host
-from dtk.checkpoint.memory_tier import MemoryTier
+from dtk.checkpoint.memory.root import sweep_host
+from dtk.checkpoint.memory.tier import MemoryTier
 from dtk.checkpoint.rng import keep_rank_state
+from dtk.common.rundir import DATA_SPLIT, HEARTBEAT, PROGRESS, RunDir, write_json_atomic
 from dtk.data.loader import build_splits
-from dtk.dist.init import init_process_group, pick_device
-from dtk.dist.mesh import ParallelMesh, build_mesh
+from dtk.mesh.init import init_process_group, pick_device
+from dtk.mesh.mesh import ParallelMesh, build_mesh
 from dtk.models.build import ParallelSpec, build_model, materialize
 from dtk.parallel.cp import CpLayout
 from dtk.parallel.parallelize import Parallelized, parallelize
 from dtk.parallel.precision import matmul_precision
 from dtk.plan.layout import uses_zero1, zero1_reduces_gradients
 from dtk.plan.plan import Plan
-from dtk.rundir import DATA_SPLIT, HEARTBEAT, PROGRESS, RunDir, write_json_atomic
 from dtk.train.divergence import read_skips
 from dtk.train.loss import TokenCrossEntropy
 from dtk.train.optim import SchedulerGroup, build_optimizer, build_scheduler, state_optimizer
@@ -159,7 +159,7 @@ def open_checkpoints(w: Worker, built: Built, heartbeat: Heartbeat) -> Checkpoin
     """The run's checkpoints of this rank's parts, with the memory tier when it is on."""
     plan, cfg, env, run = w.plan, w.plan.config, w.env, w.run
     if env.local_rank == 0 and not cfg.checkpoint.memory_every:  # the tier's own start sweeps when it is on
-        sweep_host(run.path)  # memory stores that ended runs left on this node (dtk.checkpoint.memory_root)
+        sweep_host(run.path)  # memory stores that ended runs left on this node (dtk.checkpoint.memory.root)
     return CheckpointManager(
         run,
         checkpoint=cfg.checkpoint,

@@ -1,3 +1,0 @@
-"""dist: device, process group and the one named mesh (ParallelMesh) every later stage is handed.
-May import config and plan (the axis table); no stage after it: the worker hands in its env
-(dtk.dist.init.WorkerRanks, which dtk.worker.env.WorkerEnv satisfies)."""
