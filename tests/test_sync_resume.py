@@ -44,8 +44,10 @@ CASES = {  # name -> overrides, the step to kill after
     "diloco_fsdp_inside": (["+sync=diloco", *SYNC, "+scheme=hsdp", "scheme.dp_replicate=2", "tasks_per_node=4"], 7),
     # two fragments: one synchronizes after each even step (0 at 4, 8, ...; 1 at 2, 6, ...), saves at odd ones
     "diloco_fragments": (["+sync=diloco", *SYNC, "sync.fragments=2", "tasks_per_node=2"], 7),
-    # PowerSGD compresses after its warm-up: killed after the save of step 15, its state is in use
-    "powersgd": (["+scheme=ddp", "scheme.grad_compression=powersgd", "train.steps=20", "tasks_per_node=2"], 16),
+    # PowerSGD compresses after its warm-up (10 steps here, the fewest: the learning rate warms up
+    # over 2): killed after the save of step 15, its state is in use
+    "powersgd": (["+scheme=ddp", "scheme.grad_compression=powersgd", "train.steps=20", "optim.warmup_steps=2",
+                  "tasks_per_node=2"], 16),
 }
 
 

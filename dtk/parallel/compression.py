@@ -6,8 +6,10 @@ own DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks):
               divided by the world size: half the bytes, no state
     powersgd  powerSGD_hook: each gradient matrix approximated by a rank-`powersgd_rank`
               product P Q^T, of which only P and Q are all-reduced; what the approximation
-              missed is added to the next step's gradient (error feedback). The first
-              POWERSGD_WARMUP steps all-reduce uncompressed (torch's start_powerSGD_iter).
+              missed is added to the next step's gradient (error feedback). The steps
+              until the learning rate's warm-up ends (optim.warmup_steps, at least
+              POWERSGD_WARMUP) all-reduce uncompressed (torch's start_powerSGD_iter: "no
+              less than the number of warm-up steps").
 
 PowerSGD's state (the iteration count, each bucket's error and warm-started Q, and the
 random stream that draws Q) differs from rank to rank; `state_tensors` and
@@ -38,7 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 from dtk.config.choices import GradCompression
 
 POWERSGD_WARMUP = 10
-"""Steps of uncompressed all-reduce before PowerSGD (torch's start_powerSGD_iter; >= 2 with error feedback)."""
+"""The fewest steps of uncompressed all-reduce before PowerSGD (torch's start_powerSGD_iter;
+>= 2 with error feedback); a longer learning-rate warm-up moves the start (`PowerSGD.start_after`)."""
 
 
 # The hooks below carry no annotations: DDP reads the `bucket` parameter's annotation and
@@ -84,6 +87,12 @@ class PowerSGD:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.layout: dict[int, list[int]] = {}  # bucket index -> parameter positions, as last met
         self.pending: dict[str, torch.Tensor] = {}  # restored pieces not yet laid into a bucket
+
+    def start_after(self, warmup_steps: int) -> None:
+        """Compress from the end of the learning rate's warm-up on (at least POWERSGD_WARMUP
+        steps): compressing the steps where the gradients change fastest costs the most loss
+        (docs/benchmarks.md, "Why PowerSGD loses loss here")."""
+        self.state.start_powerSGD_iter = max(POWERSGD_WARMUP, warmup_steps)
 
     def _bucket(self, params: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
         shapes = [self.params[p].shape for p in params]

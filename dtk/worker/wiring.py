@@ -134,6 +134,7 @@ def build(w: Worker) -> Built:
     )
     sync = synchronizer(cfg.sync, model=model.parts[0], mesh=mesh, total_steps=plan.steps)  # None: every step
     for i, comm in enumerate(model.comm_states):  # PowerSGD's error feedback: in each rank's own checkpoint file
+        comm.start_after(cfg.optim.warmup_steps)  # compressed once the learning rate's warm-up is over
         keep_rank_state(f"powersgd{i}", save=comm.state_tensors, restore=comm.load_state_tensors)
     ckpt_parts, ckpt_identity = checkpointed(
         sync, [(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)], mesh=mesh)
