@@ -158,3 +158,26 @@ def test_a_step_s_own_messages_reach_the_report_file_and_the_driver_log(tmp_path
         time.sleep(0.02)
     assert report.read_text() == "srun: error: node2: task 1: Killed\n"
     assert "srun: error: node2: task 1: Killed" in capfd.readouterr().err
+
+
+class _ShowJob:
+    """A runner whose `scontrol show job` prints one fixed line."""
+
+    def __init__(self, line: str) -> None:
+        self.line = line
+
+    def run(self, argv):
+        return subprocess.CompletedProcess(argv, 0, self.line + "\n", "")
+
+
+@pytest.mark.parametrize(("fields", "cut"), [
+    ("StartTime=2026-12-07T10:00:00 EndTime=2026-12-07T10:30:00 TimeLimit=00:30:00", False),  # its limit
+    ("StartTime=2026-12-07T10:00:00 EndTime=2026-12-07T10:05:00 TimeLimit=00:05:00", False),  # a limit cut by scontrol
+    ("StartTime=2026-12-07T10:00:00 EndTime=2026-12-07T10:02:10 TimeLimit=30:00", True),  # a preemption's grace time
+    ("StartTime=2026-12-07T10:00:00 EndTime=2026-12-08T09:00:00 TimeLimit=1-00:00:00", True),
+    ("StartTime=2026-12-07T10:00:00 EndTime=Unknown TimeLimit=UNLIMITED", False),
+    ("EndTime=2026-12-07T10:02:10", False),  # fields missing: not taken for a preemption
+])
+def test_a_job_ended_before_its_own_limit_is_cut_short(fields, cut):
+    slurm = Slurm(_ShowJob(f"JobId=7 JobState=RUNNING {fields}"), retry_s=0)
+    assert slurm.job_cut_short("7") is cut

@@ -272,9 +272,11 @@ class Supervisor(DriverCore):
             return
         t = self.time_left
         self.time_left = None
-        self.stop_reason = f"time limit in {t.left_s:.0f} s, a stop needs {t.need_s:.0f} s"
+        preempted = self.slurm.job_cut_short(self.job_id)  # ended before its limit: a preemption's grace time
+        ends = "preempted: Slurm ends the job" if preempted else "time limit"
+        self.stop_reason = f"{ends} in {t.left_s:.0f} s, a stop needs {t.need_s:.0f} s"
         self.run.event("time_limit_near", job_id=self.job_id, step=self.last_step(), left_s=round(t.left_s, 1),
-                       need_s=round(t.need_s, 1))
+                       need_s=round(t.need_s, 1), preempted=preempted)
         self.slurm.signal_steps(self.job_id, "USR2")
 
     def _grow_back(self, nodes: list[str]) -> None:

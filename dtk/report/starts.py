@@ -39,6 +39,8 @@ def _cause(before: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
     if "node_returned" in kinds:
         return f"node returned: {','.join(kinds['node_returned'].get('nodes') or [])}"
     if "time_limit_near" in kinds:
+        if kinds["time_limit_near"].get("preempted"):  # Slurm ended the job before its limit: a grace time
+            return "preempted (stopped by the driver within Slurm's grace time)"
         return "time limit (stopped by the driver before it)"
     if "stopped" in kinds:  # the workers' `preempted` on the stop's SIGTERM is no preemption
         return f"stopped ({kinds['stopped'].get('by') or '?'}), then submitted again"
