@@ -179,5 +179,7 @@ class _ShowJob:
     ("EndTime=2026-12-07T10:02:10", False),  # fields missing: not taken for a preemption
 ])
 def test_a_job_ended_before_its_own_limit_is_cut_short(fields, cut):
+    from dtk.driver.timeleft import cut_short
+
     slurm = Slurm(_ShowJob(f"JobId=7 JobState=RUNNING {fields}"), retry_s=0)
-    assert slurm.job_cut_short("7") is cut
+    assert cut_short(slurm, "7") is cut

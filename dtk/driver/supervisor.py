@@ -31,7 +31,7 @@ from dtk.driver.logs import SRUN_LOG, config_error_line, failure_cause
 from dtk.driver.record import record_failure, record_stopped
 from dtk.driver.resize import GrowWatch, fit_plan
 from dtk.driver.resubmit import preempted_cancels, resubmit, signal_lead_of
-from dtk.driver.timeleft import TimeLeft
+from dtk.driver.timeleft import TimeLeft, cut_short
 from dtk.launch.slurmctl import Slurm, SlurmUnavailable
 from dtk.plan.binding import gpu_step_flags
 from dtk.plan.plan import Plan
@@ -272,7 +272,7 @@ class Supervisor(DriverCore):
             return
         t = self.time_left
         self.time_left = None
-        preempted = self.slurm.job_cut_short(self.job_id)  # ended before its limit: a preemption's grace time
+        preempted = cut_short(self.slurm, self.job_id)  # ended before its limit: a preemption's grace time
         ends = "preempted: Slurm ends the job" if preempted else "time limit"
         self.stop_reason = f"{ends} in {t.left_s:.0f} s, a stop needs {t.need_s:.0f} s"
         self.run.event("time_limit_near", job_id=self.job_id, step=self.last_step(), left_s=round(t.left_s, 1),

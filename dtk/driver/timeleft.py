@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from dtk.launch.sbatch import SIGNAL_MARGIN_S
+from dtk.launch.slurmctl import parse_time_min
 
 TIME_POLL_S = 15.0
 """How often the driver asks Slurm for the job's end time."""
@@ -98,3 +99,16 @@ class TimeLeft:
         # Poll again before the moment comes, not up to TIME_POLL_S after it.
         self.next_poll = min(self.next_poll, now + max(1.0, self.left_s - need))
         return self.left_s <= need
+
+
+def cut_short(slurm, job_id: str) -> bool:
+    """Whether Slurm ends the job before its own time limit (EndTime earlier than StartTime
+    + TimeLimit): a preemption's grace time, not the limit. False where a field is missing."""
+    info = slurm.job_info(job_id) or {}
+    try:
+        start, end = (time.mktime(time.strptime(info.get(k, ""), "%Y-%m-%dT%H:%M:%S"))
+                      for k in ("StartTime", "EndTime"))
+        limit_min = parse_time_min(info.get("TimeLimit", ""))
+    except ValueError:
+        return False
+    return limit_min is not None and end < start + limit_min * 60 - 30

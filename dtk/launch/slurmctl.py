@@ -176,18 +176,6 @@ class Slurm:
         except ValueError:  # Unknown, or no such field
             return None
 
-    def job_cut_short(self, job_id: str) -> bool:
-        """Whether Slurm ends the job before its own time limit (EndTime earlier than StartTime
-        + TimeLimit): a preemption's grace time, not the limit. False where a field is missing."""
-        info = self.job_info(job_id) or {}
-        try:
-            start, end = (time.mktime(time.strptime(info.get(k, ""), "%Y-%m-%dT%H:%M:%S"))
-                          for k in ("StartTime", "EndTime"))
-        except ValueError:
-            return False
-        limit = _limit_s(info.get("TimeLimit", ""))
-        return limit is not None and end < start + limit - 30
-
     def expand_nodelist(self, nodelist: str) -> list[str]:
         """`node[1-3],gpu07` -> its host names (Slurm's own expansion: no slurmctld involved)."""
         proc = self.runner.run(["scontrol", "show", "hostnames", nodelist])
@@ -409,16 +397,3 @@ def job_state(job_id: str, *, retry_s: float = LOGIN_RETRY_S) -> str | None:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     return Slurm().expand_nodelist(nodelist)
-
-
-def _limit_s(text: str) -> float | None:
-    """Seconds of a Slurm TimeLimit (`D-HH:MM:SS`, `HH:MM:SS`, `MM:SS`); None for UNLIMITED or another form."""
-    days, _, clock = text.rpartition("-")
-    try:
-        parts = [int(p) for p in clock.split(":")]
-        if not 2 <= len(parts) <= 3:
-            return None
-        h, m, sec = ([0] * (3 - len(parts)) + parts)
-        return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + sec
-    except ValueError:
-        return None
