@@ -68,11 +68,12 @@ def _job(degrees, *, sync_every: int = 0, sync_bytes: int = 4, **scheme):
     import dataclasses
 
     from dtk.config.schema import SchemeConfig
+    from dtk.plan.cost.exchange import Exchange
     from dtk.plan.cost.memory import Job, precision_for, scheme_config
 
     s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), **scheme))
     return Job(s, degrees, micro_batch=1, num_micro=1, device="cuda", precision=precision_for(s, "cuda"),
-               sync_every=sync_every, sync_bytes=sync_bytes)
+               sync=Exchange(every=sync_every, element_bytes=sync_bytes))
 
 
 def test_the_planner_counts_the_replicas_exchange_of_each_mode():

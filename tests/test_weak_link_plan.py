@@ -11,10 +11,10 @@ import pytest
 
 from dtk.config.choices import GradCompression, SyncMode
 from dtk.config.schema import SchemeConfig, SyncConfig, TransformerConfig
+from dtk.plan.cost.exchange import Exchange
 from dtk.plan.cost.memory import Job, precision_for, rank_bytes, scheme_config
 from dtk.plan.degrees import Degrees
 from dtk.plan.shape import builtin_shape
-from dtk.plan.sync import sync_state
 from tests.conftest import run_main
 
 SMALL = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, seq_len=16)
@@ -24,7 +24,7 @@ SMALL = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, seq_len=16)
 def _job(degrees: Degrees, sync: SyncConfig | None = None, **scheme) -> Job:
     s = scheme_config(dict(dataclasses.asdict(SchemeConfig()), **scheme))
     return Job(s, degrees, micro_batch=1, num_micro=1, device="cpu", precision=precision_for(s, "cpu"),
-               sync_every=sync.every if sync else 0, **sync_state(sync))
+               sync=Exchange.of(sync))
 
 
 def _planned(job: Job) -> dict[str, int]:

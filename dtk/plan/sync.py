@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from dtk.common.errors import UserError
 from dtk.config.choices import DataParallel, GradCompression, SyncDtype, SyncMode
 from dtk.config.schema import SchemeConfig, SyncConfig
+from dtk.plan.cost.exchange import Exchange
 from dtk.plan.cost.memory import Job, device_bytes
 from dtk.plan.cost.steptime import Hardware, StepTime, step_time
 from dtk.plan.degrees import Degrees
@@ -104,16 +104,6 @@ def describe_sync(sync: SyncConfig | None, scheme: SchemeConfig) -> str:
             f" {sync.outer_lr} momentum {sync.outer_momentum}{nesterov}{sent}")
 
 
-def sync_state(sync: SyncConfig | None) -> dict[str, Any]:
-    """What the memory budget reads of `+sync` (dtk.plan.cost.budget.Context's fields): the mode
-    and diloco's outer momentum, which the synchronizer keeps a buffer for."""
-    if sync is None:
-        return {}
-    diloco = sync.mode == SyncMode.diloco
-    return {"sync_mode": str(sync.mode), "outer_momentum": sync.outer_momentum if diloco else 0.0,
-            "outer_nesterov": diloco and sync.outer_nesterov, "sync_fragments": sync.fragments}
-
-
 @dataclass(frozen=True)
 class Option:
     """One way to exchange less, at the job's size."""
@@ -173,7 +163,7 @@ def weak_link(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
     if t is None:
         return None
     advice = WeakLink(t, exchange_s(t), ())
-    if job.sync_every or advice.share < EXCHANGE_DOMINATES:
+    if job.sync.every or advice.share < EXCHANGE_DOMINATES:
         return advice
     base = device_bytes(shape, job).total
     options: list[Option] = []
@@ -204,8 +194,7 @@ def _diloco(job: Job, timed, base: int, total_bytes) -> Option:
     check_sync(SyncConfig(mode=SyncMode.diloco), scheme, job.degrees, memory_every=int(job.memory_snapshots))
 
     def at(every: int) -> Job:
-        sync = SyncConfig(mode=SyncMode.diloco, every=every)
-        return dataclasses.replace(job, scheme=scheme, sync_every=every, sync_bytes=4, **sync_state(sync))
+        return dataclasses.replace(job, scheme=scheme, sync=Exchange.of(SyncConfig(mode=SyncMode.diloco, every=every)))
 
     once = timed(at(1))  # the whole exchange in every step: per sync, the same seconds
     per_sync = once.axes["dp_replicate"] if "dp_replicate" in once.axes else 0.0  # what sync.every divides

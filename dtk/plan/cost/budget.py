@@ -12,6 +12,7 @@ from typing import Any
 
 from dtk.common.errors import UserError
 from dtk.config.schema import ModelConfig
+from dtk.plan.cost.exchange import Exchange
 from dtk.plan.cost.memory import Job, RankBytes, device_bytes, precision_for, scheme_config
 from dtk.plan.cost.variants import SCHEME_KEYS, Variant, checked_scheme, make_variant, standard_scheme
 from dtk.plan.cost.whatif import check_whatif
@@ -54,27 +55,15 @@ class Context:
     """The model check_scheme reads (the built-in transformer's numbers; a model without them otherwise)."""
     split_points: tuple[str, ...] = ()
     memory_snapshots: bool = False
-    sync_every: int = 0
-    """+sync's sync.every (0: every step): the replicas' traffic in the step time."""
-    sync_bytes: int = 4
-    """+sync: bytes per element the replicas all-reduce (sync.dtype)."""
-    sync_mode: str = ""
-    """+sync's mode, empty without (what the synchronizer keeps: dtk.plan.cost.exchange)."""
-    outer_momentum: float = 0.0
-    """+sync=diloco: sync.outer_momentum."""
-    outer_nesterov: bool = False
-    """+sync=diloco: sync.outer_nesterov."""
-    sync_fragments: int = 1
-    """+sync: sync.fragments."""
+    sync: Exchange = Exchange()
+    """How the replicas exchange (+sync; the default: every step)."""
 
     def job(self, v: Variant, **changes: Any) -> Job:
         scheme = scheme_config(dict(v.scheme, **changes))
         return Job(
             scheme=scheme, degrees=v.degrees, micro_batch=v.micro_batch, num_micro=v.num_micro, device=self.device,
             precision=precision_for(scheme, self.device, self.plan_keys), async_checkpoint=self.async_checkpoint,
-            split_points=self.split_points, memory_snapshots=self.memory_snapshots, sync_every=self.sync_every,
-            sync_bytes=self.sync_bytes, sync_mode=self.sync_mode, outer_momentum=self.outer_momentum,
-            outer_nesterov=self.outer_nesterov, sync_fragments=self.sync_fragments,
+            split_points=self.split_points, memory_snapshots=self.memory_snapshots, sync=self.sync,
         )
 
     def variant(self, key: str, scheme: dict[str, Any], nodes: int, tasks_per_node: int | None = None, *,

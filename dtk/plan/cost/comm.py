@@ -112,15 +112,16 @@ def traffic(shape: ModelShape, job: Job, tasks_per_node: int) -> list[AxisTraffi
         nbytes = _ring(d.dp_shard) * unsharded * (gathers * p.gathered_bytes + reduces * p.reduce_bytes)
         add("dp_shard", d.dp_shard, nbytes, what)
         shard = unsharded / d.dp_shard
-        if job.sync_every:
-            add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * job.sync_bytes / job.sync_every,
-                f"+sync: parameter all-reduce of the shards every {job.sync_every} steps")
+        if job.sync.every:
+            add("dp_replicate", d.dp_replicate,
+                2 * _ring(d.dp_replicate) * shard * job.sync.element_bytes / job.sync.every,
+                f"+sync: parameter all-reduce of the shards every {job.sync.every} steps")
         else:
             add("dp_replicate", d.dp_replicate, 2 * _ring(d.dp_replicate) * shard * p.reduce_bytes,
                 "HSDP gradient all-reduce of the shards, once per step")
-    elif d.dp > 1 and job.sync_every:
-        add("dp_replicate", d.dp, 2 * _ring(d.dp) * unsharded * job.sync_bytes / job.sync_every,
-            f"+sync: parameter all-reduce every {job.sync_every} steps")
+    elif d.dp > 1 and job.sync.every:
+        add("dp_replicate", d.dp, 2 * _ring(d.dp) * unsharded * job.sync.element_bytes / job.sync.every,
+            f"+sync: parameter all-reduce every {job.sync.every} steps")
     elif d.dp > 1:
         grads, what = compressed_gradients(layout.held, scheme, p.grad_bytes)
         nbytes = 2 * _ring(d.dp) * grads

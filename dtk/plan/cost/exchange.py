@@ -6,12 +6,43 @@ to a rank's buffers); pure arithmetic, no torch."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
-from dtk.config.choices import GradCompression
-from dtk.config.schema import SchemeConfig
+from dtk.config.choices import GradCompression, SyncDtype, SyncMode
+from dtk.config.schema import SchemeConfig, SyncConfig
 from dtk.plan.degrees import Degrees
 from dtk.plan.layout import RankLayout, uses_ddp
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How the replicas exchange under +sync, as the budget and the step time read it; the
+    default is every step (no +sync)."""
+
+    every: int = 0
+    """sync.every: the replicas all-reduce their parameters every this many steps instead of
+    their gradients every step (dtk.plan.cost.comm); 0: every step."""
+    element_bytes: int = 4
+    """Bytes per element of that all-reduce (2 with sync.dtype=bfloat16)."""
+    mode: str = ""
+    """`local_sgd` or `diloco`, empty without +sync: what the synchronizer keeps."""
+    outer_momentum: float = 0.0
+    """diloco: sync.outer_momentum (above 0 the outer SGD keeps a momentum buffer per parameter)."""
+    outer_nesterov: bool = False
+    """diloco: sync.outer_nesterov (its step makes one more temporary copy)."""
+    fragments: int = 1
+    """sync.fragments (a synchronization's copies are of one fragment)."""
+
+    @classmethod
+    def of(cls, sync: SyncConfig | None) -> Exchange:
+        """The exchange of a run's `sync` section (None: every step)."""
+        if sync is None:
+            return cls()
+        diloco = sync.mode == SyncMode.diloco
+        return cls(every=sync.every, element_bytes=2 if sync.dtype == SyncDtype.bfloat16 else 4,
+                   mode=str(sync.mode), outer_momentum=sync.outer_momentum if diloco else 0.0,
+                   outer_nesterov=diloco and sync.outer_nesterov, fragments=sync.fragments)
 
 
 class ExchangingJob(Protocol):
@@ -22,15 +53,7 @@ class ExchangingJob(Protocol):
     @property
     def degrees(self) -> Degrees: ...
     @property
-    def sync_bytes(self) -> int: ...
-    @property
-    def sync_mode(self) -> str: ...
-    @property
-    def outer_momentum(self) -> float: ...
-    @property
-    def outer_nesterov(self) -> bool: ...
-    @property
-    def sync_fragments(self) -> int: ...
+    def sync(self) -> Exchange: ...
 
 
 SYNC_KEYS = ("sync_anchor", "sync_outer_momentum", "sync_exchange")
@@ -69,18 +92,19 @@ def exchange_state(job: ExchangingJob, layout: RankLayout, *, freed: int, param_
     `powersgd_pq`, every compressed matrix's P and Q (kept between steps: warm start);
     `powersgd_bucket`, the hook's copy of a bucket and its new error (two buckets of
     scheme.bucket_cap_mb at most)."""
-    if job.sync_mode:
+    sync = job.sync
+    if sync.mode:
         local = sum(h.numel for h in layout.held)
         out = {"sync_anchor": round(local * param_bytes)}
-        if job.sync_mode == "diloco" and job.outer_momentum > 0:
+        if sync.mode == "diloco" and sync.outer_momentum > 0:
             out["sync_outer_momentum"] = out["sync_anchor"]
         # one fragment at a time: whole tensors, about 1/fragments of the elements (at most one tensor more)
         largest = max((h.numel for h in layout.held), default=0)
-        part = round(min(local, -(-local // job.sync_fragments) + (largest if job.sync_fragments > 1 else 0))
+        part = round(min(local, -(-local // sync.fragments) + (largest if sync.fragments > 1 else 0))
                      * param_bytes)
-        if job.sync_mode == "diloco":
-            sending = 2 * part + (part * job.sync_bytes // 4 if job.sync_bytes < 4 else 0)
-            transient = max(sending, (3 if job.outer_nesterov else 2) * part)
+        if sync.mode == "diloco":
+            sending = 2 * part + (part * sync.element_bytes // 4 if sync.element_bytes < 4 else 0)
+            transient = max(sending, (3 if sync.outer_nesterov else 2) * part)
         else:
             transient = part
         out["sync_exchange"] = max(0, transient - freed)

@@ -28,10 +28,10 @@ from dtk.config.compose import config_dir
 from dtk.config.schema import Config, ModelConfig
 from dtk.plan.accelerators import lookup
 from dtk.plan.cost.budget import Context
+from dtk.plan.cost.exchange import Exchange
 from dtk.plan.parts import check_parts
 from dtk.plan.plan import Plan
 from dtk.plan.shape import ModelShape, builtin_config, builtin_shape, is_builtin, whatif_shape
-from dtk.plan.sync import sync_state
 
 WHATIF_KEYS = ("params", "layers", "hidden", "seq_len", "heads", "vocab_size")
 
@@ -184,9 +184,7 @@ def context(cfg: Config, plan: Plan, shape: ModelShape | None = None,
         plan_keys=plan_keys(cfg),
         async_checkpoint=cfg.checkpoint.async_save,
         memory_snapshots=cfg.checkpoint.memory_every > 0,
-        sync_every=cfg.sync.every if cfg.sync is not None else 0,
-        sync_bytes=2 if cfg.sync is not None and cfg.sync.dtype == "bfloat16" else 4,
-        **sync_state(cfg.sync),
+        sync=Exchange.of(cfg.sync),
         # check_scheme reads the built-in transformer's numbers; any other model: none.
         model_checks=model if (is_builtin(model) and not whatif) else ModelConfig(_target_="(not checked)"),
         split_points=tuple(model.split_points) if not whatif else (),

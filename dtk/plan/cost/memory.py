@@ -44,7 +44,7 @@ from typing import Any
 
 from dtk.config.schema import SchemeConfig
 from dtk.plan.cost.activations import Activations, Dims, in_flight, rank_activations, recv_buffer_bytes
-from dtk.plan.cost.exchange import SYNC_KEYS, exchange_state
+from dtk.plan.cost.exchange import SYNC_KEYS, Exchange, exchange_state
 from dtk.plan.degrees import Degrees
 from dtk.plan.layout import (
     RankLayout,
@@ -140,18 +140,8 @@ class Job:
     memory_snapshots: bool = False
     """checkpoint.memory_every > 0: own shard and a partner's replica of params + optimizer, two steps kept, in host memory."""
     split_points: tuple[str, ...] = ()
-    sync_every: int = 0
-    """+sync: the replicas all-reduce their parameters every this many steps instead of their gradients every step (dtk.plan.cost.comm); 0: every step."""
-    sync_bytes: int = 4
-    """+sync: bytes per element of that all-reduce (2 with sync.dtype=bfloat16)."""
-    sync_mode: str = ""
-    """+sync's mode (`local_sgd`, `diloco`), empty without: what the synchronizer keeps (dtk.plan.cost.exchange)."""
-    outer_momentum: float = 0.0
-    """+sync=diloco: sync.outer_momentum (above 0 the outer SGD keeps a momentum buffer per parameter)."""
-    outer_nesterov: bool = False
-    """+sync=diloco: sync.outer_nesterov (its step makes one more temporary copy)."""
-    sync_fragments: int = 1
-    """+sync: sync.fragments (a synchronization's copies are of one fragment)."""
+    sync: Exchange = Exchange()
+    """How the replicas exchange (+sync; the default: every step)."""
 
 
 @dataclass

@@ -61,9 +61,9 @@ class MemoryPlan:
         momentum."""
         p = self.ctx.job(self.chosen.variant).precision
         one = round(self.ctx.shape.params * (p.param_bytes + p.optimizer_bytes))
-        if not self.ctx.sync_mode:
+        if not self.ctx.sync.mode:
             return one
-        kept = 2 if self.ctx.outer_momentum > 0 else 1
+        kept = 2 if self.ctx.sync.outer_momentum > 0 else 1
         return self.chosen.variant.degrees.dp_replicate * one + round(kept * self.ctx.shape.params * p.param_bytes)
 
     @property
@@ -265,8 +265,8 @@ def weak_link_lines(w: WeakLink, ctx: Context, room: int | None) -> list[str]:
     if not any(axis in w.step.axes for axis in DATA_AXES):
         return []  # no data-parallel exchange to speak of (one replica, no FSDP)
     share = f"exchange    data-parallel {w.share:.0%} of the predicted step ({w.exchange_s:.3g} s of {w.step.total_s:.3g} s)"
-    if ctx.sync_every:
-        return [f"{share} under +sync={ctx.sync_mode}, every {ctx.sync_every} steps"]
+    if ctx.sync.every:
+        return [f"{share} under +sync={ctx.sync.mode}, every {ctx.sync.every} steps"]
     advice = weak_link_advice(w, room)
     if not advice:
         return [f"{share}: under {EXCHANGE_DOMINATES:.0%}, no advice to exchange less"]

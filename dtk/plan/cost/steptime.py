@@ -191,7 +191,7 @@ def step_time(shape: ModelShape, job: Job, *, global_batch: int, tasks_per_node:
         seconds = a.bytes_per_step / (gbps * 1e9)
         if a.axis == "dp_shard":
             seconds = max(0.0, seconds - OVERLAP * compute)
-        elif a.axis == "dp_replicate" and not job.sync_every:  # +sync's exchange waits on nothing to hide behind
+        elif a.axis == "dp_replicate" and not job.sync.every:  # +sync's exchange waits on nothing to hide behind
             seconds = max(0.0, seconds - replicate_window)
         axes[a.axis] = seconds
     comm = sum(axes.values())
