@@ -99,32 +99,35 @@ def test_cp_matches_one_process(name, reference, runs):
         torch.testing.assert_close(final[key], ref[key], rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def _continue(source: Path, tmp_path: Path, *overrides: str) -> dict[int, float]:
-    """The source run's checkpoint of step 5 continued to step 10 under `overrides`."""
+def continue_run(source: Path, tmp_path: Path, job: list[str], at: int, *overrides: str) -> dict[int, float]:
+    """The source run (trained with `job`) continued from its checkpoint of step `at` to its
+    last step under `overrides` (the checkpoint of the last step removed): the losses after it."""
     run = tmp_path / "run"
     shutil.copytree(source, run)
-    shutil.rmtree(run / "checkpoints" / "step_00000010")
+    for later in (run / "checkpoints").glob("step_*"):
+        if int(later.name.split("_")[1]) > at:
+            shutil.rmtree(later)
     (run / "summary.json").unlink()
     before = len((run / "metrics.jsonl").read_text().splitlines())
-    proc = dtk("dtk.submit", *JOB, *overrides, f"run.root={tmp_path}", "run.name=run", cwd=tmp_path)
+    proc = dtk("dtk.submit", *job, *overrides, f"run.root={tmp_path}", "run.name=run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
               if e["event"] == "checkpoint_loaded"]
-    assert loaded and loaded[-1]["step"] == 5
+    assert loaded and loaded[-1]["step"] == at
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[before:]]
     return {r["step"]: r["loss"] for r in records}
 
 
 def test_a_cp_checkpoint_continues_without_cp(runs, tmp_path):
     source = runs("cp2_dp2")
-    continued = _continue(source, tmp_path, "tasks_per_node=2", "+scheme=fsdp")
+    continued = continue_run(source, tmp_path, JOB, 5, "tasks_per_node=2", "+scheme=fsdp")
     assert sorted(continued) == [6, 7, 8, 9, 10]
     for step, loss in continued.items():
         assert loss == pytest.approx(losses(source)[step], rel=LOSS_RTOL), f"step {step}"
 
 
 def test_a_checkpoint_without_cp_continues_under_cp(reference, tmp_path):
-    continued = _continue(reference, tmp_path, *CASES["cp2"])
+    continued = continue_run(reference, tmp_path, JOB, 5, *CASES["cp2"])
     assert sorted(continued) == [6, 7, 8, 9, 10]
     for step, loss in continued.items():
         assert loss == pytest.approx(losses(reference)[step], rel=LOSS_RTOL), f"step {step}"

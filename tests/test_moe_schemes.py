@@ -14,12 +14,11 @@ parameters after 8 steps within rtol 1e-5, atol 5e-5 (Adam turns a rounding diff
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from plan_md_check import assert_plan_md_matches_mesh
-from test_cp_schemes import validation
+from test_cp_schemes import continue_run, validation
 from test_schemes import assert_parameters_close, final_parameters
 
 from conftest import dtk, losses
@@ -89,22 +88,6 @@ def test_moe_matches_one_process(name, reference, runs):
     assert_parameters_close(final_parameters(run), final_parameters(reference), PARAM_ATOL)
 
 
-def _continue(source: Path, tmp_path: Path, *overrides: str) -> dict[int, float]:
-    """The source run's checkpoint of step 4 continued to step 8 under `overrides`."""
-    run = tmp_path / "run"
-    shutil.copytree(source, run)
-    shutil.rmtree(run / "checkpoints" / "step_00000008")
-    (run / "summary.json").unlink()
-    before = len((run / "metrics.jsonl").read_text().splitlines())
-    proc = dtk("dtk.submit", *JOB, *overrides, f"run.root={tmp_path}", "run.name=run", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
-              if e["event"] == "checkpoint_loaded"]
-    assert loaded and loaded[-1]["step"] == 4
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[before:]]
-    return {r["step"]: r["loss"] for r in records}
-
-
 def _layout_record(run: Path, step: int) -> dict:
     manifest = json.loads((run / "checkpoints" / f"step_{step:08d}" / "manifest.json").read_text())
     return manifest["mesh"]
@@ -113,10 +96,10 @@ def _layout_record(run: Path, step: int) -> dict:
 def test_an_ep_checkpoint_continues_without_ep_and_back(reference, runs, tmp_path):
     source = runs("ep2_dp2")
     assert _layout_record(source, 4)["ep"] == 2
-    continued = _continue(source, tmp_path / "to_ep1", "tasks_per_node=2", "+scheme=fsdp")
+    continued = continue_run(source, tmp_path / "to_ep1", JOB, 4, "tasks_per_node=2", "+scheme=fsdp")
     assert sorted(continued) == [5, 6, 7, 8]
     _close(continued, {s: v for s, v in losses(reference).items() if s > 4})
     assert _layout_record(tmp_path / "to_ep1" / "run", 8)["ep"] == 1
-    back = _continue(runs("moe_ddp"), tmp_path / "to_ep2", *CASES["ep2_dp4"])
+    back = continue_run(runs("moe_ddp"), tmp_path / "to_ep2", JOB, 4, *CASES["ep2_dp4"])
     assert sorted(back) == [5, 6, 7, 8]
     _close(back, {s: v for s, v in losses(reference).items() if s > 4})
