@@ -46,6 +46,20 @@ def test_the_405b_context_parallel_layout_at_131k_plans_as_overrides(tmp_path):
     assert out["fits"] is True
 
 
+def test_llama3_405b_long_context_layout_with_its_pipeline_plans_and_fits(tmp_path):
+    # Llama 3 405B, long-context pre-training (the Llama 3 paper, Table 4): 16,384 H100s as
+    # tp=8 x cp=16 x pp=16 x dp=8, 131,072-token sequences, 16 sequences per data-parallel rank
+    proc = run_main("dtk.plan", "cluster=slurm", "nodes=2048", "tasks_per_node=8", "cluster.accelerator=h100-80gb",
+                    "cluster.nics_per_node=8", "plan.layers=126", "plan.hidden=16384", "plan.heads=128",
+                    "plan.seq_len=131072", "plan.vocab_size=128256", "train.global_batch=128", "+scheme=hybrid",
+                    "scheme.tp=8", "scheme.cp=16", "scheme.pp=16", "scheme.dp_shard=8",
+                    "scheme.sequence_parallel=false", "scheme.activation_checkpoint=full", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["plan"]["degrees"] == {"dp_replicate": 1, "pp": 16, "dp_shard": 8, "cp": 16, "tp": 8, "ep": 1}
+    assert out["fits"] is True
+
+
 def test_the_search_tries_cp_only_for_long_sequences_and_ep_only_for_experts():
     short = builtin_shape(_transformer([]))
     assert _splits(short, 8) == []

@@ -256,7 +256,7 @@ def _check_tp(tp: int, model: TransformerConfig) -> None:
 
 def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, transformer: TransformerConfig | None) -> None:
     """Context parallelism as the runtime builds it (dtk.parallel.cp): the built-in transformer
-    or a Hugging Face model, under FSDP over dp_shard x cp, without a pipeline, compile or
+    or a Hugging Face model, under FSDP over dp_shard x cp (a pipeline too), without compile or
     sequence parallelism yet."""
     cp = degrees.cp
     if cp == 1:
@@ -279,8 +279,7 @@ def _check_cp(scheme: SchemeConfig, degrees: Degrees, model: ModelConfig, transf
             " the same samples and reduce their gradients with FSDP over dp_shard x cp; use"
             " scheme.data_parallel=fsdp"
         )
-    unsupported = {"scheme.pp": (degrees.pp > 1, f"{degrees.pp}", "scheme.pp=1"),
-                   "scheme.compile": (scheme.compile, "true", "scheme.compile=false"),
+    unsupported = {"scheme.compile": (scheme.compile, "true", "scheme.compile=false"),
                    "scheme.sequence_parallel": (scheme.sequence_parallel, "true", "scheme.sequence_parallel=false")}
     for key, (on, value, instead) in unsupported.items():
         if on:

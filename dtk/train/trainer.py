@@ -200,7 +200,10 @@ class Trainer:
         self.timer.lap("backward")  # the schedule interleaves forward and backward: one lap
         if not pipe.has_last_stage:
             return torch.zeros((), device=inputs.device)
-        return torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+        mean = torch.stack([local_value(loss.detach()).float() for loss in losses]).mean()
+        # Context parallel: each micro-batch's loss is the mean over this rank's slice of the
+        # sequence; every cp rank holds as many tokens, so the step's loss is the mean over cp.
+        return mean if self.task.cp is None else self.task.cp.mean(mean)
 
     def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
         # Pipeline: only the last stage has the loss; summing over stages gives it to all

@@ -275,7 +275,8 @@ class Search:
         self.bound.clear()
         layouts = _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
                            sequence_parallel=self.sequence_parallel)
-        for key, keys in layouts + split_layouts(tpn, nodes * tpn, self.max_tp, self.splits):
+        for key, keys in layouts + split_layouts(tpn, nodes * tpn, self.max_tp, self.splits,
+                                                  max_pp=min(self.blocks, MAX_PP)):
             pp = degrees_of(keys).pp
             for virtual in (1, 2) if pp > 1 and key != "zero_tp_pp" else (1,):  # ZeRO-1's runtime: 1F1B
                 if virtual == 2 and 2 * pp > self.blocks:

@@ -51,16 +51,22 @@ def splits(shape: ModelShape, tasks_per_node: int) -> list[dict[str, int]]:
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*options) if math.prod(combo) > 1]
 
 
-def split_layouts(tpn: int, world: int, max_tp: int, splits: list[dict[str, int]]) -> list[tuple[str, dict[str, Any]]]:
+def split_layouts(tpn: int, world: int, max_tp: int, splits: list[dict[str, int]], *,
+                  max_pp: int = 1) -> list[tuple[str, dict[str, Any]]]:
     """FSDP layouts with the searched split axes (`Search.splits`: cp, ep) beside tp, each
-    split and tp inside a node; without a pipeline (neither runs under one yet)."""
+    split and tp inside a node; cp also under a pipeline of up to `max_pp` stages (ep runs
+    without one)."""
     out: list[tuple[str, dict[str, Any]]] = []
     grid = set(Axis.values())
     for split in splits:
         used = math.prod(v for k, v in split.items() if k in grid)  # what the grid's split axes take of the world
         for tp in range(1, min(tpn, max_tp) + 1):
-            if tp & (tp - 1) == 0 and tpn % (tp * used) == 0 and world % (tp * used) == 0:
-                d = Degrees(dp_replicate=1, pp=1, dp_shard=world // (tp * used), tp=tp, **split)
+            if tp & (tp - 1) or tpn % (tp * used) or world % (tp * used):
+                continue
+            rest = world // (tp * used)
+            stages = [p for p in range(1, min(rest, max_pp) + 1) if rest % p == 0] if split.get("ep", 1) == 1 else [1]
+            for pp in stages:
+                d = Degrees(dp_replicate=1, pp=pp, dp_shard=rest // pp, tp=tp, **split)
                 out.append(("hybrid", {**{a.value: d.of(a) for a in DEGREE_AXES}, "sequence_parallel": False,
                                        "data_parallel": DataParallel.fsdp}))
     return out
