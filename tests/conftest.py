@@ -169,6 +169,57 @@ def lab():
         lab_support.lab_release()
 
 
+@contextlib.contextmanager
+def s3_server():
+    """moto's S3 server on a free port of 127.0.0.1 (reachable from the lab's nodes, which
+    share this host's network); yields the environment a client needs (set in this process
+    while it runs: the endpoint by AWS_ENDPOINT_URL_S3, any key and secret, as a user points
+    dtk at an S3-compatible store, and inherited by what it starts, a Slurm job too) and
+    stops the server at the end."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def new_bucket() -> str:
+    """A fresh bucket on the server the environment points at (`s3_server`)."""
+    import uuid
+
+    from dtk.common.storage import FsspecStorage, open_storage
+
+    name = f"dtk-{uuid.uuid4().hex[:12]}"
+    store = open_storage(f"s3://{name}")
+    assert isinstance(store, FsspecStorage)
+    store.fs.mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server for a test module's tests (`s3_server`)."""
+    with s3_server() as env:
+        yield env
+
+
 LAB_GROUP = "lab"
 GROUPS_KEY = "dtk_groups"  # the folder where each xdist worker writes the lab's test ids
 

@@ -1,4 +1,4 @@
-"""The checkpoint storage seam (dtk.checkpoint.storage) on both backends: local files and an
+"""The checkpoint storage seam (dtk.common.storage) on both backends: local files and an
 S3-compatible object store (moto's server, started on 127.0.0.1 by these tests). Each test
 runs the same checks on both: reads, writes, listing, deletion, the commit by a manifest
 written last, a save without its manifest never counting, a corrupt object refused by its
@@ -6,85 +6,42 @@ CRC, retention. Real saves and loads (DCP, the Saver), no mocks of the store."""
 
 from __future__ import annotations
 
+import json
 import os
-import socket
 import sys
-import uuid
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 from test_checkpoint import make_parts, params, train_step
 
-from conftest import run_main
+from conftest import new_bucket, run_main
 from dtk.checkpoint import load as loading
 from dtk.checkpoint import manifest as mf
 from dtk.checkpoint import sharded as ckpt
+from dtk.checkpoint.delete import delete_checkpoint
 from dtk.checkpoint.hashing import HashingFileSystem, HashingFsspecFileSystem
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import prune
-from dtk.checkpoint.storage import (
-    FsspecStorage,
+from dtk.common import storage as storage_module
+from dtk.common.errors import UserError
+from dtk.common.rundir import MANIFEST, TRAINER_STATE, RunDir
+from dtk.common.storage import (
     LocalStorage,
     Storage,
     check_location,
     checkpoint_folder,
     checkpoint_steps,
+    checkpoints_of,
+    committed_steps,
+    latest_committed_step,
     open_storage,
 )
-from dtk.common.errors import UserError
-from dtk.common.rundir import MANIFEST, TRAINER_STATE, RunDir
 from dtk.config.schema import CheckpointConfig
+from dtk.driver.record import latest_checkpoint_step, record_stopped
 from dtk.mesh.mesh import ParallelMesh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def s3_server() -> Iterator[dict[str, str]]:
-    """moto's S3 server on a free port of 127.0.0.1; yields the environment a client needs
-    (set in this process while it runs: the endpoint by AWS_ENDPOINT_URL_S3, any key and
-    secret, as a user points dtk at an S3-compatible store) and stops the server at the end."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
-
-def new_bucket() -> str:
-    """A fresh bucket on the server the environment points at."""
-    name = f"dtk-{uuid.uuid4().hex[:12]}"
-    store = open_storage(f"s3://{name}")
-    assert isinstance(store, FsspecStorage)
-    store.fs.mkdir(name)
-    return name
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as env:
-        yield env
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
@@ -270,11 +227,115 @@ def test_submit_refuses_a_bad_checkpoint_location_with_one_line_and_writes_nothi
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
-def test_a_slurm_job_with_checkpoints_in_an_object_store_is_refused_until_its_driver_reads_them():
-    check_location("s3://bucket/x", async_save=True, async_mode="thread", cluster_kind="local")
-    with pytest.raises(UserError, match="object store run on the local cluster only"):
-        check_location("s3://bucket/x", async_save=True, async_mode="thread", cluster_kind="slurm")
-    check_location("", async_save=True, async_mode="process", cluster_kind="slurm")  # the default: no check
+def test_a_slurm_job_may_checkpoint_to_an_object_store_and_its_script_carries_no_credential(tmp_path, monkeypatch):
+    """No refusal for a Slurm job any more (its driver reads the store: dtk.driver.record), and
+    the batch script neither names the AWS_* values nor limits what sbatch exports: the job
+    inherits them from the submitting shell (sbatch's default --export=ALL)."""
+    check_location("s3://bucket/x", async_save=True, async_mode="thread")
+    check_location("", async_save=True, async_mode="process")  # the default: no check
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-in-any-file-4711")
+    ran = run_main("dtk.submit", "cluster=slurm", "checkpoint.dir=s3://bucket/x", "submit.dry_run=true",
+                   f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    script = ran.stdout.split("would submit this sbatch script:\n\n", 1)[1]
+    assert "#SBATCH --nodes=" in script and "--export" not in script and "AWS_" not in script
+    assert "not-in-any-file-4711" not in ran.stdout + ran.stderr
+
+
+def make_run(root, url: str) -> tuple[RunDir, Storage]:
+    """A run directory whose plan.json records checkpoint.dir `url` (empty: RUN_DIR/checkpoints/),
+    and the store its checkpoints are in."""
+    run = RunDir(root / "runs" / "r1")
+    run.path.mkdir(parents=True)
+    run.plan_json.write_text(json.dumps({"steps": 10, "config_hash": "abc", "config": {"checkpoint": {"dir": url}}}))
+    return run, (open_storage(url).child(run.path.name) if url else LocalStorage(run.checkpoints))
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
+def run_store(request, tmp_path) -> tuple[RunDir, Storage]:
+    """A run with its checkpoints in RUN_DIR/checkpoints/, or in a prefix of moto's S3."""
+    if request.param == "local":
+        return make_run(tmp_path, "")
+    request.getfixturevalue("s3")
+    return make_run(tmp_path, f"s3://{new_bucket()}/team")
+
+
+def saved_run(run_store, steps=(1, 2)) -> tuple[RunDir, Storage]:
+    """Committed checkpoints of `steps` and a killed save of the step after (shards, no manifest)."""
+    run, store = run_store
+    model, optimizer, _ = make_parts(0)
+    for step in steps:
+        save(store, step, model, optimizer)
+    checkpoint_folder(store, steps[-1] + 1).write_bytes("__0_0.distcp", b"left by a killed save")
+    return run, store
+
+
+def test_every_lookup_of_a_runs_committed_steps_reads_where_its_checkpoint_dir_puts_them(run_store):
+    """The driver's (requeue, progress, stopped record), the listing and status read the run's
+    store; with an object store nothing is in RUN_DIR/checkpoints/ for a folder lookup to find."""
+    run, store = saved_run(run_store)
+    assert checkpoints_of(run).url == store.url
+    assert [(s, ok) for s, _, ok in checkpoint_steps(store)] == [(1, True), (2, True), (3, False)]
+    assert committed_steps(store) == [1, 2] and latest_committed_step(store) == 2
+    assert latest_checkpoint_step(run) == 2  # what the Slurm driver decides a requeue by
+    assert [(c.step, c.verified) for c in mf.list_checkpoints(run)] == [(1, True), (2, True), (3, False)]
+    assert record_stopped(run, by="test", restarts=0) == 2 and run.read_summary()["checkpoint"] == 2
+    if not isinstance(store, LocalStorage):
+        assert not run.checkpoints.exists() and run.latest_committed_step() is None
+    else:
+        assert run.committed_steps() == committed_steps(store)  # the local form lists the same way
+
+
+def test_a_retired_checkpoint_is_gone_and_one_cut_short_is_never_committed(run_store, monkeypatch):
+    run, store = saved_run(run_store, steps=(1, 2, 3))
+    checkpoint_folder(store, 3).retire("rolled-back")
+    assert committed_steps(store) == [1, 2] and checkpoint_folder(store, 3).files() == []
+
+    def cut_short(*args, **kwargs):
+        raise OSError("the connection dropped")
+
+    folder = checkpoint_folder(store, 2)
+    if isinstance(folder, LocalStorage):
+        monkeypatch.setattr(storage_module.shutil, "rmtree", cut_short)  # after the rename
+    else:
+        monkeypatch.setattr(folder.fs, "rm", cut_short)  # after the manifest's DELETE
+    with pytest.raises(OSError, match="dropped"):
+        folder.retire("deleting")
+    if not isinstance(folder, LocalStorage):
+        folder.retire("deleting", ignore_errors=True)  # the rest may stay: the commit is gone
+    monkeypatch.undo()
+    assert committed_steps(store) == [1]  # what is left never counts as a checkpoint
+    assert latest_checkpoint_step(run) == 1
+
+
+def test_the_delete_command_takes_a_checkpoint_from_the_runs_store(run_store):
+    run, store = saved_run(run_store)
+    with pytest.raises(UserError, match="--step 2 is the newest verified checkpoint"):
+        delete_checkpoint(run.path, step=2)
+    assert delete_checkpoint(run.path, step=1) == f"deleted checkpoint step 1 ({checkpoint_folder(store, 1)})"
+    assert committed_steps(store) == [2]
+    with pytest.raises(UserError, match=f"no checkpoint of that step in {store}"):
+        delete_checkpoint(run.path, step=1)
+
+
+def test_a_start_over_is_refused_where_the_runs_store_holds_committed_checkpoints(run_store):
+    run, _ = saved_run(run_store)
+    url = json.loads(run.plan_json.read_text())["config"]["checkpoint"]["dir"]
+    ran = run_main("dtk.submit", "checkpoint.resume=false", f"checkpoint.dir={url}", "train.steps=2",
+                   f"run.root={run.path.parent}", f"run.name={run.path.name}", cwd=run.path.parent)
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert ran.stderr.strip() == (f"error: checkpoint.resume=false: {run.path} holds committed checkpoints (step 1, 2)"
+                                  " that starting over would delete; use another run.name to start a new run, or"
+                                  " leave checkpoint.resume unset to continue this one")
+
+
+@pytest.mark.slow
+def test_the_storage_drill_refuses_a_run_in_an_object_store_with_one_line(s3, tmp_path):
+    run, _ = saved_run(make_run(tmp_path, f"s3://{new_bucket()}/team"))
+    ran = run_main("dtk.drill", "storage", str(run.path), "--hold", "1")
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    [line] = ran.stderr.strip().splitlines()
+    assert line.startswith("error: storage: the drill makes a local checkpoint folder read-only") and "s3://" in line
 
 
 def s3_manager(run: RunDir, url: str, parts, *, keep: int = 10):

@@ -11,10 +11,9 @@ import json
 import pytest
 import torch
 from test_resume import events, finish, kill_workers, launch, records, step_reached, wait_for
-from test_storage import new_bucket, s3_server
 
-from conftest import run_main
-from dtk.checkpoint.storage import checkpoint_steps, open_storage
+from conftest import new_bucket, run_main, s3_server
+from dtk.common.storage import checkpoint_steps, open_storage
 
 
 @pytest.mark.slow

@@ -81,8 +81,8 @@ def located(path: Path) -> tuple[Path, int | None]:
 
 def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
     from dtk.checkpoint.manifest import list_checkpoints
-    from dtk.checkpoint.storage import LocalStorage, checkpoints_of
     from dtk.common.rundir import RunDir
+    from dtk.common.storage import checkpoints_of
 
     if not path.is_dir():
         raise UserError(f"RUN_DIR {path}: no such run directory")
@@ -93,8 +93,7 @@ def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
                         f" {run.plan_json.name}); give a run's folder (runs/NAME), its {run.checkpoints.name}/ folder,"
                         " or one step folder in it")
     store = checkpoints_of(run)  # checkpoint.dir: the run's checkpoints/ folder, or an object store
-    where = run if isinstance(store, LocalStorage) else store
-    found = [c for c in list_checkpoints(where, checksums=checksums) if step is None or c.step == step]
+    found = [c for c in list_checkpoints(store, checksums=checksums) if step is None or c.step == step]
     if as_json:
         for c in found:
             m = c.manifest or {}

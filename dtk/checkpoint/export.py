@@ -32,9 +32,9 @@ from dtk.checkpoint.formats import FORMATS, size_of, write_file, write_hf
 from dtk.checkpoint.manifest import Rejected, verify
 from dtk.checkpoint.reading import HashingReader
 from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
-from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_steps, checkpoints_of
 from dtk.common.errors import UserError, check_out
 from dtk.common.rundir import RunDir, write_json_atomic
+from dtk.common.storage import Storage, checkpoint_steps, checkpoints_of, local_path
 from dtk.config.convert import model_to_dict
 from dtk.plan.plan import Plan
 
@@ -44,8 +44,7 @@ PREFIX = "model."
 def choose(run: RunDir, step: int | None) -> tuple[int, Path | Storage, dict[str, Any]]:
     """The newest checkpoint that verifies, or the one of `step` (which must verify)."""
     store = checkpoints_of(run)  # checkpoint.dir: the run's checkpoints/ folder, or an object store
-    found: list[tuple[int, Path | Storage]] = [
-        (s, p) for s, p, _ in (run.checkpoint_steps() if isinstance(store, LocalStorage) else checkpoint_steps(store))]
+    found = [(s, local_path(folder)) for s, folder, _ in checkpoint_steps(store)]  # local: read as files
     if not found:
         raise UserError(f"RUN_DIR {run.path}: no checkpoints in {store}")
     if step is not None:

@@ -293,7 +293,7 @@ class HashingFsspecFileSystem(FsspecFileSystem):
 
 
 class HashingFsspecWriter(FsspecWriter):
-    """`HashingWriter` for a folder of an object store (`dtk.checkpoint.storage.FsspecStorage`):
+    """`HashingWriter` for a folder of an object store (`dtk.common.storage.FsspecStorage`):
     the files are checksummed as they are uploaded. No fsync: an object exists once its
     upload completed."""
 

@@ -15,9 +15,9 @@ from dtk.checkpoint import load as loading
 from dtk.checkpoint import sharded as ckpt
 from dtk.checkpoint.manifest import Rejected
 from dtk.checkpoint.retention import prune
-from dtk.checkpoint.storage import LocalStorage, checkpoint_folder, checkpoint_steps, run_storage
 from dtk.common.errors import UserError
 from dtk.common.rundir import RunDir
+from dtk.common.storage import LocalStorage, checkpoint_folder, checkpoint_steps, run_storage
 from dtk.config.schema import CheckpointConfig
 from dtk.mesh.mesh import ParallelMesh
 

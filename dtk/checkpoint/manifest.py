@@ -17,7 +17,7 @@ The checksum is CRC-32 (zlib, in 8 MiB chunks): it runs at several GB/s on one c
 releases the GIL, and catches truncation and flipped bytes, which is what it is for
 (a checksum against disks and killed writers, not against an attacker).
 
-A folder is a `Path` or a `dtk.checkpoint.storage.Storage` (local files, or an object store
+A folder is a `Path` or a `dtk.common.storage.Storage` (local files, or an object store
 such as S3): the commit and every check read and write through it, the same on both.
 
 No torch here: `python -m dtk.checkpoint list` runs on a login node.
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_steps
 from dtk.checkpoint.trust import CHECKSUM, Rejected, check_metadata, storage_of
 from dtk.common.rundir import MANIFEST, RunDir, write_json_atomic
+from dtk.common.storage import LocalStorage, Storage, checkpoint_steps, checkpoints_of, local_path
 
 FORMAT_VERSION = 1
 CHUNK = 8 << 20
@@ -196,10 +196,12 @@ def folder_size(folder: Path | Storage) -> int:
 
 
 def list_checkpoints(run: RunDir | Storage, *, checksums: bool = True) -> list[Listing]:
-    """Every checkpoint folder of a run (or of a checkpoint store), oldest first, each verified."""
+    """Every checkpoint folder of a run (where its checkpoint.dir puts them: `checkpoints_of`)
+    or of a checkpoint store, oldest first, each verified. A local folder is listed as its Path."""
     out = []
-    found = run.checkpoint_steps() if isinstance(run, RunDir) else checkpoint_steps(run)
-    for step, path, committed in found:
+    store = checkpoints_of(run) if isinstance(run, RunDir) else run
+    for step, folder, committed in checkpoint_steps(store):
+        path = local_path(folder)
         manifest = None
         try:
             manifest = verify(path, checksums=checksums)

@@ -40,8 +40,8 @@ from torch.futures import Future
 
 from dtk.checkpoint.manifest import CHECKSUM, CHUNK, Rejected
 from dtk.checkpoint.safe import SafeLoadPlanner, SafeReader
-from dtk.checkpoint.storage import Storage
 from dtk.checkpoint.trust import METADATA, bytes_key_refusal
+from dtk.common.storage import Storage
 
 WHOLE_SHARE = 0.5  # read (and hash) a file whole when the rank needs at least this share of it
 

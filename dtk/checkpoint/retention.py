@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Iterable
 from typing import Any
 
-from dtk.checkpoint.storage import Storage, checkpoint_steps
 from dtk.common.rundir import RunDir
+from dtk.common.storage import Storage, checkpoint_steps, checkpoints_of
 
 
 def doomed(found: list[tuple[int, Any, bool]], *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Any]:
@@ -38,15 +37,12 @@ def doomed(found: list[tuple[int, Any, bool]], *, keep: int, current_step: int, 
     return out
 
 
-def prune(run: RunDir | Storage, *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Any]:
-    """Rank 0 only: delete what `doomed` names (in the run directory, or in a checkpoint
-    store: dtk.checkpoint.storage); returns the deleted folders."""
-    found = run.checkpoint_steps() if isinstance(run, RunDir) else checkpoint_steps(run)
-    paths = doomed(found, keep=keep, current_step=current_step, protect=protect)
-    for p in paths:
-        if isinstance(p, Storage):
-            with contextlib.suppress(OSError):
-                p.delete()
-        else:
-            shutil.rmtree(p, ignore_errors=True)
-    return paths
+def prune(run: RunDir | Storage, *, keep: int, current_step: int, protect: Iterable[int] = ()) -> list[Storage]:
+    """Rank 0 only: delete what `doomed` names in a checkpoint store (dtk.common.storage; a
+    run's: where its checkpoint.dir puts them); returns the deleted folders."""
+    store = checkpoints_of(run) if isinstance(run, RunDir) else run
+    folders: list[Storage] = doomed(checkpoint_steps(store), keep=keep, current_step=current_step, protect=protect)
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.delete()
+    return folders

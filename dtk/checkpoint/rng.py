@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dtk.checkpoint.storage import LocalStorage, Storage
+from dtk.common.storage import LocalStorage, Storage
 
 RankState = tuple[Callable[[], dict[str, torch.Tensor]], Callable[[dict[str, torch.Tensor]], None]]
 _KEPT: dict[str, RankState] = {}

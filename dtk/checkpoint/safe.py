@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dtk.checkpoint.manifest import Rejected
-from dtk.checkpoint.storage import LocalStorage, Storage
 from dtk.checkpoint.trust import METADATA, bytes_key_refusal, parse_metadata, read_checked
+from dtk.common.storage import LocalStorage, Storage
 
 PLAIN = (bool, int, float, str, type(None))
 

@@ -65,8 +65,8 @@ from dtk.checkpoint import writer_process
 from dtk.checkpoint.hashing import HashingFsspecWriter, HashingWriter
 from dtk.checkpoint.rng import rng_state, save_rng_to
 from dtk.checkpoint.staging import stager
-from dtk.checkpoint.storage import FsspecStorage, LocalStorage, Storage
 from dtk.common.rundir import TRAINER_STATE
+from dtk.common.storage import FsspecStorage, LocalStorage, Storage
 from dtk.mesh.groups import new_group
 from dtk.models.ties import checkpoint_keys
 

@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from dtk.checkpoint.storage import LocalStorage, Storage
+from dtk.common.storage import LocalStorage, Storage
 
 CHECKSUM = "crc32"
 METADATA = ".metadata"

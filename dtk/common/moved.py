@@ -27,6 +27,7 @@ MOVED: dict[str, str] = {
     "dtk.checkpoint.memory_root": "dtk.checkpoint.memory.root",
     "dtk.checkpoint.memory_store": "dtk.checkpoint.memory.store",
     "dtk.checkpoint.memory_tier": "dtk.checkpoint.memory.tier",
+    "dtk.checkpoint.storage": "dtk.common.storage",
     "dtk.dist": "dtk.mesh",
     "dtk.dist.groups": "dtk.mesh.groups",
     "dtk.dist.host": "dtk.mesh.host",

@@ -9,7 +9,8 @@
         events.jsonl      lifecycle events, appended by the driver and by rank 0
         heartbeat         touched by rank 0 as training progresses; the driver watches its mtime
         progress          rank 0: its start and last completed optimizer step, rewritten each step
-        checkpoints/step_NNNNNNNN/   complete only once manifest.json exists
+        checkpoints/step_NNNNNNNN/   complete only once manifest.json exists (with checkpoint.dir=s3://...,
+                                     in the object store instead: dtk.common.storage)
         logs/start_NN/rank_R.log     worker output per start
         summary.json      written at the end (finished, failed or stopped)
         tracker.json      rank 0: the id of the run's MLflow / W&B run and the last step logged to it
@@ -226,7 +227,9 @@ class RunDir:
         return {int(r["step"]): r for r in read_jsonl(self.metrics) if "step" in r}
 
     def checkpoint_steps(self) -> list[tuple[int, Path, bool]]:
-        """(step, folder, complete) for every checkpoint folder, oldest first."""
+        """(step, folder, complete) for every checkpoint folder in RUN_DIR/checkpoints/, oldest
+        first: that folder only, as the local store lists it. dtk reads a run's checkpoints
+        wherever checkpoint.dir puts them (an object store too) through dtk.common.storage."""
         if not self.checkpoints.is_dir():
             return []
         found = []
@@ -237,11 +240,11 @@ class RunDir:
         return sorted(found)
 
     def committed_steps(self) -> list[int]:
-        """Steps whose checkpoint folder holds its manifest (committed), oldest first."""
+        """Steps committed in RUN_DIR/checkpoints/ (the manifest exists), oldest first."""
         return [step for step, _, committed in self.checkpoint_steps() if committed]
 
     def latest_committed_step(self) -> int | None:
-        """The newest committed checkpoint (what a resume tries first); None without one."""
+        """The newest committed checkpoint in RUN_DIR/checkpoints/; None without one."""
         committed = self.committed_steps()
         return committed[-1] if committed else None
 

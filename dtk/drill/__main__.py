@@ -203,9 +203,15 @@ def main(argv: list[str]) -> int:
     check_action(run.path, "submitter", doing=f"drill a run ({args.kind})")
     audit.check_writable(audit.run_root_of(run.path))
     if args.kind == "storage":
+        from dtk.common.storage import LocalStorage, checkpoints_of
         from dtk.drill.storage import storage_drill
 
-        said = storage_drill(run.checkpoints, hold_s=args.hold)
+        store = checkpoints_of(run)
+        if not isinstance(store, LocalStorage):
+            raise UserError(f"storage: the drill makes a local checkpoint folder read-only; this run's checkpoints are in"
+                            f" an object store ({store}), whose permissions are the store's: revoke its write access"
+                            " there to drill it")
+        said = storage_drill(store.path, hold_s=args.hold)
     elif args.kind == "nan":
         if args.steps < 1 or (args.at_step is not None and args.at_step < 1):
             raise UserError("--steps and --at-step must be at least 1")

@@ -7,6 +7,7 @@ from collections import deque
 from typing import Any
 
 from dtk.common.rundir import WORKER_ERROR, RunDir, read_jsonl, read_progress, write_json_atomic
+from dtk.common.storage import checkpoints_of, latest_committed_step
 from dtk.driver.decide import UserFault
 
 
@@ -57,9 +58,10 @@ def record_failure(run: RunDir, *, error: str, restarts: int, **details: Any) ->
 
 
 def latest_checkpoint_step(run: RunDir) -> int | None:
-    """The newest checkpoint whose manifest is committed (what a resume starts from): the
-    run directory's one rule (RunDir.latest_committed_step)."""
-    return run.latest_committed_step()
+    """The newest checkpoint whose manifest is committed (what a resume starts from), where
+    the run's checkpoint.dir puts them: RUN_DIR/checkpoints/ or an object store (read with
+    the AWS_* variables the job inherited). One rule for every reader (dtk.common.storage)."""
+    return latest_committed_step(checkpoints_of(run))
 
 
 def record_stopped(run: RunDir, *, by: str, restarts: int, **details: Any) -> int | None:

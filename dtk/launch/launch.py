@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dtk.common.errors import UserError
 from dtk.common.rundir import RunDir, write_json_atomic
+from dtk.common.storage import committed_steps, run_storage
 from dtk.config.choices import TRACKER_MODULES, chosen_trackers
 from dtk.config.compose import to_yaml
 from dtk.config.schema import TrainConfig
@@ -26,7 +27,12 @@ def check_run_dir(plan: Plan, run: RunDir) -> None:
     """A run directory holds one run: refuse to mix another config into it, or to start it
     over (checkpoint.resume=false) where its first save would delete committed checkpoints."""
     if not plan.config.checkpoint.resume:
-        committed = run.committed_steps()
+        store = run_storage(run, plan.config.checkpoint.dir)  # RUN_DIR/checkpoints/ or the object store's
+        try:
+            committed = committed_steps(store)
+        except OSError as exc:
+            raise UserError(f"checkpoint.dir={plan.config.checkpoint.dir}: cannot list {store} to check that"
+                            f" checkpoint.resume=false deletes no committed checkpoint ({exc})") from None
         if committed:
             shown = ", ".join(map(str, committed[-3:]))
             raise UserError(

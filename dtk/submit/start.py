@@ -59,10 +59,10 @@ def launch(plan: Plan, files: dict[str, str] | None = None) -> Launched:
 
     check_access(plan)  # first: an outsider may not even look into the run root
     check_run_dir(plan, run)
-    from dtk.checkpoint.storage import check_location  # torch-free; s3fs is not imported
+    from dtk.common.storage import check_location  # torch-free; s3fs is not imported
 
     ckpt = plan.config.checkpoint
-    check_location(ckpt.dir, async_save=ckpt.async_save, async_mode=ckpt.async_mode, cluster_kind=plan.cluster_kind)
+    check_location(ckpt.dir, async_save=ckpt.async_save, async_mode=ckpt.async_mode)
     check_run_root(run.path.parent)
     audit.check_writable(run.path.parent)
     if plan.cluster_kind == "slurm":

@@ -3,11 +3,11 @@ rank reached the same verdict at the same step. The save in flight is settled; r
 picks the newest committed checkpoint before the first bad step; the memory tier, if on,
 finishes its snapshot in flight and every node removes its snapshots newer than that step
 (the memory tier's generation goes up: dtk.checkpoint.memory.store); then rank 0 removes
-the newer disk checkpoints (they hold the abandoned steps: a later resume must not start
-from them), records the skipped data window in RUN_DIR/data_skips.json (which counts the
-generation for a later start) and writes `rolled_back`; then every rank loads that
-checkpoint and reads the new order. The steps from there to the rollback are redone: lost
-work in the goodput account.
+the newer disk checkpoints from the run's store (RUN_DIR/checkpoints/ or checkpoint.dir's object
+store: they hold the abandoned steps, a later resume must not start from them), records the
+skipped data window in RUN_DIR/data_skips.json (which counts the generation for a later
+start) and writes `rolled_back`; then every rank loads that checkpoint and reads the new
+order. The steps from there to the rollback are redone: lost work in the goodput account.
 
 The snapshots go first: a crash after them and before the skip record leaves a run whose
 newest state on either tier is the rollback's checkpoint, and one after the record finds
@@ -16,11 +16,10 @@ only snapshots of the old generation, which no restore takes.
 
 from __future__ import annotations
 
-import os
-import shutil
 from typing import Any
 
 from dtk.common.rundir import RunDir
+from dtk.common.storage import checkpoint_folder, checkpoint_steps, committed_steps
 from dtk.config.schema import FaultConfig
 from dtk.train.divergence import Diverged, DivergenceWatch, Rollback, diverged_line, read_skips, record_skip
 
@@ -40,37 +39,31 @@ def divergence_watch(fault: FaultConfig, run: RunDir, *, start_step: int, comm: 
     return watch
 
 
-def _remove(path) -> None:
-    # Out of the step_NNNNNNNN pattern first, in one rename: no listing sees half a folder.
-    doomed = path.with_name(f".rolled-back-{path.name}-{os.getpid()}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def roll_back(rollback: Rollback, run: RunDir, checkpoints: Any, batches: Any, trainer: Any, *, rank0: bool) -> int:
     """Collective. Returns the step training goes on from."""
     bad = rollback.bad
     first, last = bad[0].step, bad[-1].step
     checkpoints.wait()  # the save in flight is committed (or failed) before the choice
     to_step = None
+    store = checkpoints.store  # RUN_DIR/checkpoints/ or the object store's prefix (checkpoint.dir)
     if rank0:
-        before = [s for s in run.committed_steps() if s < first]
+        before = [s for s in committed_steps(store) if s < first]
         to_step = before[-1] if before else None
     to_step = checkpoints.comm.broadcast(to_step)
     if checkpoints.memory is not None and to_step is not None:
         checkpoints.memory.rolled_back(to_step)
     if rank0:
         if to_step is not None:
-            for step, path, _ in run.checkpoint_steps():
+            for step, folder, _ in checkpoint_steps(store):
                 if step > to_step:
-                    _remove(path)
+                    folder.retire("rolled-back", ignore_errors=True)  # no listing sees half a folder
             window = [batches.data_step(first - 1), batches.data_step(last - 1)]
             skip = {"from_step": first, "num_steps": last - first + 1, "data_window": window,
                     "checkpoint_step": to_step, "steps": [b.step for b in bad],
                     "causes": [b.cause for b in bad], "batch_hashes": [b.batch_hash for b in bad]}
             record_skip(run.path, skip)
             run.event("rolled_back", step=first, last_bad_step=last, cause=bad[0].cause, to_step=to_step,
-                      checkpoint=str(run.checkpoint_dir(to_step)), data_window=window,
+                      checkpoint=str(checkpoint_folder(store, to_step)), data_window=window,
                       batch_hashes=skip["batch_hashes"], rollback=trainer.watch.rollbacks_done,
                       redone_steps=first - 1 - to_step)
     checkpoints.comm.barrier()  # the record is written before any rank goes on

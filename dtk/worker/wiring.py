@@ -16,6 +16,7 @@ from dtk.checkpoint.memory.root import sweep_host
 from dtk.checkpoint.memory.tier import MemoryTier
 from dtk.checkpoint.rng import keep_rank_state
 from dtk.common.rundir import DATA_SPLIT, HEARTBEAT, PROGRESS, RunDir, write_json_atomic
+from dtk.common.storage import latest_committed_step, run_storage
 from dtk.data.loader import build_splits
 from dtk.mesh.init import init_process_group, pick_device
 from dtk.mesh.mesh import ParallelMesh, build_mesh
@@ -139,7 +140,7 @@ def build(w: Worker) -> Built:
     ckpt_parts, ckpt_identity = checkpointed(
         sync, [(part, state_optimizer(o)) for part, o in zip(model.parts, optimizers, strict=True)], mesh=mesh)
     # Before the run's first step: no step completed (rank 0's progress file) and nothing to resume.
-    first = not (w.run.path / PROGRESS).exists() and w.run.latest_committed_step() is None
+    first = not (w.run.path / PROGRESS).exists() and latest_committed_step(run_storage(w.run, cfg.checkpoint.dir)) is None
     with data_function_errors(cfg.data, first=first):
         dataset, val_dataset = build_splits(cfg.data, model=cfg.model)
     if w.rank0 and hasattr(dataset, "split"):  # a user's dataset: how its split came about

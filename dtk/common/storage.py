@@ -14,8 +14,17 @@ The commit protocol is the same on both (dtk.checkpoint.manifest): the shards fi
 trust rules do not change either: the manifest's sizes and CRCs are checked through
 `size` and `open_read` before anything parses a file (dtk.checkpoint.trust).
 
+Every lookup of a run's checkpoints goes through a store, wherever checkpoint.dir puts them:
+`checkpoints_of(run)` (the location its plan.json records) with `checkpoint_steps`,
+`committed_steps` and `latest_committed_step` (a folder counts once its manifest exists),
+and `Storage.retire` to take a checkpoint away. The Slurm driver on the batch host decides a
+requeue by the newest committed step it reads this way, the launch's resume check and a
+rollback's choice read it too, so a run whose checkpoints live in an object store recovers
+as one in RUN_DIR/checkpoints/ does.
+
 No torch here, and fsspec/s3fs are imported only for a URL (`open_storage`): the login
-node's `python -m dtk.checkpoint list` of a local run imports neither.
+node's `python -m dtk.checkpoint list` of a local run and the driver of a local run import
+neither.
 """
 
 from __future__ import annotations
@@ -85,6 +94,12 @@ class Storage(ABC):
     def delete(self) -> None:
         """Delete this folder and everything in it (nothing happens when it does not exist)."""
 
+    @abstractmethod
+    def retire(self, tag: str, *, ignore_errors: bool = False) -> None:
+        """Delete this checkpoint folder so that no listing sees part of it as a checkpoint
+        (`tag` names why, in a local folder's temporary name). `ignore_errors`: what is left
+        once it no longer counts may stay behind."""
+
     def __str__(self) -> str:
         return self.url
 
@@ -150,6 +165,12 @@ class LocalStorage(Storage):
         if self.path.exists():
             shutil.rmtree(self.path)
 
+    def retire(self, tag: str, *, ignore_errors: bool = False) -> None:
+        # Out of the step_NNNNNNNN pattern first, in one rename: no listing sees half a folder.
+        doomed = self.path.with_name(f".{tag}-{self.path.name}-{os.getpid()}")
+        os.replace(self.path, doomed)
+        shutil.rmtree(doomed, ignore_errors=ignore_errors)
+
 
 class FsspecStorage(Storage):
     """A prefix of an fsspec file system (`fs`), `root` without the scheme (`bucket/prefix`)."""
@@ -198,10 +219,25 @@ class FsspecStorage(Storage):
         pass
 
     def delete(self) -> None:
+        # The manifest first: a delete cut short leaves an uncommitted folder, which nothing
+        # loads and retention removes, never a committed one with files missing.
         keys = self.fs.find(self.root)
-        if keys:
-            self.fs.rm(keys)
+        manifest = self._key(MANIFEST)
+        if manifest in keys:
+            self.fs.rm_file(manifest)
+        rest = [k for k in keys if k != manifest]
+        if rest:
+            self.fs.rm(rest)
         self.fs.invalidate_cache(self.root)
+
+    def retire(self, tag: str, *, ignore_errors: bool = False) -> None:
+        # No rename in an object store: the commit (the manifest) goes first, in one DELETE,
+        # then the rest (`delete`); a listing in between sees an uncommitted folder.
+        try:
+            self.delete()
+        except OSError:
+            if not ignore_errors or self.exists(MANIFEST):
+                raise
 
 
 def _parse(location: str, key: str) -> tuple[str, str, str]:
@@ -223,19 +259,16 @@ def _parse(location: str, key: str) -> tuple[str, str, str]:
     return parts.scheme, parts.netloc, prefix
 
 
-def check_location(location: str, *, async_save: bool, async_mode: str, cluster_kind: str) -> None:
+def check_location(location: str, *, async_save: bool, async_mode: str) -> None:
     """checkpoint.dir checked at submission (no connection made, s3fs not imported): a
-    UserError for what the workers' `run_storage` would refuse, and for a Slurm job, whose
-    driver decides a requeue by the committed checkpoints in RUN_DIR/checkpoints/."""
+    UserError for what the workers' `run_storage` would refuse. A Slurm job may use an object
+    store as the local cluster does: its driver reads the committed steps there
+    (`checkpoints_of`), and the job inherits the submitting shell's AWS_* variables."""
     if not location:
         return
     if "://" not in location:
         run_storage(RunDir(Path()), location)  # the refusal of a local folder, worded once
     _parse(location, "checkpoint.dir")
-    if cluster_kind == "slurm":
-        raise UserError(f"checkpoint.dir={location}: checkpoints in an object store run on the local cluster only"
-                        " for now (the Slurm driver requeues after a time limit or preemption only when it sees a"
-                        " new checkpoint in RUN_DIR/checkpoints/); leave checkpoint.dir empty for a Slurm job")
     if async_save and async_mode == "process":
         raise UserError(f"checkpoint.async_mode=process writes local files only, not checkpoint.dir={location};"
                         " use checkpoint.async_mode=thread (the default) with an object store")
@@ -289,8 +322,9 @@ def _endpoint_kwargs() -> dict[str, Any]:
 
 
 def checkpoint_steps(store: Storage) -> list[tuple[int, Storage, bool]]:
-    """(step, folder, committed) for every checkpoint folder of a store, oldest first: the
-    storage form of RunDir.checkpoint_steps (committed: its manifest exists)."""
+    """(step, folder, committed) for every checkpoint folder of a store, oldest first
+    (committed: its manifest exists). The listing every lookup of dtk's goes through
+    (RunDir.checkpoint_steps lists RUN_DIR/checkpoints/ alone, the same way)."""
     found = []
     for name in store.folders():
         m = CHECKPOINT_DIR_RE.match(name)
@@ -303,3 +337,19 @@ def checkpoint_steps(store: Storage) -> list[tuple[int, Storage, bool]]:
 def checkpoint_folder(store: Storage, step: int) -> Storage:
     """The folder of step `step`'s checkpoint, named as RunDir.checkpoint_dir names it."""
     return store.child(RunDir(Path()).checkpoint_dir(step).name)
+
+
+def committed_steps(store: Storage) -> list[int]:
+    """Steps whose checkpoint folder holds its manifest (committed), oldest first."""
+    return [step for step, _, committed in checkpoint_steps(store) if committed]
+
+
+def latest_committed_step(store: Storage) -> int | None:
+    """The newest committed checkpoint (what a resume tries first); None without one."""
+    committed = committed_steps(store)
+    return committed[-1] if committed else None
+
+
+def local_path(folder: Storage) -> Path | Storage:
+    """A local folder as its Path (the readers of local files take one), any other as it is."""
+    return folder.path if isinstance(folder, LocalStorage) else folder
