@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from contextlib import contextmanager
 
@@ -29,6 +30,7 @@ from dtk.common.rundir import MANIFEST, TRAINER_STATE, RunDir
 from dtk.common.storage import (
     LocalStorage,
     Storage,
+    StoreUnreachable,
     check_location,
     checkpoint_folder,
     checkpoint_steps,
@@ -375,3 +377,21 @@ def test_the_manager_saves_to_s3_and_a_resume_skips_a_prefix_without_its_manifes
     [rejected] = [e for e in run.events_list() if e["event"] == "checkpoint_rejected"]
     assert rejected["step"] == 3 and "no manifest" in rejected["reason"]
     assert rejected["path"] == f"{url}/run/step_00000003"
+
+
+@pytest.mark.slow
+def test_a_store_that_does_not_answer_is_an_oserror_for_the_driver_and_one_line_for_list(tmp_path, monkeypatch):
+    """No server at the endpoint: the driver's lookup raises StoreUnreachable (an OSError, which
+    the Slurm driver records as the run's failure) after its tries; `list` says one line."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    run, store = make_run(tmp_path, "s3://no-such-server/team")
+    with pytest.raises(StoreUnreachable, match="cannot list s3://no-such-server/team/r1"):
+        latest_checkpoint_step(run, tries=1)
+    ran = run_main("dtk.checkpoint", "list", str(run.path))
+    assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
+    assert ran.stderr.startswith(f"error: RUN_DIR {run.path}: cannot list {store}")

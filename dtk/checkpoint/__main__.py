@@ -82,7 +82,7 @@ def located(path: Path) -> tuple[Path, int | None]:
 def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
     from dtk.checkpoint.manifest import list_checkpoints
     from dtk.common.rundir import RunDir
-    from dtk.common.storage import checkpoints_of
+    from dtk.common.storage import StoreUnreachable, checkpoints_of
 
     if not path.is_dir():
         raise UserError(f"RUN_DIR {path}: no such run directory")
@@ -93,7 +93,10 @@ def list_command(path: Path, *, checksums: bool, as_json: bool) -> int:
                         f" {run.plan_json.name}); give a run's folder (runs/NAME), its {run.checkpoints.name}/ folder,"
                         " or one step folder in it")
     store = checkpoints_of(run)  # checkpoint.dir: the run's checkpoints/ folder, or an object store
-    found = [c for c in list_checkpoints(store, checksums=checksums) if step is None or c.step == step]
+    try:
+        found = [c for c in list_checkpoints(store, checksums=checksums) if step is None or c.step == step]
+    except StoreUnreachable as exc:  # an object store's endpoint or credentials (the AWS_* variables)
+        raise UserError(f"RUN_DIR {path}: {exc}; check AWS_ENDPOINT_URL_S3 and the AWS credentials") from None
     if as_json:
         for c in found:
             m = c.manifest or {}

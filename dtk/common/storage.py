@@ -48,6 +48,11 @@ SCHEMES = ("s3",)
 BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3's bucket naming rules
 
 
+class StoreUnreachable(OSError):
+    """An object store that did not answer a listing (its endpoint down, credentials refused):
+    an OSError, as a local folder's failures are, whatever the client library raised."""
+
+
 class Storage(ABC):
     """A folder of a checkpoint store. Names are relative to it, one component each."""
 
@@ -208,6 +213,10 @@ class FsspecStorage(Storage):
             return list(self.fs.ls(self.root, detail=True, refresh=True))
         except FileNotFoundError:
             return []
+        except OSError:
+            raise
+        except Exception as exc:  # botocore's errors (no endpoint, no credentials) are no OSError
+            raise StoreUnreachable(f"cannot list {self.url}: {exc}") from exc
 
     def files(self) -> list[str]:
         return sorted(e["name"].rsplit("/", 1)[-1] for e in self._entries() if e["type"] == "file")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from typing import Any
 
@@ -57,11 +58,25 @@ def record_failure(run: RunDir, *, error: str, restarts: int, **details: Any) ->
     )
 
 
-def latest_checkpoint_step(run: RunDir) -> int | None:
+STORE_TRIES = 3
+STORE_WAIT_S = 10.0
+"""A checkpoint store that fails a listing is asked again this often, this far apart (s3fs
+itself retries each request a few times first)."""
+
+
+def latest_checkpoint_step(run: RunDir, *, tries: int = STORE_TRIES, wait_s: float = STORE_WAIT_S) -> int | None:
     """The newest checkpoint whose manifest is committed (what a resume starts from), where
     the run's checkpoint.dir puts them: RUN_DIR/checkpoints/ or an object store (read with
-    the AWS_* variables the job inherited). One rule for every reader (dtk.common.storage)."""
-    return latest_committed_step(checkpoints_of(run))
+    the AWS_* variables the job inherited). One rule for every reader (dtk.common.storage).
+    An OSError (StoreUnreachable for an object store) once `tries` listings failed."""
+    for attempt in range(1, tries + 1):
+        try:
+            return latest_committed_step(checkpoints_of(run))
+        except OSError:
+            if attempt == tries:
+                raise
+            time.sleep(wait_s)
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def record_stopped(run: RunDir, *, by: str, restarts: int, **details: Any) -> int | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dtk.common.rundir import RunDir
+from dtk.common.storage import StoreUnreachable
 from dtk.driver.core import DriverCore
 from dtk.driver.decide import Decision, Facts, Outcome, classify
 from dtk.driver.exclusions import add_exclusions, read_exclusions
@@ -369,6 +370,12 @@ def drive(run_dir: str, *, slurm: Slurm | None = None, environ: Mapping[str, str
         raise
     except DriverFailed as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise
+    except StoreUnreachable as exc:  # the checkpoint store (checkpoint.dir=s3://...) did not answer
+        error = (f"the driver of job {supervisor.job_id} could not list the run's checkpoints ({exc}); the job ends"
+                 " without a requeue: submit the same command again once the store answers")
+        record_failure(run, error=error, restarts=max(0, run.starts() - 1), job_id=supervisor.job_id)
+        print(f"error: {error}", file=sys.stderr, flush=True)
         raise
     finally:
         for sig, handler in previous.items():
