@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,6 +43,8 @@ from dtk.common.storage import (
 from dtk.config.schema import CheckpointConfig
 from dtk.driver.record import latest_checkpoint_step, record_stopped
 from dtk.mesh.mesh import ParallelMesh
+from dtk.train.divergence import BadStep, Rollback
+from dtk.train.rollback import roll_back
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -340,7 +343,7 @@ def test_the_storage_drill_refuses_a_run_in_an_object_store_with_one_line(s3, tm
     assert line.startswith("error: storage: the drill makes a local checkpoint folder read-only") and "s3://" in line
 
 
-def s3_manager(run: RunDir, url: str, parts, *, keep: int = 10):
+def run_manager(run: RunDir, url: str, parts, *, keep: int = 10):
     model, optimizer, scheduler = parts
     return CheckpointManager(
         run, checkpoint=CheckpointConfig(every=1, keep=keep, async_save=True, dir=url),
@@ -357,7 +360,7 @@ def test_the_manager_saves_to_s3_and_a_resume_skips_a_prefix_without_its_manifes
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     parts = make_parts(0)
-    ckpt = s3_manager(run, url, parts, keep=2)
+    ckpt = run_manager(run, url, parts, keep=2)
     held = {}
     for step in (1, 2, 3):
         train_step(*parts)
@@ -370,7 +373,7 @@ def test_the_manager_saves_to_s3_and_a_resume_skips_a_prefix_without_its_manifes
     store.fs.rm(f"{store.root}/step_00000003/{MANIFEST}")  # the commit undone: as if killed before it
 
     fresh = make_parts(99)
-    again = s3_manager(run, url, fresh)
+    again = run_manager(run, url, fresh)
     assert again.resume() == 2
     again.close()
     assert all(torch.equal(a, b) for a, b in zip(params(fresh[0]), held[2], strict=True))
@@ -395,3 +398,34 @@ def test_a_store_that_does_not_answer_is_an_oserror_for_the_driver_and_one_line_
     ran = run_main("dtk.checkpoint", "list", str(run.path))
     assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
     assert ran.stderr.startswith(f"error: RUN_DIR {run.path}: cannot list {store}")
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_a_rollback_picks_and_removes_checkpoints_in_the_runs_store(where, request, tmp_path):
+    """dtk.train.rollback.roll_back with the worker's CheckpointManager (real saves): the newest
+    committed checkpoint before the first bad step is chosen from the store, the newer ones
+    are removed there, and the run resumes from it. The data order and the divergence watch
+    are stand-ins: what is tested is where the checkpoints are read and removed."""
+    url = ""
+    if where == "s3":
+        request.getfixturevalue("s3")
+        url = f"s3://{new_bucket()}/team"
+    run = RunDir(tmp_path / "r1")
+    run.path.mkdir()
+    parts = make_parts(0)
+    manager = run_manager(run, url, parts)
+    for step in (1, 2, 3, 4):
+        train_step(*parts)
+        manager.save(step)
+    manager.wait()
+    store = manager.store
+    assert committed_steps(store) == [1, 2, 3, 4]
+    bad = [BadStep(step=s, cause="nonfinite_loss", batch_hash=f"h{s}", loss=float("nan")) for s in (3, 4)]
+    batches = SimpleNamespace(data_step=lambda s: s, set_skips=lambda skips: None)
+    trainer = SimpleNamespace(watch=SimpleNamespace(rollbacks_done=1, rolled_back=lambda step: None))
+    assert roll_back(Rollback(bad), run, manager, batches, trainer, rank0=True) == 2
+    manager.close()
+    assert committed_steps(store) == [1, 2] and checkpoint_folder(store, 3).files() == []
+    [event] = [e for e in run.events_list() if e["event"] == "rolled_back"]
+    assert event["to_step"] == 2 and event["checkpoint"] == str(checkpoint_folder(store, 2))
+    assert url == "" or not run.checkpoints.exists()
