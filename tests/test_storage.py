@@ -2,7 +2,10 @@
 S3-compatible object store (moto's server, started on 127.0.0.1 by these tests). Each test
 runs the same checks on both: reads, writes, listing, deletion, the commit by a manifest
 written last, a save without its manifest never counting, a corrupt object refused by its
-CRC, retention. Real saves and loads (DCP, the Saver), no mocks of the store."""
+CRC, retention; and every lookup of a run's checkpoints through the store its plan.json
+records (the driver's newest committed step, list, delete, the resume=false refusal, a
+rollback, the storage drill's refusal). Real saves and loads (DCP, the Saver), no mocks of
+the store."""
 
 from __future__ import annotations
 
