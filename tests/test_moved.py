@@ -44,6 +44,9 @@ def test_a_pickle_naming_old_module_paths_loads_and_runs(tmp_path):
     assert type(run) is RunDir and run.path == tmp_path
     assert pickle.loads(b"cdtk.dist.mesh\nParallelMesh\n.") is importlib.import_module("dtk.mesh.mesh").ParallelMesh
     assert pickle.loads(b"cdtk.start\nsubmit_inputs\n.") is importlib.import_module("dtk.submit.start").submit_inputs
+    # a checkpoint store as `dtk.checkpoint.storage.LocalStorage`, the module's path until it moved to dtk.common
+    store = pickle.loads(f"cdtk.checkpoint.storage\nLocalStorage\n(cpathlib\nPosixPath\n(V{tmp_path}\ntRtR.".encode())
+    assert type(store) is importlib.import_module("dtk.common.storage").LocalStorage and store.path == tmp_path
     assert pid_alive(os.getpid())
 
 

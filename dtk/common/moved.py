@@ -7,9 +7,11 @@ moved. `install()` (run by dtk/__init__.py) puts a finder first on `sys.meta_pat
 imports an old name as its new module, so `pickle.loads` of `dtk.rundir.RunDir` gives
 `dtk.common.rundir.RunDir`. A name that left its module (SYMBOLS) is found where it went.
 
-MOVED is the one list of the moves (made by the reorganisation's script); a package's
-submodules follow it by prefix (`dtk.dist.X` -> `dtk.mesh.X`). The commands that became
-packages (dtk.submit, dtk.drill, dtk.bench) keep their names, so they are not here.
+MOVED is the one list of the moves (the reorganisation's, made by its script, and each
+later one: dtk.checkpoint.storage became dtk.common.storage when the driver, which may not
+import dtk.checkpoint, came to read the checkpoint store); a package's submodules follow it
+by prefix (`dtk.dist.X` -> `dtk.mesh.X`). The commands that became packages (dtk.submit,
+dtk.drill, dtk.bench) keep their names, so they are not here.
 """
 
 from __future__ import annotations
