@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dtk.common.rundir import RunDir
+
 GENERIC_EFFICIENCY = 0.4  # dtk.plan.accelerators.GENERIC.efficiency: the planner's share of a peak
 
 
@@ -53,7 +55,7 @@ def measured_step(args: argparse.Namespace, cp: int, root: Path, name: str) -> d
     sh(sys.executable, "-m", "dtk.submit", *job(args, cp), f"train.steps={args.steps}", "train.threads=1",
        "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", f"run.root={root}", f"run.name={name}",
        cwd=root)
-    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(root / name).metrics.read_text().splitlines()]
     timed = [r for r in records if r["step"] > args.warmup]
     phases = {k: statistics.median(r["phases"][k] for r in timed) for k in timed[0]["phases"]}
     return {"step_s": statistics.median(r["step_time_s"] for r in timed), **phases}
@@ -110,9 +112,11 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         m, pl = r["measured"], r["plan"]
+        exposed = pl["exposed_by_axis"]
+        cp_s = exposed["cp"] if "cp" in exposed else 0.0  # no cp axis at cp=1
         print(f"| {r['cp']} | {args.seq_len // r['cp']} | {m['step_s']:.3f} ({', '.join(f'{x:.3f}' for x in r['each'])})"
-              f" | {m['step_s'] / base['measured']['step_s']:.3f} | {m.get('comm', 0):.3f}"
-              f" | {pl['predicted_step_s']:.3f} ({pl['compute_s']:.3f} + {pl['exposed_by_axis'].get('cp', 0):.3f})"
+              f" | {m['step_s'] / base['measured']['step_s']:.3f} | {m['comm']:.3f}"
+              f" | {pl['predicted_step_s']:.3f} ({pl['compute_s']:.3f} + {cp_s:.3f})"
               f" | {pl['predicted_step_s'] / base['plan']['predicted_step_s']:.3f}"
               f" | {m['step_s'] / pl['predicted_step_s']:.2f} |")
     if args.json:

@@ -273,10 +273,10 @@ class Search:
         tpn = self.ctx.tasks_per_node
         found = []
         self.bound.clear()
-        layouts = _layouts(nodes, tpn, nodes * tpn, self.blocks, max_tp=self.max_tp,
-                           sequence_parallel=self.sequence_parallel)
-        for key, keys in layouts + split_layouts(tpn, nodes * tpn, self.max_tp, self.splits,
-                                                  max_pp=min(self.blocks, MAX_PP)):
+        world, sp = nodes * tpn, self.sequence_parallel
+        layouts = _layouts(nodes, tpn, world, self.blocks, max_tp=self.max_tp, sequence_parallel=sp)
+        layouts += split_layouts(tpn, world, self.max_tp, self.splits, max_pp=min(self.blocks, MAX_PP))
+        for key, keys in layouts:
             pp = degrees_of(keys).pp
             for virtual in (1, 2) if pp > 1 and key != "zero_tp_pp" else (1,):  # ZeRO-1's runtime: 1F1B
                 if virtual == 2 and 2 * pp > self.blocks:
@@ -285,8 +285,7 @@ class Search:
                               pp_schedule=PipelineSchedule("interleaved_1f1b" if virtual > 1 else "1f1b"))
                 if pp == 1:
                     layout.pop("pp_schedule")
-                name = _file_key(key, keys, nodes, tpn, nodes * tpn)
-                c = self.best_of(name, layout, nodes)
+                c = self.best_of(_file_key(key, keys, nodes, tpn, world), layout, nodes)
                 if c is not None:
                     found.append(c)
         return found
