@@ -35,12 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_storage import new_bucket, s3_server  # noqa: E402
-
+from conftest import new_bucket, s3_server  # noqa: E402
 from dtk.checkpoint import load as loading  # noqa: E402
 from dtk.checkpoint import sharded as ckpt  # noqa: E402
-from dtk.checkpoint.storage import LocalStorage, Storage, checkpoint_folder, open_storage  # noqa: E402
 from dtk.common.rundir import CHECKPOINTS_DIR  # noqa: E402
+from dtk.common.storage import LocalStorage, Storage, checkpoint_folder, open_storage  # noqa: E402
 
 
 def build(state_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -23,6 +23,13 @@ from the run directory."""
 AUDIT_LINES = 10  # the newest audit entries `render` shows; --json has them all
 
 
+def _checkpoint(info: dict[str, Any]) -> str:
+    if info["store_error"]:
+        return "unknown: the checkpoint store did not answer (below)"
+    step = info["last_checkpoint"]
+    return f"step {step} (verified sizes)" if step is not None else "none verified yet"
+
+
 def render(info: dict[str, Any]) -> str:
     loss = f"{info['loss']:.4f}" if info["loss"] is not None else "-"
     state = info["state"] + (f" (Slurm: {info['slurm_state']})" if info["slurm_state"] else "")
@@ -30,7 +37,7 @@ def render(info: dict[str, Any]) -> str:
         f"run          {info['run_dir']}",
         f"state        {state}",
         f"step         {info['step']}/{info['total_steps']}  loss {loss}",
-        f"checkpoint   {'step ' + str(info['last_checkpoint']) + ' (verified sizes)' if info['last_checkpoint'] is not None else 'none verified yet'}",
+        f"checkpoint   {_checkpoint(info)}",
         f"restarts     {info['restarts']}"
         + (f" ({', '.join(f'{k} {v}' for k, v in info['restarts_by_cause'].items())})" if info["restarts_by_cause"] else "")
         + f"; crash/hang relaunches left in this allocation: {info['relaunches_left']} (fault.max_restarts)",
@@ -68,6 +75,8 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"stopped      by {info['stopped_by']}; {resume}")
     if info["slurm_error"]:
         lines.append(f"slurm        did not answer: {info['slurm_error']}")
+    if info["store_error"]:  # the checkpoint line above could not look in the store
+        lines.append(f"store        did not answer: {info['store_error']}")
     lines += [start_history.describe(s) for s in info["starts"]]
     shown = info["audit"][-AUDIT_LINES:]
     if shown:

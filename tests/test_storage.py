@@ -395,12 +395,17 @@ def test_a_store_that_does_not_answer_is_an_oserror_for_the_driver_and_one_line_
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries of a refused connection: seconds each
     run, store = make_run(tmp_path, "s3://no-such-server/team")
     with pytest.raises(StoreUnreachable, match="cannot list s3://no-such-server/team/r1"):
         latest_checkpoint_step(run, tries=1)
     ran = run_main("dtk.checkpoint", "list", str(run.path))
     assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
     assert ran.stderr.startswith(f"error: RUN_DIR {run.path}: cannot list {store}")
+    status = run_main("dtk.status", str(run.path))  # the rest of the run's state, the store's silence said
+    assert status.returncode == 0, status.stderr
+    assert "checkpoint   unknown: the checkpoint store did not answer" in status.stdout
+    assert f"store        did not answer: cannot list {store}" in status.stdout
 
 
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])

@@ -12,6 +12,7 @@ from dtk.common import audit
 from dtk.common.errors import UserError
 from dtk.common.processes import driver_alive
 from dtk.common.rundir import RunDir, read_jsonl, read_progress
+from dtk.common.storage import StoreUnreachable
 from dtk.report import starts as start_history
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -69,12 +70,17 @@ def collect(run: RunDir, *, slurm=None) -> dict[str, Any]:
     history = start_history.history(events, lines, max_restarts=max_restarts)
     # Sizes against the manifest, not checksums: status must stay quick on large checkpoints
     # (python -m dtk.checkpoint list RUN_DIR reads every byte).
-    complete = [c.step for c in list_checkpoints(run, checksums=False) if c.verified]
+    try:
+        complete = [c.step for c in list_checkpoints(run, checksums=False) if c.verified]
+        store_error = None
+    except StoreUnreachable as exc:  # checkpoint.dir's object store did not answer from here
+        complete, store_error = [], str(exc)
     return {
         "run_dir": str(run.path),
         "state": state,
         "slurm_state": job_state,
         "slurm_error": slurm_error,
+        "store_error": store_error,
         "step": last_step,
         "total_steps": plan["steps"],
         "loss": current.get("loss") if current else None,
