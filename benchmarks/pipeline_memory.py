@@ -56,14 +56,30 @@ def rss_mib() -> float:
 
 
 def live_tensor_peak(prof) -> int:
-    """The largest sum of bytes the CPU allocator held at once in a profiled window
-    (torch.profiler with profile_memory: every allocation and free of a tensor's storage is a
-    `[memory]` event of +/- its bytes), counted from the window's start."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    """The largest sum of bytes of tensor storages alive at once in a profiled window
+    (torch.profiler with profile_memory: every allocation and free of a storage by the CPU
+    allocator is an event with its address). A free happens in the profiled thread or in
+    another one (the outputs of a functional collective, which tensor parallelism's
+    activations are, are freed where the collective is waited for, off the profiled
+    thread): such a free is not seen, but an allocation at an address still counted alive
+    shows it (the allocator never hands out a live address), so the earlier storage is
+    counted freed there. What is freed unseen and never reused stays counted: the figure
+    can be above the tensors really alive, never below."""
+    allocations = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if str(node.tag) == "_EventType.Allocation":
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    alive: dict[int, int] = {}
     live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
+    for _, ptr, nbytes in sorted(allocations):
+        if nbytes > 0:
+            live += nbytes - alive.get(ptr, 0)  # an address handed out again was freed before
+            alive[ptr] = nbytes
+        elif ptr in alive:
+            live -= alive.pop(ptr)
         peak = max(peak, live)
     return peak
 

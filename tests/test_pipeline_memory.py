@@ -6,7 +6,9 @@ pp=2 x tp=2 under interleaved 1F1B with 2 virtual stages per rank, 8 micro-batch
   (the schedule's output chunks stay empty);
 - a stage's receive buffers (activations from the previous stage, gradients from the next)
   are allocated at their receive and dropped after their backward: the most alive at once
-  is bounded by the stages after it (1F1B's warm-up), whatever the micro-batch count;
+  is bounded by the stages after it (1F1B's warm-up), whatever the micro-batch count, and
+  no micro-batch's loss (kept by the schedule to the step's end) keeps its graph, which
+  would hold the micro-batch's receive buffer;
 - with tp=2 the last stage's logits reach the loss as a DTensor sharded over the
   vocabulary (loss_parallel under a pipeline);
 - the losses equal the one-process model's.
@@ -115,7 +117,7 @@ def pipeline_run(plan_json: str) -> dict:
             counting(stage, name)
     opt = build_optimizer([p for part in model.parts for p in part.parameters()], optim=cfg.optim, shard_group=None)
     inputs, targets = tokens()
-    losses, outputs_kept, after_step = [], [], []
+    losses, outputs_kept, after_step, graphs_kept = [], [], [], []
     for step in range(STEPS):
         if step == 1:
             most[0] = outputs[0] = 0
@@ -124,6 +126,7 @@ def pipeline_run(plan_json: str) -> dict:
         kwargs = {"target": targets, "losses": mine} if pipe.has_last_stage else {}
         pipe.schedule.step(*args, **kwargs)
         outputs_kept.append(sum(len(s.output_chunks) for s in pipe.stages))
+        graphs_kept.append(sum(x.grad_fn is not None for x in mine))  # a loss's graph holds its receive buffer
         after_step.append(sum(live_buffers(s) for s in pipe.stages))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -131,6 +134,7 @@ def pipeline_run(plan_json: str) -> dict:
         dist.all_reduce(loss, group=mesh.pp_group)  # the last stage's, given to every stage
         losses.append(loss.item())
     return {"losses": losses, "most": most[0], "outputs": outputs[0], "outputs_kept": outputs_kept, "after_step": after_step,
+            "graphs_kept": graphs_kept,
             "seen": seen, "stage": pipe.stages[0].stage_index, "last": pipe.has_last_stage}
 
 
@@ -160,6 +164,7 @@ def test_no_logits_and_no_receive_buffer_outlive_their_micro_batch(runs, name):
         assert r["losses"] == pytest.approx(want, rel=1e-5)
         assert r["outputs_kept"] == [0] * STEPS  # no micro-batch's logits kept to merge
         assert r["after_step"] == [0] * STEPS  # no receive buffer kept between steps
+        assert r["graphs_kept"] == [0] * STEPS  # each loss the schedule keeps is detached after its backward
         # 1F1B: stage s runs pp - s forwards before its first backward; each holds its
         # activation buffer and, from the next stage's backward, its gradient buffer.
         assert r["most"] <= 2 * (pp - r["stage"]), r
@@ -186,3 +191,4 @@ def test_tensor_parallel_last_stage_computes_the_loss_on_vocabulary_shards(runs,
         assert set(r["seen"]) == {(True, VOCAB // 2)}
     for r in ranks:
         assert r["outputs_kept"] == [0] * STEPS and r["after_step"] == [0] * STEPS
+        assert r["graphs_kept"] == [0] * STEPS  # a DTensor loss too, and under the interleaved schedule

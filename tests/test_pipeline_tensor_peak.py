@@ -29,3 +29,13 @@ def test_the_largest_ranks_budget_is_its_live_tensors_within_5_percent(layout, m
     assert got["predicted"] == pytest.approx(got["tensors"], rel=0.05)
     # every rank within 25%: the budget of a stage without the loss is up to 20% under its tensors (docs/benchmarks.md)
     assert abs(got["worst"] - 1) < 0.25
+
+
+def test_a_rank_holds_as_much_at_64_micro_batches_as_at_16_and_its_budget_says_so(monkeypatch):
+    """The tensors of a 1F1B step do not grow with the micro-batches per step (pp=2 x tp=2:
+    the schedule keeps each micro-batch's loss, detached after its backward), and the budget,
+    which counts the micro-batches in flight only, holds at 64 micro-batches too."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    got = {n: pm.measure("2x2", n, args()) for n in (16, 64)}
+    assert got[64]["tensors"] < 1.05 * got[16]["tensors"], got
+    assert got[64]["predicted"] == pytest.approx(got[64]["tensors"], rel=0.05)

@@ -21,7 +21,10 @@ pp under 1F1B):
   and its backward run on the shards (torch's loss_parallel), as without a pipeline;
 - a stage's receive buffers (the activation from the previous stage, the gradient from the
   next) exist only from the receive of their micro-batch to the end of its backward
-  (`FreeingStage`); torch allocates one of each per micro-batch and keeps them.
+  (`FreeingStage`); torch allocates one of each per micro-batch and keeps them;
+- the loss of a micro-batch, which the schedule keeps to the step's end, is detached after
+  its backward: its graph would hold the micro-batch's receive buffer (a leaf it
+  accumulates into) until then.
 """
 
 from __future__ import annotations
@@ -183,6 +186,11 @@ class FreeingStage(PipelineStage):
         if full_backward and self.has_backward:  # the inputs' gradients are in bwd_cache, for the send
             _release(self.args_recv_info[bwd_chunk_id])
             _release(self.grad_recv_info.get(bwd_chunk_id, ()))
+        if loss is not None and not loss._is_view():
+            # The schedule keeps each micro-batch's loss to the step's end; its graph's nodes
+            # (freed of their saved tensors, not of the leaves they accumulate into) would keep
+            # this micro-batch's receive buffer alive with it.
+            loss.detach_()
 
 
 @dataclass
