@@ -18,6 +18,7 @@ from dtk.checkpoint.manager import CheckpointManager
 from dtk.checkpoint.retention import doomed
 from dtk.common.errors import UserError
 from dtk.common.rundir import RunDir
+from dtk.common.storage import checkpoint_steps, checkpoints_of
 from dtk.config.schema import CheckpointConfig
 from dtk.mesh.mesh import ParallelMesh
 
@@ -270,7 +271,7 @@ def test_retention_in_a_run_keeps_checkpoint_keep(tmp_path):
         train_step(model, optimizer, scheduler)
         ckpt.save(step)
     ckpt.close()
-    assert [s for s, _, ok in run.checkpoint_steps() if ok] == [4, 5]
+    assert [s for s, _, ok in checkpoint_steps(checkpoints_of(run)) if ok] == [4, 5]
 
 
 def test_list_command_imports_no_torch_and_reports_verification(saved):
@@ -325,13 +326,13 @@ def test_minutes_interval_saves_when_the_time_has_come(tmp_path, monkeypatch):
         identity={"config_hash": "abc", "data_version": "v1", "scheme": "ddp"},
     )
     ckpt.after_step(1)
-    assert not run.checkpoint_steps()  # not yet: the clock starts at construction
+    assert not checkpoint_steps(checkpoints_of(run))  # not yet: the clock starts at construction
     now[0] += 0.08
     ckpt.after_step(2)
     now[0] += 0.03
     ckpt.after_step(3)  # the clock restarted at the save of step 2
     ckpt.close()
-    assert [s for s, _, ok in run.checkpoint_steps() if ok] == [2]
+    assert [s for s, _, ok in checkpoint_steps(checkpoints_of(run)) if ok] == [2]
 
 
 def test_a_save_checksums_its_shards_while_writing_them_not_by_reading_them_back(tmp_path, monkeypatch):

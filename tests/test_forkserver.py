@@ -19,6 +19,7 @@ import pytest
 
 from conftest import REPO
 from dtk.common.rundir import RunDir, read_progress
+from dtk.common.storage import checkpoints_of, committed_steps
 
 # The server's loop with children that play a killed worker and its peer: the victim listens,
 # the peer connects and waits; the victim is killed; the peer fails on the broken connection
@@ -102,7 +103,7 @@ def test_workers_are_forked_by_one_server_and_a_killed_driver_leaves_no_process(
         # Their SIGTERM is a stop: they agreed on a step and saved it before they went.
         (stopped,) = [e for e in run.events_list() if e["event"] == "preempted"]
         assert stopped["signal"] == "SIGTERM" and stopped["saved"], stopped
-        assert stopped["checkpoint_step"] in run.committed_steps()
+        assert stopped["checkpoint_step"] in committed_steps(checkpoints_of(run))
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtk.common.storage import checkpoint_steps, checkpoints_of
 from multirank import run_on_ranks
 
 pytestmark = pytest.mark.dist
@@ -86,7 +87,7 @@ def check(rank: int, world: int, folder: str) -> dict[str, Any]:
 
         out["again"] = _attempt(run, seed=9)
         dist.barrier()
-        out["folders"] = [(step, committed) for step, _, committed in run.checkpoint_steps()]
+        out["folders"] = [(step, committed) for step, _, committed in checkpoint_steps(checkpoints_of(run))]
         out["events"] = [e["event"] for e in run.events_list()]
     except Exception:
         out["crash"] = traceback.format_exc()

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import run_main
 from dtk.common.rundir import HEARTBEAT, RunDir
+from dtk.common.storage import checkpoint_steps, checkpoints_of
 from dtk.config.compose import compose
 from dtk.driver.core import DriverCore, Silence, silence
 from dtk.driver.decide import Action
@@ -286,7 +287,7 @@ def test_a_stop_now_kills_the_workers_without_a_save(tmp_path):
     assert [w.signals for w in job.spawned[0]] == [[signal.SIGKILL], [signal.SIGKILL]]
     (stopped,) = job.events("stopped")
     assert stopped["by"] == "dtk.stop by bob --now" and stopped["checkpoint"] is None
-    assert job.run.checkpoint_steps() == []
+    assert checkpoint_steps(checkpoints_of(job.run)) == []
 
 
 @pytest.mark.parametrize("code", [EXIT_STOPPED, 0])

@@ -18,6 +18,7 @@ import pytest
 from conftest import REPO, dtk, require
 from dtk.checkpoint.memory import store as ms
 from dtk.common.rundir import MEMORY_STORE_ENV, RunDir, memory_store, read_progress
+from dtk.common.storage import checkpoint_steps, checkpoints_of, committed_steps
 from dtk.report.goodput import account
 from dtk.report.runs import load_run
 
@@ -74,7 +75,7 @@ def kill_one_worker_between_snapshots(root: Path, store: Path, *extra: str, corr
                 os.kill(pid, signal.SIGSTOP)
             progress, committed = read_progress(run), newest_commit(run)
             assert progress is not None
-            disk = max(run.committed_steps(), default=0)  # the snapshot must be the newer tier
+            disk = max(committed_steps(checkpoints_of(run)), default=0)  # the snapshot must be the newer tier
             if (committed is not None and 0 <= progress[1] - committed <= 2 and committed > disk
                     and (disk or not corrupt) and progress[1] < STEPS - 2):
                 break
@@ -116,7 +117,7 @@ def test_a_killed_worker_restores_from_memory_redoes_at_most_two_steps_and_match
     # and only rank 0's commit record was still to be written (it writes it once continued).
     restored = loaded[0]["step"]
     assert restored in (snap, snap + 2) and 0 <= reached - restored <= 2, (restored, snap, reached)
-    assert not run.checkpoint_steps() or max(s for s, _, _ in run.checkpoint_steps()) == STEPS  # only the final save
+    assert not checkpoint_steps(checkpoints_of(run)) or max(s for s, _, _ in checkpoint_steps(checkpoints_of(run))) == STEPS  # only the final save
     assert losses(run) == reference
     assert not memory_store(run.path).exists(), "a finished run leaves its store behind"
     status = dtk("dtk.status", str(run.path), cwd=tmp_path)

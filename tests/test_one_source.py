@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from dtk.common.rundir import MANIFEST, RunDir
+from dtk.common.storage import checkpoints_of, committed_steps, latest_committed_step
 from dtk.config.schema import TransformerConfig
 from dtk.plan.degrees import Axis, Degrees
 from dtk.plan.layout import axis_groups, coords, rank_of, stage_units, zero1_owner
@@ -69,15 +70,15 @@ def test_the_newest_committed_checkpoint_is_one_rule(tmp_path):
     from dtk.driver.record import latest_checkpoint_step as recorded  # both drivers' (dtk.driver.core)
 
     run = RunDir(tmp_path)
-    assert run.latest_committed_step() is None and recorded(run) is None
+    assert latest_committed_step(checkpoints_of(run)) is None and recorded(run) is None
     for step, committed in [(2, True), (4, True), (6, False)]:
         folder = run.checkpoint_dir(step)
         folder.mkdir(parents=True)
         if committed:
             (folder / MANIFEST).write_text("{}")
-    assert run.committed_steps() == [2, 4]
+    assert committed_steps(checkpoints_of(run)) == [2, 4]
     # The driver core resumes from RunDir's rule.
-    assert run.latest_committed_step() == recorded(run) == 4
+    assert latest_committed_step(checkpoints_of(run)) == recorded(run) == 4
 
 
 def test_the_budget_reads_the_typed_scheme():

@@ -21,6 +21,7 @@ from dtk.checkpoint import writer_process
 from dtk.checkpoint.manager import CheckpointManager
 from dtk.common.errors import UserError
 from dtk.common.rundir import RunDir
+from dtk.common.storage import checkpoint_steps, checkpoints_of
 from dtk.config.choices import AsyncMode
 from dtk.config.schema import CheckpointConfig
 from dtk.drill.storage import break_storage, restore_storage
@@ -108,7 +109,7 @@ def test_saves_fail_on_a_read_only_mount_training_goes_on_and_the_next_save_comm
     assert [e["step"] for e in failed] == [2, 3] and [e["failures_in_a_row"] for e in failed] == [1, 2]
     assert all("Read-only file system" in e["reason"] for e in failed), failed
     assert ckpt.failures == 0 and ckpt.verified_step == 4
-    assert [s for s, _, ok in run.checkpoint_steps() if ok] == [1, 4]
+    assert [s for s, _, ok in checkpoint_steps(checkpoints_of(run)) if ok] == [1, 4]
     assert mf.verify(run.checkpoint_dir(1))["step"] == 1
     again = parts(seed=5)
     fresh = manager(run, *again, asynchronous=asynchronous, mode=mode)
@@ -163,7 +164,7 @@ def test_a_full_file_system_fails_the_shard_writes_in_the_background_save(tmp_pa
         (failed,) = named(run, "checkpoint_failed")
         # torch words ENOSPC as "unexpected pos"; the free space says what happened
         assert failed["step"] == 1 and "MiB free on the checkpoint storage" in failed["reason"], failed
-        assert [(s, ok) for s, _, ok in run.checkpoint_steps()] == [(2, True)]  # step 1 pruned, uncommitted
+        assert [(s, ok) for s, _, ok in checkpoint_steps(checkpoints_of(run))] == [(2, True)]  # step 1 pruned, uncommitted
     finally:
         subprocess.run(["umount", str(run.checkpoints)], check=True)
 
@@ -263,7 +264,7 @@ def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_n
     second = writer_process.pid()
     ckpt.close()
     assert second is not None and second != first
-    assert [(s, ok) for s, _, ok in run.checkpoint_steps()] == [(1, True), (3, True)]  # step 2 pruned, uncommitted
+    assert [(s, ok) for s, _, ok in checkpoint_steps(checkpoints_of(run))] == [(1, True), (3, True)]  # step 2 pruned, uncommitted
     assert mf.verify(run.checkpoint_dir(3))["step"] == 3  # CRCs of every file, read back by rank 0
     again = parts(seed=5)
     fresh = manager(run, *again, asynchronous=True, mode="process")

@@ -226,28 +226,6 @@ class RunDir:
         """Per step, the latest record (a step redone after a restart replaces the earlier one)."""
         return {int(r["step"]): r for r in read_jsonl(self.metrics) if "step" in r}
 
-    def checkpoint_steps(self) -> list[tuple[int, Path, bool]]:
-        """(step, folder, complete) for every checkpoint folder in RUN_DIR/checkpoints/, oldest
-        first: that folder only, as the local store lists it. dtk reads a run's checkpoints
-        wherever checkpoint.dir puts them (an object store too) through dtk.common.storage."""
-        if not self.checkpoints.is_dir():
-            return []
-        found = []
-        for child in self.checkpoints.iterdir():
-            m = CHECKPOINT_DIR_RE.match(child.name)
-            if m and child.is_dir():
-                found.append((int(m.group(1)), child, (child / MANIFEST).is_file()))
-        return sorted(found)
-
-    def committed_steps(self) -> list[int]:
-        """Steps committed in RUN_DIR/checkpoints/ (the manifest exists), oldest first."""
-        return [step for step, _, committed in self.checkpoint_steps() if committed]
-
-    def latest_committed_step(self) -> int | None:
-        """The newest committed checkpoint in RUN_DIR/checkpoints/; None without one."""
-        committed = self.committed_steps()
-        return committed[-1] if committed else None
-
     def read_summary(self) -> dict[str, Any] | None:
         try:
             return json.loads(self.summary.read_text())

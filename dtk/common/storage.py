@@ -332,8 +332,7 @@ def _endpoint_kwargs() -> dict[str, Any]:
 
 def checkpoint_steps(store: Storage) -> list[tuple[int, Storage, bool]]:
     """(step, folder, committed) for every checkpoint folder of a store, oldest first
-    (committed: its manifest exists). The listing every lookup of dtk's goes through
-    (RunDir.checkpoint_steps lists RUN_DIR/checkpoints/ alone, the same way)."""
+    (committed: its manifest exists). The listing every lookup of dtk's goes through."""
     found = []
     for name in store.folders():
         m = CHECKPOINT_DIR_RE.match(name)
