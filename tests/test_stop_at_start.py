@@ -19,7 +19,9 @@ from conftest import REPO, dtk
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-JOB = ["tasks_per_node=2", "train.global_batch=16", "train.steps=300", "checkpoint.every=20", "train.log_every=20",
+# 1000 steps: the first run's Ctrl-C must land before its end, which 300 steps (about 9 s
+# after the first save on a quiet machine) did not always do on a busy one
+JOB = ["tasks_per_node=2", "train.global_batch=16", "train.steps=1000", "checkpoint.every=20", "train.log_every=20",
        "run.name=stopped"]
 
 

@@ -8,7 +8,7 @@ from collections import deque
 from typing import Any
 
 from dtk.common.rundir import WORKER_ERROR, RunDir, read_jsonl, read_progress, write_json_atomic
-from dtk.common.storage import checkpoints_of, latest_committed_step
+from dtk.common.storage import StoreUnreachable, checkpoints_of, latest_committed_step
 from dtk.driver.decide import UserFault
 
 
@@ -68,11 +68,13 @@ def latest_checkpoint_step(run: RunDir, *, tries: int = STORE_TRIES, wait_s: flo
     """The newest checkpoint whose manifest is committed (what a resume starts from), where
     the run's checkpoint.dir puts them: RUN_DIR/checkpoints/ or an object store (read with
     the AWS_* variables the job inherited). One rule for every reader (dtk.common.storage).
-    An OSError (StoreUnreachable for an object store) once `tries` listings failed."""
+    StoreUnreachable once `tries` listings of an object store failed; a local folder is
+    listed once (its errors are not passing ones, and a driver stopping within Slurm's
+    KillWait has no seconds to wait)."""
     for attempt in range(1, tries + 1):
         try:
             return latest_committed_step(checkpoints_of(run))
-        except OSError:
+        except StoreUnreachable:
             if attempt == tries:
                 raise
             time.sleep(wait_s)
