@@ -115,6 +115,8 @@ def test_scancel_and_dtk_stop_end_the_job_with_a_save_and_no_requeue(lab, tmp_pa
     wait_for(lambda: step_reached(run, 60), 120, "step 60")
     subprocess.run(["scancel", job], check=True)
     wait_for(lambda: job_gone(job), 60, f"job {job} to end")
+    # Slurm shows the job CANCELLED at once; its driver records the stop within KillWait after
+    wait_for(lambda: named(run, "stopped"), 30, "the driver's stopped event")
     (stopped,) = named(run, "stopped")
     (preempted,) = named(run, "preempted")  # the workers saved on the cancel's SIGTERM
     assert stopped["by"] == f"scancel {job}" and stopped["checkpoint"] == preempted["step"] >= 60
@@ -129,6 +131,7 @@ def test_scancel_and_dtk_stop_end_the_job_with_a_save_and_no_requeue(lab, tmp_pa
     proc = dtk("dtk.stop", str(run), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     wait_for(lambda: job_gone(job2), 60, f"job {job2} to end")
+    wait_for(lambda: len(named(run, "stopped")) == 2, 30, "the second stopped event")
     second = named(run, "stopped")[-1]
     assert proc.stdout.startswith(f"stopped job {job2} at step {second['step']}") and "not requeued" in proc.stdout
     assert second["by"].startswith("dtk.stop by ") and second["checkpoint"] == second["step"]
