@@ -90,12 +90,9 @@ def steps_once_each(run: Path) -> bool:
     return sorted(steps) == list(range(1, STEPS + 1))
 
 
-def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
-    job, run = submit(tmp_path)
-    wait_for(lambda: step_reached(run, 60), 120, "step 60")
-    drill("preempt", run, "--hold", "5")
-    summary = finish(job, run)
-    assert summary["status"] == "finished", summary
+def requeued_once_and_resumed(run: Path, job: str) -> dict:
+    """One preemption of `job`, one requeue of the same job at its step, the second start
+    resuming there, and every step computed once: the `preempted` event."""
     (preempted,) = named(run, "preempted")
     (requeued,) = named(run, "requeued")
     assert requeued["job_id"] == job and requeued["step"] == preempted["step"]
@@ -104,6 +101,16 @@ def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
     resumed = named(run, "resumed")[-1]
     assert resumed["step"] == preempted["step"] and resumed["restart"] == 1
     assert steps_once_each(run), "a step was computed twice or lost"
+    return preempted
+
+
+def test_preemption_saves_requeues_and_loses_no_step(lab, tmp_path, reference):
+    job, run = submit(tmp_path)
+    wait_for(lambda: step_reached(run, 60), 120, "step 60")
+    drill("preempt", run, "--hold", "5")
+    summary = finish(job, run)
+    assert summary["status"] == "finished", summary
+    preempted = requeued_once_and_resumed(run, job)
     second = json.loads(dtk("dtk.status", str(run), "--json").stdout)["starts"][1]
     assert second["cause"].startswith("preempted") and second["resumed_from"] == preempted["step"], second
     assert second["steps_redone"] == 0 and second["downtime_s"] > 0, second
