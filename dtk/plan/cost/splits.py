@@ -60,12 +60,12 @@ def split_layouts(tpn: int, world: int, max_tp: int, splits: list[dict[str, int]
     grid = set(Axis.values())
     for split in splits:
         used = math.prod(v for k, v in split.items() if k in grid)  # what the grid's split axes take of the world
+        pipelined = split[CarvedAxis.ep.value] == 1  # every split names each SPLIT_AXES axis
         for tp in range(1, min(tpn, max_tp) + 1):
             if tp & (tp - 1) or tpn % (tp * used) or world % (tp * used):
                 continue
             rest = world // (tp * used)
-            ep = split[CarvedAxis.ep.value]  # every split names each SPLIT_AXES axis
-            stages = [p for p in range(1, min(rest, max_pp) + 1) if rest % p == 0] if ep == 1 else [1]
+            stages = [p for p in range(1, min(rest, max_pp) + 1) if rest % p == 0] if pipelined else [1]
             for pp in stages:
                 d = Degrees(dp_replicate=1, pp=pp, dp_shard=rest // pp, tp=tp, **split)
                 out.append(("hybrid", {**{a.value: d.of(a) for a in DEGREE_AXES}, "sequence_parallel": False,
